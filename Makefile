@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both set up .venv first if needed.
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+CSRC    := $(wildcard torchneuron/csrc/*.cpp torchneuron/csrc/*.h)
+STAMP   := $(VENV)/.torchneuron-installed
+export MAX_JOBS ?= 2
+
+.PHONY: venv build demo test test-fast bench lint clean
+
+venv: $(STAMP)
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip setuptools wheel ninja
+
+# torch first (the CPU wheel), then the project: its C++ core builds here, at install time.
+$(STAMP): $(VPY) pyproject.toml setup.py $(CSRC)
+	$(VPY) -m pip install -q "torch==2.13.0"
+	$(VPY) -m pip install -q --no-build-isolation -e ".[test]"
+	touch $(STAMP)
+
+build: venv
+	$(VPY) setup.py -q build_ext --inplace
+
+demo: venv
+	$(VPY) -m torchneuron.demo
+
+test: venv
+	$(VPY) -m ruff check torchneuron tests benchmarks
+	$(VPY) -m pytest -q -rs $(PYTEST_ARGS)
+
+test-fast: venv
+	$(VPY) -m pytest -q -x -m "not slow" $(PYTEST_ARGS)
+
+bench: venv
+	$(VPY) -m benchmarks.run $(BENCH_ARGS)
+
+lint: venv
+	$(VPY) -m ruff check torchneuron tests benchmarks
+
+clean:
+	rm -rf build *.egg-info torchneuron/*.so $(VENV)

@@ -1,0 +1,247 @@
+// Device memory of the modelled NeuronCores: host memory handed out under each core's capacity.
+// A caching allocator like CUDA's: freed blocks stay reserved for reuse (reserved >= allocated), the cache is
+// released before reporting out-of-memory, and every CUDA statistic is kept per device.
+// Execution is synchronous, so a freed block is safe to reuse at once and recordStream has nothing to defer.
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "runtime.h"
+
+namespace torchneuron {
+namespace {
+
+using c10::CachingAllocator::StatType;
+using c10::CachingDeviceAllocator::DeviceStats;
+
+constexpr size_t kRound = 512;               // allocation granularity, like CUDA's
+constexpr size_t kSmall = 1 << 20;            // blocks up to 1 MiB count in the small pool
+constexpr size_t kAlign = 64;                 // host alignment for vectorised CPU kernels
+
+struct Block {
+  void* ptr;
+  size_t size;
+  size_t requested;
+  c10::DeviceIndex device;
+  bool in_use;
+  c10::DataPtr host;  // set when the memory was adopted from a CPU kernel
+};
+
+std::string fmt_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024 && u < 4) b /= 1024, ++u;
+  char buf[32];
+  snprintf(buf, sizeof buf, u ? "%.2f %s" : "%.0f %s", b, units[u]);
+  return buf;
+}
+
+void bump(c10::CachingAllocator::StatArray& s, size_t bytes, bool up) {
+  auto pool = static_cast<size_t>(bytes <= kSmall ? StatType::SMALL_POOL : StatType::LARGE_POOL);
+  for (size_t i : {static_cast<size_t>(StatType::AGGREGATE), pool}) up ? s[i].increase(bytes) : s[i].decrease(bytes);
+}
+
+void delete_block(void* ptr);
+
+class NeuronAllocator final : public c10::DeviceAllocator {
+ public:
+  c10::DataPtr allocate(size_t n) override {
+    c10::DeviceIndex dev = current_device();
+    check_device_index(dev);
+    if (n == 0) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
+    size_t size = (n + kRound - 1) / kRound * kRound;
+    std::lock_guard<std::mutex> g(mu_);
+    Block* b = take_cached(dev, size);
+    if (!b) {
+      reserve_or_throw(dev, size, n);
+      void* p = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
+      if (!p) throw_oom(dev, n, "the host could not provide the memory");
+      b = new Block{p, size, n, dev, true, {}};
+      live_[reinterpret_cast<uintptr_t>(p)] = b;
+      auto& st = stats_[dev];
+      bump(st.segment, 1, true), bump(st.reserved_bytes, size, true);
+      st.num_device_alloc++;
+    }
+    b->requested = n;
+    note_alloc(b);
+    return {b->ptr, b->ptr, &delete_block, c10::Device(kNeuron, dev)};
+  }
+
+  c10::DataPtr adopt(c10::DataPtr host, size_t n, c10::DeviceIndex dev) {
+    void* p = host.get();
+    if (n == 0 || !p) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
+    std::lock_guard<std::mutex> g(mu_);
+    reserve_or_throw(dev, n, n);
+    auto* b = new Block{p, n, n, dev, true, std::move(host)};
+    live_[reinterpret_cast<uintptr_t>(p)] = b;
+    auto& st = stats_[dev];
+    bump(st.segment, 1, true), bump(st.reserved_bytes, n, true);
+    st.num_device_alloc++;
+    note_alloc(b);
+    return {p, p, &delete_block, c10::Device(kNeuron, dev)};
+  }
+
+  void release(void* ptr) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = live_.find(reinterpret_cast<uintptr_t>(ptr));
+    TORCH_INTERNAL_ASSERT(it != live_.end() && it->second->in_use, "neuron: freeing unknown pointer");
+    Block* b = it->second;
+    auto& st = stats_[b->device];
+    bump(st.allocation, 1, false), bump(st.active, 1, false);
+    bump(st.allocated_bytes, b->size, false), bump(st.active_bytes, b->size, false);
+    bump(st.requested_bytes, b->requested, false);
+    b->in_use = false;
+    if (b->host) {  // adopted host memory goes back to the host allocator, it is not cached
+      live_.erase(it);
+      drop_segment(b);
+      return;
+    }
+    free_[b->device].emplace(b->size, b);
+  }
+
+  c10::DeviceIndex device_of(const void* ptr) {
+    std::lock_guard<std::mutex> g(mu_);
+    auto key = reinterpret_cast<uintptr_t>(ptr);
+    auto it = live_.upper_bound(key);
+    if (it == live_.begin()) return -1;
+    --it;
+    return key < it->first + it->second->size ? it->second->device : -1;
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
+  void copy_data(void* dst, const void* src, std::size_t count) const override { std::memcpy(dst, src, count); }
+
+  bool initialized() override { return device_count() > 0; }
+
+  void emptyCache(c10::MempoolId_t = {0, 0}) override {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& [dev, pool] : free_) release_cached(dev);
+  }
+
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+
+  DeviceStats getDeviceStats(c10::DeviceIndex dev) override {
+    check_device_index(dev);
+    std::lock_guard<std::mutex> g(mu_);
+    return stats_[dev];
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex dev) override {
+    check_device_index(dev);
+    std::lock_guard<std::mutex> g(mu_);
+    auto& st = stats_[dev];
+    for (auto* arr : arrays(st))
+      for (auto& s : *arr) s.reset_accumulated();
+    st.num_alloc_retries = st.num_ooms = st.num_device_alloc = st.num_device_free = 0;
+  }
+
+  void resetPeakStats(c10::DeviceIndex dev) override {
+    check_device_index(dev);
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto* arr : arrays(stats_[dev]))
+      for (auto& s : *arr) s.reset_peak();
+  }
+
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex dev) override {
+    size_t cap = device_capacity(dev);
+    std::lock_guard<std::mutex> g(mu_);
+    size_t used = stats_[dev].reserved_bytes[0].current;
+    return {cap > used ? cap - used : 0, cap};
+  }
+
+ private:
+  static std::vector<c10::CachingAllocator::StatArray*> arrays(DeviceStats& st) {
+    return {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes, &st.reserved_bytes,
+            &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes};
+  }
+
+  // Best fit among cached blocks, accepting at most 2x the request so small tensors do not pin big blocks.
+  Block* take_cached(c10::DeviceIndex dev, size_t size) {
+    auto& pool = free_[dev];
+    auto it = pool.lower_bound(size);
+    if (it == pool.end() || it->first > 2 * size) return nullptr;
+    Block* b = it->second;
+    pool.erase(it);
+    return b;
+  }
+
+  void note_alloc(Block* b) {
+    b->in_use = true;
+    auto& st = stats_[b->device];
+    bump(st.allocation, 1, true), bump(st.active, 1, true);
+    bump(st.allocated_bytes, b->size, true), bump(st.active_bytes, b->size, true);
+    bump(st.requested_bytes, b->requested, true);
+  }
+
+  void drop_segment(Block* b) {
+    auto& st = stats_[b->device];
+    bump(st.segment, 1, false), bump(st.reserved_bytes, b->size, false);
+    st.num_device_free++;
+    if (!b->host) std::free(b->ptr);
+    delete b;  // an adopted block's DataPtr returns its memory to the host allocator here
+  }
+
+  void release_cached(c10::DeviceIndex dev) {
+    auto& pool = free_[dev];
+    for (auto& [size, b] : pool) {
+      live_.erase(reinterpret_cast<uintptr_t>(b->ptr));
+      drop_segment(b);
+    }
+    pool.clear();
+  }
+
+  // Make room for a new segment of `size` bytes within the core's capacity, or raise torch.OutOfMemoryError.
+  void reserve_or_throw(c10::DeviceIndex dev, size_t size, size_t requested) {
+    size_t cap = device_capacity(dev);
+    auto& st = stats_[dev];
+    if (st.reserved_bytes[0].current + size <= cap) return;
+    if (!free_[dev].empty()) {
+      st.num_alloc_retries++;
+      release_cached(dev);
+      if (st.reserved_bytes[0].current + size <= cap) return;
+    }
+    st.num_ooms++;
+    throw_oom(dev, requested, nullptr);
+  }
+
+  [[noreturn]] void throw_oom(c10::DeviceIndex dev, size_t requested, const char* why) {
+    auto& st = stats_[dev];
+    size_t cap = device_capacity(dev);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "neuron:", static_cast<int>(dev), " out of memory: tried to allocate ",
+                     fmt_bytes(requested), " (", requested, " bytes); the device has a capacity of ", fmt_bytes(cap),
+                     ", of which ", fmt_bytes(st.allocated_bytes[0].current), " is allocated by PyTorch and ",
+                     fmt_bytes(st.reserved_bytes[0].current), " reserved. ",
+                     why ? why : "Free tensors, lower the batch size, or model a larger core "
+                                 "(TORCHNEURON_MEMORY_LIMIT / TORCHNEURON_INSTANCE).");
+  }
+
+  std::mutex mu_;
+  std::map<uintptr_t, Block*> live_;  // every block owned by the allocator, in use or cached
+  std::unordered_map<c10::DeviceIndex, std::multimap<size_t, Block*>> free_;
+  std::unordered_map<c10::DeviceIndex, DeviceStats> stats_;
+};
+
+NeuronAllocator g_allocator;
+
+void delete_block(void* ptr) {
+  if (ptr) g_allocator.release(ptr);
+}
+
+}  // namespace
+
+c10::DeviceAllocator* neuron_allocator() { return &g_allocator; }
+
+c10::DataPtr adopt_host_memory(c10::DataPtr host, size_t nbytes, c10::DeviceIndex device) {
+  return g_allocator.adopt(std::move(host), nbytes, device);
+}
+
+c10::DeviceIndex device_of_pointer(const void* ptr) { return g_allocator.device_of(ptr); }
+
+REGISTER_ALLOCATOR(kNeuron, &g_allocator)
+
+}  // namespace torchneuron

@@ -1,0 +1,369 @@
+// The boxed fallback: every aten op without an explicit neuron kernel runs the ATen CPU kernel on the same
+// memory. Device tensors are handed to the CPU kernel as aliases (same bytes, sizes, strides, offset, conj/neg
+// bits), so in-place ops, `out=` arguments and views behave exactly as on the CPU; tensors the CPU kernel
+// creates are adopted into device memory without a copy; an `out=` argument the CPU kernel resized is given
+// the new memory and shape. On the way it applies the device rules (same device, fp64, int64 range), fills
+// in the device generator, and counts each op as native or host fallback (runtime/native_ops.py).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "runtime.h"
+
+namespace torchneuron {
+namespace {
+
+std::atomic<int> g_dtype_policy{static_cast<int>(DtypePolicy::trainium)};
+std::atomic<int> g_fallback_policy{static_cast<int>(FallbackPolicy::warn)};
+
+struct OpEntry {
+  std::string name;  // "aten::add_" (overload dropped)
+  bool native = false;
+  bool allows_host_tensors = false;  // ops documented to take CPU index tensors alongside device ones
+  bool exact = false;                // pure data movement: keeps every bit under the trainium dtype policy
+  std::vector<size_t> generators, writes;  // argument positions
+  int64_t executed = 0, fallback = 0, dtype_events = 0;
+  bool warned_fallback = false, warned_fp64 = false, warned_int64 = false;
+};
+
+std::mutex g_mu;
+std::unordered_map<const c10::FunctionSchema*, OpEntry> g_ops;
+std::unordered_set<std::string> g_native, g_exact;  // base names, e.g. "add", "mm"
+std::unordered_map<std::string, int64_t> g_explicit;  // ops run by explicit kernels
+OpEntry g_copy_in = [] {
+  OpEntry e;
+  e.name = "aten::copy_ (host to neuron)";
+  return e;
+}();
+
+std::string base_name(const std::string& name) {
+  auto pos = name.rfind("::");
+  std::string s = pos == std::string::npos ? name : name.substr(pos + 2);
+  if (s.size() > 1 && s.back() == '_' && s[s.size() - 2] != '_') s.pop_back();  // in-place variant
+  return s;
+}
+
+bool is_type(const c10::TypePtr& t, c10::TypeKind k) {
+  if (t->kind() == k) return true;
+  auto opt = t->cast<c10::OptionalType>();
+  return opt && opt->getElementType()->kind() == k;
+}
+
+OpEntry& entry_for(const c10::OperatorHandle& op) {
+  const auto& schema = op.schema();
+  auto it = g_ops.find(&schema);
+  if (it != g_ops.end()) return it->second;
+  OpEntry e;
+  e.name = schema.name();
+  auto b = base_name(e.name);
+  e.native = g_native.count(b) > 0;
+  e.exact = g_exact.count(b) > 0;
+  e.allows_host_tensors = b == "index" || b == "index_put" || b == "_index_put_impl" || b == "_local_scalar_dense";
+  const auto& args = schema.arguments();
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (is_type(args[i].type(), c10::TypeKind::GeneratorType)) e.generators.push_back(i);
+    if (args[i].alias_info() && args[i].alias_info()->isWrite()) e.writes.push_back(i);
+  }
+  return g_ops.emplace(&schema, std::move(e)).first->second;
+}
+
+// Visit every tensor in an IValue (tensor, tensor list, optional tensor list).
+template <class F>
+void for_each_tensor(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) {
+    f(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList()) f(t);
+  } else if (v.isList()) {
+    for (const c10::IValue& x : v.toListRef())
+      if (x.isTensor()) f(x.toTensor());
+  }
+}
+
+template <class F>
+c10::IValue map_tensors(const c10::IValue& v, F&& f) {
+  if (v.isTensor()) return f(v.toTensor());
+  if (v.isTensorList()) {
+    auto in = v.toTensorList();
+    c10::List<at::Tensor> out;
+    out.reserve(in.size());
+    for (const at::Tensor& t : in) out.push_back(f(t));
+    return out;
+  }
+  if (v.isList()) {
+    auto in = v.toList();
+    if (!in.elementType()->cast<c10::OptionalType>() ||
+        in.elementType()->cast<c10::OptionalType>()->getElementType()->kind() != c10::TypeKind::TensorType)
+      return v;
+    c10::List<std::optional<at::Tensor>> out;
+    out.reserve(in.size());
+    for (const c10::IValue& x : in.vec()) out.push_back(x.isTensor() ? std::optional<at::Tensor>(f(x.toTensor())) : std::nullopt);
+    return out;
+  }
+  return v;
+}
+
+bool is_neuron(const at::Tensor& t) { return t.defined() && t.device().type() == kNeuron; }
+
+// A neuron tensor with the metadata of `host` over `storage`.
+at::Tensor device_tensor_like(const c10::Storage& storage, const at::Tensor& host) {
+  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                    host.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(host.sizes(), host.strides(), host.storage_offset());
+  t._set_conj(host.is_conj());
+  t._set_neg(host.is_neg());
+  return t;
+}
+
+bool is_fp64(const at::Tensor& t) {
+  return t.defined() && (t.scalar_type() == at::kDouble || t.scalar_type() == at::kComplexDouble);
+}
+
+// Trainium rule for float64: values carry float32 precision (see docs/policies.md).
+void round_to_fp32(const at::Tensor& host) {
+  if (is_fp64(host) && host.numel() > 0)
+    host.copy_(host.to(host.scalar_type() == at::kDouble ? at::kFloat : at::kComplexFloat));
+}
+
+// Everything a call learns while preparing the CPU arguments, used to map the results back.
+struct Call {
+  c10::DeviceIndex device = -1;
+  std::unordered_map<const c10::StorageImpl*, c10::Storage> alias_to_device;  // CPU alias storage -> device storage
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> alias_to_tensor;    // CPU alias tensor -> device tensor
+};
+
+void check_same_device(Call& c, const at::Tensor& t, const OpEntry& e) {
+  if (!t.defined()) return;
+  if (is_neuron(t)) {
+    if (c.device < 0) c.device = t.device().index();
+    TORCH_CHECK(c.device == t.device().index(),
+                "Expected all tensors to be on the same device, but found at least two devices, neuron:",
+                static_cast<int>(c.device), " and ", t.device(), "! (in ", e.name, ")");
+  }
+}
+
+void check_host_operand(const Call& c, const at::Tensor& t, const OpEntry& e) {
+  if (t.defined() && !is_neuron(t) && c.device >= 0 && t.dim() > 0 && !e.allows_host_tensors) {
+    TORCH_CHECK(false, "Expected all tensors to be on the same device, but found at least two devices, neuron:",
+                static_cast<int>(c.device), " and ", t.device(), "! (in ", e.name,
+                "; move the tensor with .to('neuron') first)");
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(!t.defined() || t.layout() == at::kStrided, "neuron: ", e.name, " got a ",
+                              t.layout(), " tensor; the neuron device supports only strided (dense) tensors");
+}
+
+at::Tensor to_host(Call& c, const at::Tensor& t) {
+  if (!is_neuron(t)) return t;
+  at::Tensor a = host_alias(t);
+  c.alias_to_device.emplace(a.storage().unsafeGetStorageImpl(), t.storage());
+  c.alias_to_tensor.emplace(a.unsafeGetTensorImpl(), t);
+  return a;
+}
+
+// After the CPU kernel: make a written device argument match what the kernel did to its alias.
+void sync_written(const at::Tensor& dev, const at::Tensor& alias) {
+  auto* dimpl = dev.unsafeGetTensorImpl();
+  auto* astore = alias.storage().unsafeGetStorageImpl();
+  auto* dstore = dev.storage().unsafeGetStorageImpl();
+  if (astore->data() != dstore->data() || astore->nbytes() != dstore->nbytes()) {
+    if (astore->data() != dstore->data()) {  // the kernel reallocated: adopt its memory, no copy
+      c10::DataPtr host = astore->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
+      dstore->set_data_ptr_noswap(adopt_host_memory(std::move(host), astore->nbytes(), dev.device().index()));
+    }
+    dstore->set_nbytes(astore->nbytes());
+  }
+  if (dev.sizes() != alias.sizes() || dev.strides() != alias.strides() || dev.storage_offset() != alias.storage_offset())
+    dimpl->set_sizes_and_strides(alias.sizes(), alias.strides(), alias.storage_offset());
+}
+
+void check_int64_range(OpEntry& e, const at::Tensor& host) {
+  if (e.warned_int64 || host.scalar_type() != at::kLong || host.numel() == 0) return;
+  auto [lo, hi] = at::aminmax(host);
+  if (lo.item<int64_t>() < std::numeric_limits<int32_t>::min() || hi.item<int64_t>() > std::numeric_limits<int32_t>::max()) {
+    e.warned_int64 = true;
+    TORCH_WARN("neuron: ", e.name, " produced int64 values outside the int32 range [", lo.item<int64_t>(), ", ",
+               hi.item<int64_t>(), "]; Trainium computes int64 as 32-bit, so real hardware would wrap them "
+               "(values are kept exact here; TORCHNEURON_DTYPE_POLICY=host silences this)");
+  }
+}
+
+}  // namespace
+
+void set_policies(DtypePolicy dtype, FallbackPolicy fallback) {
+  g_dtype_policy = static_cast<int>(dtype);
+  g_fallback_policy = static_cast<int>(fallback);
+}
+
+void set_op_tables(const std::vector<std::string>& native, const std::vector<std::string>& exact) {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_native = {native.begin(), native.end()};
+  g_exact = {exact.begin(), exact.end()};
+  for (auto& [schema, e] : g_ops) {
+    e.native = g_native.count(base_name(e.name)) > 0;
+    e.exact = g_exact.count(base_name(e.name)) > 0;
+  }
+}
+
+void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t nargs = schema.arguments().size();
+  c10::IValue* args = stack->data() + (stack->size() - nargs);
+  const bool trainium = g_dtype_policy.load(std::memory_order_relaxed) == static_cast<int>(DtypePolicy::trainium);
+
+  Call c;
+  bool fp64 = false;
+  OpEntry* e;
+  {
+    std::lock_guard<std::mutex> g(g_mu);
+    e = &entry_for(op);
+    for (size_t i = 0; i < nargs; ++i) for_each_tensor(args[i], [&](const at::Tensor& t) {
+      check_same_device(c, t, *e);
+      fp64 |= is_fp64(t);
+    });
+    if (e->native) {
+      e->executed++;
+    } else {
+      e->fallback++;
+      auto policy = static_cast<FallbackPolicy>(g_fallback_policy.load());
+      TORCH_CHECK_NOT_IMPLEMENTED(policy != FallbackPolicy::error, "neuron: ", e->name,
+                                  " is not a native neuron op and TORCHNEURON_FALLBACK=error forbids running it as a "
+                                  "host fallback (set TORCHNEURON_FALLBACK=warn to allow it)");
+      if (policy == FallbackPolicy::warn && !e->warned_fallback) {
+        e->warned_fallback = true;
+        TORCH_WARN("neuron: ", e->name, " is not a native neuron op; it runs as a host (CPU) fallback. "
+                   "torchneuron.get_fallback_ops() lists them; TORCHNEURON_FALLBACK=silent|error changes this.");
+      }
+    }
+  }
+  if (c.device < 0) c.device = current_device();
+  c10::DeviceGuard guard(c10::Device(kNeuron, c.device));
+
+  for (size_t i = 0; i < nargs; ++i) {
+    for_each_tensor(args[i], [&](const at::Tensor& t) { check_host_operand(c, t, *e); });
+    args[i] = map_tensors(args[i], [&](const at::Tensor& t) { return to_host(c, t); });
+  }
+  for (size_t i : e->generators) {
+    if (args[i].isNone()) args[i] = host_generator_of(default_generator(c.device));
+    else if (args[i].isGenerator() && args[i].toGenerator().device().type() == kNeuron)
+      args[i] = host_generator_of(args[i].toGenerator());
+  }
+  std::vector<std::pair<at::Tensor, at::Tensor>> written;  // (device tensor, its CPU alias)
+  for (size_t i : e->writes)
+    for_each_tensor(args[i], [&](const at::Tensor& a) {
+      if (auto it = c.alias_to_tensor.find(a.unsafeGetTensorImpl()); it != c.alias_to_tensor.end())
+        written.emplace_back(it->second, a);
+    });
+
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+
+  bool rounded = false;
+  auto apply_rules = [&](const at::Tensor& host) {
+    if (!trainium || e->exact) return;
+    if (is_fp64(host)) round_to_fp32(host), rounded = true;
+    check_int64_range(*e, host);
+  };
+  for (auto& [dev, alias] : written) {
+    sync_written(dev, alias);
+    apply_rules(alias);
+  }
+
+  // Map the results back onto the device: written arguments, views of inputs, or fresh (adopted) memory.
+  const size_t nret = schema.returns().size();
+  std::unordered_map<const c10::StorageImpl*, int> fresh_uses;
+  for (size_t i = stack->size() - nret; i < stack->size(); ++i)
+    for_each_tensor((*stack)[i], [&](const at::Tensor& t) {
+      if (t.defined() && !c.alias_to_device.count(t.storage().unsafeGetStorageImpl()))
+        fresh_uses[t.storage().unsafeGetStorageImpl()]++;
+    });
+  std::unordered_map<const c10::StorageImpl*, c10::Storage> adopted;
+  auto to_device = [&](const at::Tensor& t) -> at::Tensor {
+    if (!t.defined() || is_neuron(t)) return t;
+    if (auto it = c.alias_to_tensor.find(t.unsafeGetTensorImpl()); it != c.alias_to_tensor.end()) return it->second;
+    auto* simpl = t.storage().unsafeGetStorageImpl();
+    if (auto it = c.alias_to_device.find(simpl); it != c.alias_to_device.end()) return device_tensor_like(it->second, t);
+    apply_rules(t);
+    if (t.storage().use_count() > fresh_uses[simpl]) return adopt_host_tensor(t.clone(), c.device);  // shared: copy
+    auto it = adopted.find(simpl);
+    if (it == adopted.end()) it = adopted.emplace(simpl, adopt_host_tensor(t, c.device).storage()).first;
+    return device_tensor_like(it->second, t);
+  };
+  for (size_t i = stack->size() - nret; i < stack->size(); ++i) (*stack)[i] = map_tensors((*stack)[i], to_device);
+
+  if (rounded || (fp64 && trainium && !e->exact)) {
+    std::lock_guard<std::mutex> g(g_mu);
+    e->dtype_events++;
+    if (!e->warned_fp64) {
+      e->warned_fp64 = true;
+      TORCH_WARN("neuron: ", e->name, " produced float64 values; Trainium has no fp64, so they carry float32 "
+                 "precision (rounded to the nearest float32). TORCHNEURON_DTYPE_POLICY=host keeps full precision.");
+    }
+  }
+}
+
+void note_executed(const char* name) {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_explicit[name]++;
+}
+
+void note_host_to_device(const at::Tensor& host) {
+  if (g_dtype_policy.load(std::memory_order_relaxed) != static_cast<int>(DtypePolicy::trainium)) return;
+  if (!is_fp64(host) && host.scalar_type() != at::kLong) return;
+  std::lock_guard<std::mutex> g(g_mu);
+  OpEntry& copy_in = g_copy_in;
+  if (is_fp64(host)) {
+    round_to_fp32(host);
+    copy_in.dtype_events++;
+    if (!copy_in.warned_fp64) {
+      copy_in.warned_fp64 = true;
+      TORCH_WARN("neuron: float64 data copied to the device carries float32 precision (Trainium has no fp64); "
+                 "TORCHNEURON_DTYPE_POLICY=host keeps full precision.");
+    }
+  }
+  check_int64_range(copy_in, host);
+}
+
+std::vector<std::pair<std::string, int64_t>> executed_ops() {
+  std::lock_guard<std::mutex> g(g_mu);
+  std::unordered_map<std::string, int64_t> agg;
+  for (auto& [s, e] : g_ops)
+    if (e.executed) agg[e.name] += e.executed;
+  for (auto& [n, k] : g_explicit) agg[n] += k;
+  return {agg.begin(), agg.end()};
+}
+
+std::vector<std::pair<std::string, int64_t>> fallback_ops() {
+  std::lock_guard<std::mutex> g(g_mu);
+  std::unordered_map<std::string, int64_t> agg;
+  for (auto& [s, e] : g_ops)
+    if (e.fallback) agg[e.name] += e.fallback;
+  return {agg.begin(), agg.end()};
+}
+
+std::vector<std::pair<std::string, int64_t>> dtype_events() {
+  std::lock_guard<std::mutex> g(g_mu);
+  std::unordered_map<std::string, int64_t> agg;
+  for (auto& [s, e] : g_ops)
+    if (e.dtype_events) agg[e.name] += e.dtype_events;
+  if (g_copy_in.dtype_events) agg[g_copy_in.name] += g_copy_in.dtype_events;
+  return {agg.begin(), agg.end()};
+}
+
+void clear_op_tracking() {
+  std::lock_guard<std::mutex> g(g_mu);
+  g_explicit.clear();
+  g_copy_in.dtype_events = 0;
+  g_copy_in.warned_fp64 = g_copy_in.warned_int64 = false;
+  for (auto& [s, e] : g_ops) {
+    e.executed = e.fallback = e.dtype_events = 0;
+    e.warned_fallback = e.warned_fp64 = e.warned_int64 = false;
+  }
+}
+
+TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>()); }
+
+}  // namespace torchneuron

@@ -1,0 +1,107 @@
+// Device guard, streams and events of the modelled NeuronCores.
+// The device executes every op to completion when it is issued (on the host, in program order), so a stream
+// is an ordering label: work on any stream is complete when the issuing call returns, waits are satisfied at
+// once, and an event's timestamp is taken when it is recorded -- the elapsed time between two events is the
+// time the work issued between them took.
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+
+#include "runtime.h"
+
+namespace torchneuron {
+namespace {
+
+using c10::Device;
+using c10::DeviceIndex;
+using c10::Stream;
+using c10::StreamId;
+
+constexpr int kPoolSize = 32;  // streams handed out by getStreamFromGlobalPool, per priority
+
+struct Event {
+  DeviceIndex device;
+  c10::EventFlag flag;
+  bool recorded = false;
+  std::chrono::steady_clock::time_point when;
+};
+
+std::array<std::atomic<StreamId>, 128> g_next_stream{};  // per device; ids > 2*kPoolSize are fresh streams
+std::array<std::atomic<int>, 128> g_pool_cursor{};
+thread_local std::array<StreamId, 128> t_stream{};  // current stream per device, 0 = default stream
+
+struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override { return kNeuron; }
+
+  Device exchangeDevice(Device d) const override {
+    Device old = getDevice();
+    if (d.index() != old.index()) setDevice(d);
+    return old;
+  }
+  Device getDevice() const override { return Device(kNeuron, current_device()); }
+  void setDevice(Device d) const override {
+    TORCH_CHECK(d.type() == kNeuron, "expected a neuron device, got ", d);
+    set_current_device(d.index());
+  }
+  void uncheckedSetDevice(Device d) const noexcept override {
+    if (d.index() >= 0 && d.index() < device_count()) set_current_device(d.index());
+  }
+
+  Stream make(DeviceIndex dev, StreamId id) const { return Stream(Stream::UNSAFE, Device(kNeuron, dev), id); }
+  Stream getStream(Device d) const override { return make(d.index(), t_stream[d.index()]); }
+  Stream getDefaultStream(Device d) const override { return make(d.index(), 0); }
+  Stream getStreamFromGlobalPool(Device d, bool high) const override {
+    check_device_index(d.index());
+    int slot = g_pool_cursor[d.index()]++ % kPoolSize;
+    return make(d.index(), 1 + slot + (high ? kPoolSize : 0));
+  }
+  Stream getNewStream(Device d, int priority) const override {
+    check_device_index(d.index());
+    return make(d.index(), 1 + 2 * kPoolSize + g_next_stream[d.index()]++);
+  }
+  Stream exchangeStream(Stream s) const override {
+    check_device_index(s.device_index());
+    Stream old = getStream(s.device());
+    t_stream[s.device_index()] = s.id();
+    return old;
+  }
+  DeviceIndex deviceCount() const noexcept override { return device_count(); }
+
+  void record(void** event, const Stream& stream, const DeviceIndex device, const c10::EventFlag flag) const override {
+    TORCH_CHECK(device < 0 || device == stream.device_index(), "Event device index ", static_cast<int>(device),
+                " does not match the recording stream's device ", stream.device());
+    auto* e = static_cast<Event*>(*event);
+    if (!e) *event = e = new Event{stream.device_index(), flag};
+    e->recorded = true;
+    e->when = std::chrono::steady_clock::now();
+  }
+  void block(void* event, const Stream& stream) const override {}  // all recorded work is already complete
+  bool queryEvent(void* event) const override { return true; }
+  void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<Event*>(event); }
+  void synchronizeEvent(void* event) const override {}
+  double elapsedTime(void* a, void* b, const DeviceIndex) const override {
+    auto* s = static_cast<Event*>(a);
+    auto* e = static_cast<Event*>(b);
+    TORCH_CHECK(s && e && s->recorded && e->recorded,
+                "elapsed_time needs both events to have been recorded; call record() on each first");
+    TORCH_CHECK(s->flag == c10::EventFlag::BACKEND_DEFAULT && e->flag == c10::EventFlag::BACKEND_DEFAULT,
+                "Both events must be created with argument 'enable_timing=True'.");
+    return std::chrono::duration<double, std::milli>(e->when - s->when).count();
+  }
+
+  bool queryStream(const Stream&) const override { return true; }
+  void synchronizeStream(const Stream&) const override {}
+  void synchronizeDevice(const DeviceIndex device) const override {
+    if (device >= 0) check_device_index(device);
+  }
+  void recordDataPtrOnStream(const c10::DataPtr&, const Stream&) const override {}
+};
+
+}  // namespace
+
+C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl)
+
+}  // namespace torchneuron

@@ -1,0 +1,209 @@
+// The explicit neuron kernels ATen needs beyond the boxed fallback: allocation, copies between devices and
+// the host, storage-level ops (resize_, set_), views (metadata only, shared with ATen's own generic
+// implementations), convolution (ATen routes non-CPU/CUDA devices to the *_overrideable ops), and dropout
+// (the CPU kernel would draw from the CPU generator instead of the device's).
+#include <ATen/EmptyTensor.h>
+#include <ATen/native/Resize.h>
+#include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/as_strided_native.h>
+#include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
+#include <ATen/ops/view_native.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <limits>
+
+#include "runtime.h"
+
+namespace torchneuron {
+
+at::Tensor host_alias(const at::Tensor& t) {
+  const auto& st = t.storage();
+  auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), st.nbytes(),
+                                                    c10::DataPtr(st.mutable_data(), c10::Device(c10::kCPU)),
+                                                    c10::GetCPUAllocator(), /*resizable=*/true);
+  auto a = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(impl)),
+                                                    c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+  auto* ai = a.unsafeGetTensorImpl();
+  ai->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+  if (t.is_conj()) ai->_set_conj(true);
+  if (t.is_neg()) ai->_set_neg(true);
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) ai->set_wrapped_number(true);
+  return a;
+}
+
+at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device) {
+  auto* simpl = host.storage().unsafeGetStorageImpl();
+  size_t nbytes = simpl->nbytes();
+  c10::DataPtr data = simpl->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
+  auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
+                                                    adopt_host_memory(std::move(data), nbytes, device),
+                                                    neuron_allocator(), /*resizable=*/true);
+  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(impl)),
+                                                    c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), host.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(host.sizes(), host.strides(), host.storage_offset());
+  if (host.is_conj()) t._set_conj(true);
+  if (host.is_neg()) t._set_neg(true);
+  return t;
+}
+
+namespace {
+
+bool is_neuron(const at::Tensor& t) { return t.device().type() == kNeuron; }
+at::Tensor on_host(const at::Tensor& t) { return is_neuron(t) ? host_alias(t) : t; }
+
+c10::DeviceIndex target_index(std::optional<at::Device> device) {
+  c10::DeviceIndex idx = device && device->has_index() ? device->index() : current_device();
+  check_device_index(idx);
+  return idx;
+}
+
+void check_layout(std::optional<at::Layout> layout) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!layout || *layout == at::kStrided, "neuron: ", *layout,
+                              " tensors are not supported; the neuron device stores only strided (dense) tensors");
+}
+
+at::Tensor empty_memory_format(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
+                               std::optional<at::Layout> layout, std::optional<at::Device> device,
+                               std::optional<bool> pin_memory, std::optional<at::MemoryFormat> memory_format) {
+  check_layout(layout);
+  c10::DeviceGuard g(c10::Device(kNeuron, target_index(device)));
+  return at::detail::empty_generic(size, neuron_allocator(), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                   c10::dtype_or_default(dtype), memory_format);
+}
+
+at::Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride, std::optional<at::ScalarType> dtype,
+                         std::optional<at::Layout> layout, std::optional<at::Device> device,
+                         std::optional<bool> pin_memory) {
+  check_layout(layout);
+  c10::DeviceGuard g(c10::Device(kNeuron, target_index(device)));
+  return at::detail::empty_strided_generic(size, stride, neuron_allocator(),
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), c10::dtype_or_default(dtype));
+}
+
+// Copies between neuron devices and the host: both sides are host memory, so the CPU copy kernel does the work
+// (dtype conversion, broadcasting, strides). Data entering the device obeys the dtype policy.
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  TORCH_CHECK(self.layout() == at::kStrided && dst.layout() == at::kStrided,
+              "neuron: copies support only strided tensors, got ", self.layout(), " -> ", dst.layout());
+  at::Tensor d = on_host(dst);
+  d.copy_(on_host(self));
+  if (is_neuron(dst) && !is_neuron(self)) note_host_to_device(d);
+  return dst;
+}
+
+at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
+  if (dst.sizes() != self.sizes()) dst.resize_(self.sizes());
+  return copy_from(self, dst, false);
+}
+
+void grow_storage(const c10::Storage& storage, size_t nbytes) {
+  if (nbytes <= storage.nbytes()) return;
+  auto* impl = storage.unsafeGetStorageImpl();
+  TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
+  c10::DeviceGuard g(impl->device());
+  c10::DataPtr fresh = neuron_allocator()->allocate(nbytes);
+  if (impl->nbytes()) std::memcpy(fresh.get(), impl->data(), impl->nbytes());
+  impl->set_data_ptr_noswap(std::move(fresh));
+  impl->set_nbytes(nbytes);
+}
+
+const at::Tensor& resize_(const at::Tensor& self, at::IntArrayRef size, std::optional<at::MemoryFormat> fmt) {
+  auto* impl = self.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(size);
+  if (fmt && *fmt != at::MemoryFormat::Preserve) impl->empty_tensor_restride(*fmt);
+  if (self.numel() > 0)
+    grow_storage(self.storage(), at::detail::computeStorageNbytes(self.sizes(), self.strides(), self.dtype().itemsize(),
+                                                                  self.storage_offset()));
+  return self;
+}
+
+at::Tensor& set_storage(at::Tensor& self, at::Storage source, int64_t offset, at::IntArrayRef size,
+                        at::IntArrayRef stride) {
+  TORCH_CHECK(source.device().type() == kNeuron, "neuron: set_ expects a neuron storage, got one on ", source.device());
+  auto* impl = self.unsafeGetTensorImpl();
+  if (!self.storage().is_alias_of(source)) impl->set_storage_keep_dtype(source);
+  impl->set_sizes_and_strides(size, stride, offset);
+  if (self.numel() > 0)
+    grow_storage(self.storage(), at::detail::computeStorageNbytes(size, stride, self.dtype().itemsize(), offset));
+  return self;
+}
+
+at::Tensor& set_source_storage(at::Tensor& self, at::Storage source) {
+  int64_t n = static_cast<int64_t>(source.nbytes() / self.dtype().itemsize());
+  return set_storage(self, source, 0, {n}, {1});
+}
+
+at::Tensor& set_source_tensor(at::Tensor& self, const at::Tensor& src) {
+  return set_storage(self, src.storage(), src.storage_offset(), src.sizes(), src.strides());
+}
+
+at::Tensor& set_empty(at::Tensor& self) {
+  c10::DeviceGuard g(self.device());
+  auto storage = c10::Storage(c10::Storage::use_byte_size_t(), 0, neuron_allocator(), true);
+  return set_storage(self, storage, 0, {0}, {});
+}
+
+at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
+                       at::IntArrayRef output_padding, int64_t groups) {
+  note_executed("aten::convolution");
+  at::AutoDispatchBelowADInplaceOrView below;
+  std::optional<at::Tensor> b = bias && bias->defined() ? std::optional<at::Tensor>(on_host(*bias)) : std::nullopt;
+  auto out = at::convolution(on_host(input), on_host(weight), b, stride, padding, dilation, transposed,
+                             output_padding, groups);
+  return adopt_host_tensor(out, input.device().index());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
+    at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed, at::IntArrayRef output_padding,
+    int64_t groups, std::array<bool, 3> mask) {
+  note_executed("aten::convolution_backward");
+  at::AutoDispatchBelowADInplaceOrView below;
+  std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
+  auto [gi, gw, gb] = at::convolution_backward(on_host(grad_output), on_host(input), on_host(weight), bias_sizes,
+                                               stride, padding, dilation, transposed, output_padding, groups, mask);
+  auto dev = input.device().index();
+  auto back = [&](const at::Tensor& t) { return t.defined() ? adopt_host_tensor(t, dev) : t; };
+  return {back(gi), back(gw), back(gb)};
+}
+
+// Mirrors ATen's CPU native_dropout exactly, drawing the mask from the device generator.
+std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  if (input.numel() == 0) return {input.clone(), at::empty_like(input)};
+  if (train.has_value() && !*train) return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
+  double p1m = 1. - p;
+  double scale = p1m == 0 ? 0. : 1. / p1m;
+  at::Tensor mask = at::empty_like(input, at::MemoryFormat::Contiguous);
+  mask.bernoulli_(p1m);
+  return {input.mul(mask).mul_(scale), mask};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("empty.memory_format", empty_memory_format);
+  m.impl("empty_strided", empty_strided);
+  m.impl("_copy_from", copy_from);
+  m.impl("_copy_from_and_resize", copy_from_and_resize);
+  m.impl("resize_", resize_);
+  m.impl("set_.source_Storage_storage_offset", set_storage);
+  m.impl("set_.source_Storage", set_source_storage);
+  m.impl("set_.source_Tensor", set_source_tensor);
+  m.impl("set_", set_empty);
+  m.impl("view", at::native::view);
+  m.impl("as_strided", at::native::as_strided_tensorimpl);
+  m.impl("_reshape_alias", at::native::_reshape_alias);
+  m.impl("unfold", at::native::unfold);
+  m.impl("view_as_real", at::native::view_as_real);
+  m.impl("view_as_complex", at::native::view_as_complex);
+  m.impl("convolution_overrideable", convolution);
+  m.impl("convolution_backward_overrideable", convolution_backward);
+  m.impl("native_dropout", native_dropout);
+}
+
+}  // namespace torchneuron

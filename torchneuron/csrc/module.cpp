@@ -1,0 +1,33 @@
+// Python bindings of the C++ core (torchneuron._C). Everything here is called once at registration or by the
+// Python API layers; nothing on the per-op path goes through Python.
+#include <torch/csrc/Generator.h>
+#include <torch/extension.h>
+
+#include "runtime.h"
+
+namespace {
+std::map<std::string, int64_t> as_dict(const std::vector<std::pair<std::string, int64_t>>& v) { return {v.begin(), v.end()}; }
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  using namespace torchneuron;
+  m.doc() = "torchneuron C++ core: allocator, guard, hooks, fallback, kernels, autocast";
+  m.def("_init", [](const std::vector<int64_t>& capacities) {
+    configure_devices(capacities);
+    register_hooks();
+  }, "Configure the modelled devices (one capacity in bytes per visible logical core) and register the hooks.");
+  m.def("_set_policies", [](int dtype, int fallback) {
+    set_policies(static_cast<DtypePolicy>(dtype), static_cast<FallbackPolicy>(fallback));
+  });
+  m.def("_set_op_tables", &set_op_tables);
+  m.def("_executed_ops", [] { return as_dict(executed_ops()); });
+  m.def("_fallback_ops", [] { return as_dict(fallback_ops()); });
+  m.def("_dtype_events", [] { return as_dict(dtype_events()); });
+  m.def("_clear_op_tracking", &clear_op_tracking);
+  m.def("_device_of_pointer", [](uintptr_t p) { return static_cast<int>(device_of_pointer(reinterpret_cast<void*>(p))); });
+  m.def("_default_generator", [](int index) {
+    return py::reinterpret_steal<py::object>(
+        THPGenerator_initDefaultGenerator(default_generator(static_cast<c10::DeviceIndex>(index))));
+  }, "The default torch.Generator of a neuron device (what torch.neuron.manual_seed seeds).");
+  m.def("_device_capacity", [](int index) { return device_capacity(static_cast<c10::DeviceIndex>(index)); });
+}

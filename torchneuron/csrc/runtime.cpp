@@ -1,0 +1,40 @@
+// The device table of the modelled machine: how many logical NeuronCores this process sees, each one's
+// memory capacity, and the calling thread's current device. Configured once from Python (hardware/config.py).
+#include "runtime.h"
+
+#include <c10/util/Exception.h>
+
+namespace torchneuron {
+namespace {
+std::vector<int64_t> g_capacity;  // written once at registration, read-only afterwards
+thread_local c10::DeviceIndex t_current = 0;
+}  // namespace
+
+void configure_devices(const std::vector<int64_t>& capacities) {
+  TORCH_CHECK(!capacities.empty() && capacities.size() <= 127,
+              "neuron: between 1 and 127 visible cores are supported, got ", capacities.size());
+  g_capacity = capacities;
+}
+
+c10::DeviceIndex device_count() noexcept { return static_cast<c10::DeviceIndex>(g_capacity.size()); }
+
+void check_device_index(c10::DeviceIndex index) {
+  TORCH_CHECK_INDEX(index >= 0 && index < device_count(), "Invalid neuron device index ", static_cast<int>(index),
+                    ": this process sees ", static_cast<int>(device_count()),
+                    " neuron device(s), valid indices are 0..", static_cast<int>(device_count()) - 1,
+                    " (see NEURON_RT_VISIBLE_CORES and TORCHNEURON_INSTANCE)");
+}
+
+int64_t device_capacity(c10::DeviceIndex index) {
+  check_device_index(index);
+  return g_capacity[index];
+}
+
+c10::DeviceIndex current_device() { return t_current; }
+
+void set_current_device(c10::DeviceIndex index) {
+  check_device_index(index);
+  t_current = index;
+}
+
+}  // namespace torchneuron

@@ -1,0 +1,20 @@
+"""`torch.neuron`: the device module of the neuron backend, with the names of `torch.cuda` and AWS TorchNeuron."""
+from . import memory, random, streams  # noqa: F401  (torch.neuron.memory, ...)
+from .memory import (  # noqa: F401
+    empty_cache, max_memory_allocated, max_memory_reserved, mem_get_info, memory_allocated, memory_reserved,
+    memory_stats, memory_summary, reset_accumulated_memory_stats, reset_max_memory_allocated,
+    reset_peak_memory_stats,
+)
+from .module import (  # noqa: F401
+    NeuronDeviceProperties, _is_in_bad_fork, _lazy_init, config, current_device, device, device_count, device_of,
+    get_amp_supported_dtype, get_device_capability, get_device_name, get_device_properties, get_dynamo_metrics,
+    init, is_available, is_bf16_supported, is_initialized, reset_dynamo_metrics, set_device, synchronize,
+)
+from .random import (  # noqa: F401
+    default_generator, get_rng_state, get_rng_state_all, initial_seed, manual_seed, manual_seed_all, seed, seed_all,
+    set_rng_state, set_rng_state_all,
+)
+from .streams import (  # noqa: F401
+    Event, Stream, StreamContext, current_stream, default_stream, query, record_event, set_stream, stream,
+    wait_event, wait_stream,
+)

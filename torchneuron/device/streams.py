@@ -1,0 +1,93 @@
+"""Streams and events of `torch.neuron`, mirroring `torch.cuda`, on the C++ device guard.
+
+The modelled device runs each op to completion when it is issued, in program order: any stream's work is done
+when the issuing call returns, so waits never block and events time the work issued between them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .module import _checked, _device_t
+
+
+class Stream(torch.Stream):
+    """A neuron stream: `torch.neuron.Stream(device=None, priority=0)`, usable as a context manager."""
+
+    def __new__(cls, device: _device_t = None, priority: int = 0, **kwargs: Any) -> Stream:
+        if "stream_id" in kwargs:  # re-wrapping an existing stream
+            return super().__new__(cls, **kwargs)
+        return super().__new__(cls, device=torch.device("neuron", _checked(device)), priority=priority)
+
+    def __repr__(self) -> str:
+        return f"<torch.neuron.Stream device=neuron:{self.device_index} stream_id={self.stream_id}>"
+
+
+def _wrap(s: torch.Stream) -> Stream:
+    return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+
+class Event(torch.Event):
+    """A neuron event: `torch.neuron.Event(enable_timing=False, blocking=False, interprocess=False)`."""
+
+    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                device: _device_t = None) -> Event:
+        return super().__new__(cls, device=torch.device("neuron", _checked(device)), enable_timing=enable_timing,
+                               blocking=blocking, interprocess=interprocess)
+
+
+def current_stream(device: _device_t = None) -> Stream:
+    return _wrap(torch.accelerator.current_stream(_checked(device)))
+
+
+def default_stream(device: _device_t = None) -> Stream:
+    return Stream(stream_id=0, device_index=_checked(device), device_type=torch.device("neuron").type)
+
+
+def set_stream(stream: torch.Stream) -> None:
+    if stream is not None:
+        torch.accelerator.set_stream(stream)
+
+
+class StreamContext:
+    """Makes `stream` current on its device (and that device current) for the `with` block."""
+
+    def __init__(self, stream: torch.Stream | None):
+        self.stream = stream
+        self.saved: tuple[torch.Stream, int] | None = None
+
+    def __enter__(self) -> torch.Stream | None:
+        if self.stream is not None:
+            prev_dev = torch._C._accelerator_hooks_exchange_device(self.stream.device_index)
+            self.saved = (torch.accelerator.current_stream(self.stream.device_index), prev_dev)
+            torch.accelerator.set_stream(self.stream)
+        return self.stream
+
+    def __exit__(self, *exc: Any) -> bool:
+        if self.saved is not None:
+            torch.accelerator.set_stream(self.saved[0])
+            torch._C._accelerator_hooks_set_current_device(self.saved[1])
+        return False
+
+
+def stream(stream: torch.Stream | None) -> StreamContext:
+    return StreamContext(stream)
+
+
+def wait_stream(stream: torch.Stream) -> None:
+    current_stream(stream.device_index).wait_stream(stream)
+
+
+def record_event(event: Event | None = None) -> Event:
+    event = event or Event()
+    event.record()
+    return event
+
+
+def wait_event(event: torch.Event) -> None:
+    event.wait()
+
+
+def query() -> bool:
+    return current_stream().query()

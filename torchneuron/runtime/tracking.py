@@ -1,0 +1,28 @@
+"""Op tracking: which ops ran natively on `neuron`, which ran as host fallbacks, and dtype-policy events.
+
+The counters live in the C++ fallback (they cost a counter increment per op); these functions read them.
+Names mirror AWS TorchNeuron's `torch_neuronx.get_executed_ops()` / `get_fallback_ops()` / `clear_op_tracking()`.
+"""
+from __future__ import annotations
+
+from .. import _C
+
+
+def get_executed_ops() -> dict[str, int]:
+    """Ops the device ran natively since the last clear: {"aten::mm": 12, ...}."""
+    return dict(_C._executed_ops())
+
+
+def get_fallback_ops() -> dict[str, int]:
+    """Ops that ran as host (CPU) fallbacks because the device does not declare them native."""
+    return dict(_C._fallback_ops())
+
+
+def get_dtype_events() -> dict[str, int]:
+    """Ops whose float64 results were held to float32 precision under TORCHNEURON_DTYPE_POLICY=trainium."""
+    return dict(_C._dtype_events())
+
+
+def clear_op_tracking() -> None:
+    """Reset all counters, and re-arm the once-per-op warnings."""
+    _C._clear_op_tracking()
