@@ -2,8 +2,11 @@
 import glob
 import os
 
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+# torch autoloads installed backends on import; never let a previous (possibly stale) torchneuron load here.
+os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+
+from setuptools import setup  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
 
 here = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(glob.glob(os.path.join("torchneuron", "csrc", "*.cpp")))
