@@ -216,14 +216,12 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool trainium = g_dtype_policy.load(std::memory_order_relaxed) == static_cast<int>(DtypePolicy::trainium);
 
   Call c;
-  bool fp64 = false;
   OpEntry* e;
   {
     std::lock_guard<std::mutex> g(g_mu);
     e = &entry_for(op);
     for (size_t i = 0; i < nargs; ++i) for_each_tensor(args[i], [&](const at::Tensor& t) {
       check_same_device(c, t, *e);
-      fp64 |= is_fp64(t);
     });
     if (e->native) {
       e->executed++;
@@ -294,7 +292,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   };
   for (size_t i = stack->size() - nret; i < stack->size(); ++i) (*stack)[i] = map_tensors((*stack)[i], to_device);
 
-  if (rounded || (fp64 && trainium && !e->exact)) {
+  if (rounded) {
     std::lock_guard<std::mutex> g(g_mu);
     e->dtype_events++;
     if (!e->warned_fp64) {

@@ -42,6 +42,8 @@ def register() -> None:
     torch._register_device_module("neuron", sys.modules[__package__])  # torchneuron.device is torch.neuron
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+    if cfg.local_rank is not None:  # under torchrun each rank starts on its own logical core
+        torch._C._accelerator_hooks_set_current_device(cfg.local_rank)
 
 
 def is_available() -> bool:

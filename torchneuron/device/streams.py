@@ -20,6 +20,14 @@ class Stream(torch.Stream):
             return super().__new__(cls, **kwargs)
         return super().__new__(cls, device=torch.device("neuron", _checked(device)), priority=priority)
 
+    def wait_event(self, event: torch.Event | Event) -> None:
+        super().wait_event(_unwrap(event))
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event(device=self.device_index)
+        event.record(self)
+        return event
+
     def __repr__(self) -> str:
         return f"<torch.neuron.Stream device=neuron:{self.device_index} stream_id={self.stream_id}>"
 
@@ -28,13 +36,44 @@ def _wrap(s: torch.Stream) -> Stream:
     return Stream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
 
 
-class Event(torch.Event):
-    """A neuron event: `torch.neuron.Event(enable_timing=False, blocking=False, interprocess=False)`."""
+class Event:
+    """A neuron event: `torch.neuron.Event(enable_timing=False, blocking=False, interprocess=False)`.
 
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
-                device: _device_t = None) -> Event:
-        return super().__new__(cls, device=torch.device("neuron", _checked(device)), enable_timing=enable_timing,
-                               blocking=blocking, interprocess=interprocess)
+    It wraps a `torch.Event` (reachable as `.event`) because torch.Event's methods accept only exact
+    torch.Event arguments, so a subclass could not be timed against another.
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False,
+                 device: _device_t = None):
+        self.event = torch.Event(device=torch.device("neuron", _checked(device)), enable_timing=enable_timing,
+                                 blocking=blocking, interprocess=interprocess)
+
+    def record(self, stream: torch.Stream | None = None) -> None:
+        self.event.record(stream)
+
+    def wait(self, stream: torch.Stream | None = None) -> None:
+        self.event.wait(stream)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def elapsed_time(self, end_event: Event | torch.Event) -> float:
+        """Milliseconds between this event's record and `end_event`'s."""
+        return self.event.elapsed_time(_unwrap(end_event))
+
+    @property
+    def device(self) -> torch.device:
+        return self.event.device
+
+    def __repr__(self) -> str:
+        return f"<torch.neuron.Event {self.event!r}>"
+
+
+def _unwrap(event: Event | torch.Event) -> torch.Event:
+    return event.event if isinstance(event, Event) else event
 
 
 def current_stream(device: _device_t = None) -> Stream:
@@ -85,7 +124,7 @@ def record_event(event: Event | None = None) -> Event:
     return event
 
 
-def wait_event(event: torch.Event) -> None:
+def wait_event(event: Event | torch.Event) -> None:
     event.wait()
 
 

@@ -8,6 +8,7 @@
 | TORCHNEURON_MEMORY_LIMIT | the core's HBM share | per-core capacity override, e.g. 512MiB, 2GB, 1048576 |
 | TORCHNEURON_DTYPE_POLICY | trainium | trainium: fp64 computes in fp32, int64 range warnings; host: full precision |
 | TORCHNEURON_FALLBACK | warn | host-fallback ops: warn (once per op), silent, error |
+| LOCAL_RANK | unset | set by torchrun: the process starts with `neuron:LOCAL_RANK` as its current device |
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class Config:
     memory_limit_override: bool
     dtype_policy: str
     fallback_policy: str
+    local_rank: int | None = None
 
     @property
     def device_count(self) -> int:
@@ -97,9 +99,15 @@ def load(env: dict | None = None) -> Config:
                           "restrict them with NEURON_RT_VISIBLE_CORES")
     limit_text = env.get("TORCHNEURON_MEMORY_LIMIT", "").strip()
     capacity = parse_bytes(limit_text) if limit_text else chip.core_hbm(lnc)
+    rank_text = env.get("LOCAL_RANK", "").strip()
+    local_rank = int(rank_text) if rank_text.isdigit() else None
+    if local_rank is not None and local_rank >= len(visible):
+        raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees only {len(visible)} neuron core(s): "
+                          "launch at most one process per visible logical core (torchrun --nproc-per-node)")
     return Config(
         instance=inst, chip=chip, lnc=lnc, visible_cores=tuple(visible), core_capacity=capacity,
         memory_limit_override=bool(limit_text),
         dtype_policy=_choice(env, "TORCHNEURON_DTYPE_POLICY", "trainium", DTYPE_POLICIES),
         fallback_policy=_choice(env, "TORCHNEURON_FALLBACK", "warn", FALLBACK_POLICIES),
+        local_rank=local_rank,
     )
