@@ -39,6 +39,7 @@ at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device) {
   auto* simpl = host.storage().unsafeGetStorageImpl();
   size_t nbytes = simpl->nbytes();
   c10::DataPtr data = simpl->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
+  simpl->set_nbytes(0);  // the host storage gave its memory away
   auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
                                                     adopt_host_memory(std::move(data), nbytes, device),
                                                     neuron_allocator(), /*resizable=*/true);
