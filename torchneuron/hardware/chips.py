@@ -1,10 +1,14 @@
-"""The modelled machines as data: Trainium generations and the instances built from them.
+"""The modelled machines as data: Trainium generations, the instances built from them, and the GPU they are
+compared with.
 
-Every constant names its source (AWS Neuron documentation pages, see docs/hardware.md for the list):
+Every constant names its source (the full list with paths is docs/hardware.md):
 S1/S2/S3 = trainium{,2,3}.rst chip pages, S4-S6 = neuron-core-v{2,3,4}.rst, S7-S9 = trn{1,2,3}-arch.rst,
 S10 = data-types.rst, S11 = logical-neuroncore-config.rst, S12-S14 = NKI architecture guides,
-S16/S17 = NKI DMA guides, [3p] = third-party (prices). Where AWS pages disagree the value used is noted.
-Nothing here imports torch: the device, the compiler and the cost model all read this one table.
+S15 = NKI performance guide, S16/S17 = NKI DMA guides, S40 = nccom-test user guide (measured collectives),
+S41/S42 = intra-/inter-node collective deep dives, S34/S35 = H100 and p5 specifications [3p],
+[3p] = third party, [derived] = arithmetic on cited values, [assumption] = no published figure.
+Where AWS pages disagree the value used is noted. Nothing here imports torch: the device, the compiler and the
+cost model all read these tables.
 """
 from __future__ import annotations
 
@@ -20,6 +24,31 @@ class Engine:
 
     clock_hz: float
     lanes: int  # elements per cycle through the datapath (vector/scalar/gpsimd); PE columns for tensor
+    narrow_lanes: int = 0  # elements per cycle for 16/8-bit data, where the datapath is wider (0: lanes)
+
+    def rate(self, itemsize: int) -> float:
+        """Elements per second for data of `itemsize` bytes."""
+        return self.clock_hz * (self.narrow_lanes if self.narrow_lanes and itemsize <= 2 else self.lanes)
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """Collective-communication constants of one platform (the model using them: docs/costmodel.md)."""
+
+    fixed_s: float  # latency floor of one collective (launch, synchronisation), measured at small sizes
+    hop_s: float  # per algorithm step between ranks inside an instance
+    efficiency: float  # achieved bus bandwidth / nominal link bandwidth per rank, large messages
+    efa_hop_s: float = 15e-6  # per algorithm step between instances: "~15us" point-to-point, S42
+    source: str = ""
+
+
+# S40: nccom-test on trn1: a 2-rank all-reduce takes 58 us at 1 KiB-64 KiB; busbw is 52.83 GiB/s at 1 GiB
+# (2 ranks) and 47.1 GiB/s (64 ranks on 2 instances). 52.83 GiB/s over 192 GB/s of NeuronLink-v2 per core
+# is 0.295.
+# S41: per-hop latency of Ring/KangaRing "about 1-2 us". Applied to every Trainium generation: no published
+# measurements exist for trn2/trn3.
+NEURON_FABRIC = Fabric(fixed_s=58e-6, hop_s=1.5e-6, efficiency=52.83 * GiB / 192e9,
+                       source="S40 nccom-test (trn1), S41/S42 per-hop latencies")
 
 
 @dataclass(frozen=True)
@@ -32,7 +61,7 @@ class Chip:
     hbm_bytes: int  # per chip
     hbm_bw: float  # bytes/s per chip
     dma_bw_per_core: float  # bytes/s, peak per physical core (16 DMA engines)
-    # Dense tensor-engine peaks per physical core, FLOP/s (2 FLOP per MAC).
+    # Marketed dense tensor-engine peaks per physical core, FLOP/s (chip page / cores): the MFU denominator.
     peak_flops: dict[str, float]
     tensor: Engine
     vector: Engine
@@ -47,6 +76,14 @@ class Chip:
     dtypes: tuple[str, ...] = ()  # torch dtype names the hardware computes natively
     native_int64: bool = False  # int64 is reinterpreted as 32-bit unless the compiler's --native-int64
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # Cost-model constants.
+    k_per_pass: dict[str, int] = field(default_factory=dict)  # contraction rows per pass, by dtype class
+    mm_min_cycles: int = 64  # a matmul instruction issues every max(moving free size, 64) cycles: S12
+    fp32_slowdown: int = 4  # fp32 matmul costs about 4x bf16: S12
+    instr_cycles: int = 60  # fixed cycles to start each vector/scalar SBUF/PSUM access: S12, S15
+    dma_fixed_s: float = 1.3e-6  # fixed cost per DMA transfer (cross-engine semaphore): S15
+    launch_s: float = 30e-6  # [assumption] eager op: host dispatch + runtime submission of one kernel
+    fabric: Fabric = NEURON_FABRIC
 
     def logical_cores(self, lnc: int) -> int:
         return self.physical_cores // lnc
@@ -54,6 +91,13 @@ class Chip:
     def core_hbm(self, lnc: int) -> int:
         """HBM per logical core: the chip's HBM split evenly among its logical cores."""
         return self.hbm_bytes // self.logical_cores(lnc)
+
+    def tensor_flops(self, dtype_class: str = "bfloat16") -> float:
+        """Dense TensorE FLOP/s of one physical core from the clock and the array: 2 FLOP per PE per cycle,
+        `k_per_pass` rows per pass (fp8 double-row, MX), a quarter for fp32."""
+        rows = self.k_per_pass.get(dtype_class, self.pe_rows)
+        slow = self.fp32_slowdown if dtype_class == "float32" else 1
+        return 2 * rows * self.pe_cols * self.tensor.clock_hz / slow
 
 
 _COMMON_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2",
@@ -65,36 +109,40 @@ CHIPS: dict[str, Chip] = {
         hbm_bytes=32 * GiB,  # S1, S12
         hbm_bw=820e9,  # S12 (S1 says 820 GiB/s)
         dma_bw_per_core=272e9,  # S16: 16 engines x 17 B/ns
-        peak_flops={"bfloat16": 95e12, "float16": 95e12, "float8": 95e12, "float32": 23.75e12},  # S1: 190/47.5 per chip
+        # S1: 190 / 47.5 TFLOPS per chip
+        peak_flops={"bfloat16": 95e12, "float16": 95e12, "float8": 95e12, "float32": 23.75e12},
         tensor=Engine(2.8e9, 128), vector=Engine(1.12e9, 128), scalar=Engine(1.4e9, 128),
-        gpsimd=Engine(1.4e9, 128),  # S12 clocks
+        gpsimd=Engine(1.4e9, 128),  # S12 clocks and datapath widths
         sbuf_bytes=24 * 1024 * 1024, psum_bytes=2 * 1024 * 1024,  # S12
         link_bw=384e9,  # S2: NeuronLink-v2 per chip
         dtypes=_COMMON_DTYPES,
+        k_per_pass={},  # cFP8 runs at the bf16 rate on v2: S1
     ),
     "trn2": Chip(
         name="Trainium2", core_version="NeuronCore-v3", physical_cores=8, lnc_options=(1, 2), default_lnc=2,
         hbm_bytes=96 * GiB,  # S2 (4 x 24 GB stacks, each shared by 2 cores: S11)
         hbm_bw=2.9e12,  # S2 (S13 says 3 TB/s)
         dma_bw_per_core=368e9,  # S16
-        peak_flops={"bfloat16": 83.4e12, "float16": 83.4e12, "float8": 162.4e12, "float32": 22.6e12},  # S2 / 8
-        tensor=Engine(2.4e9, 128), vector=Engine(0.96e9, 256), scalar=Engine(1.2e9, 128),
-        gpsimd=Engine(1.2e9, 128),  # S13
+        peak_flops={"bfloat16": 83.4e12, "float16": 83.4e12, "float8": 162.4e12, "float32": 22.6e12},  # S2/8
+        tensor=Engine(2.4e9, 128), vector=Engine(0.96e9, 256, 512), scalar=Engine(1.2e9, 128),
+        gpsimd=Engine(1.2e9, 128),  # S13: Vector 512 elements/cycle for bf16/fp16, otherwise 256
         sbuf_bytes=28 * 1024 * 1024, psum_bytes=2 * 1024 * 1024,  # S13
         link_bw=1024e9,  # S8
         dtypes=_COMMON_DTYPES,
+        k_per_pass={"float8": 256},  # fp8 double_row: K=256 per instruction, S13
     ),
     "trn3": Chip(
         name="Trainium3", core_version="NeuronCore-v4", physical_cores=8, lnc_options=(1, 2), default_lnc=2,
         hbm_bytes=144 * GiB,  # S3
         hbm_bw=4.9e12,  # S3 (S14 says 4.7 TB/s)
         dma_bw_per_core=528e9,  # S16
-        peak_flops={"bfloat16": 83.9e12, "float16": 83.9e12, "float8": 314.6e12, "float32": 22.9e12},  # S3 / 8
-        tensor=Engine(2.4e9, 128), vector=Engine(1.2e9, 256), scalar=Engine(1.2e9, 128),
-        gpsimd=Engine(1.2e9, 128),  # S14
+        peak_flops={"bfloat16": 83.9e12, "float16": 83.9e12, "float8": 314.6e12, "float32": 22.9e12},  # S3/8
+        tensor=Engine(2.4e9, 128), vector=Engine(1.2e9, 256, 512), scalar=Engine(1.2e9, 128, 256),
+        gpsimd=Engine(1.2e9, 128),  # S14: Scalar 256 elements/cycle for 16/8-bit
         sbuf_bytes=32 * 1024 * 1024, psum_bytes=2 * 1024 * 1024,  # S14
         link_bw=2048e9,  # S9 (S3 says 2.56 TB/s)
         dtypes=_COMMON_DTYPES,
+        k_per_pass={"float8": 256, "mx": 512},  # double_row (S22) and MX matmul K=512 (S14)
     ),
 }
 
@@ -122,3 +170,55 @@ INSTANCES: dict[str, Instance] = {
 }
 
 DEFAULT_INSTANCE = "trn2.3xlarge"
+
+# The instance the cost model assumes for a target when none is named: the largest one, which has NeuronLink.
+LARGEST_INSTANCE = {"trn1": "trn1.32xlarge", "trn2": "trn2.48xlarge", "trn3": "trn3.48xlarge"}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """A GPU for comparison, modelled as an ideal roofline with the same collective model as Trainium."""
+
+    name: str
+    peak_flops: dict[str, float]  # dense tensor-core FLOP/s by dtype class
+    vector_flops: float  # non-tensor FP32 FLOP/s
+    hbm_bytes: int
+    hbm_bw: float
+    link_bw: float  # NVLink bytes/s per GPU
+    sbuf_bytes: int  # on-chip memory an intermediate of a fused kernel can stay in (L2)
+    launch_s: float  # eager op launch
+    kernel_s: float  # fixed cost of a kernel inside a captured / compiled graph
+    fabric: Fabric
+
+
+# S34 [3p]: H100 SXM5 dense 989 TF bf16/fp16, 1979 TF fp8, 494 TF tf32, 67 TF fp32 non-tensor; 80 GB HBM3 at
+# 3.35 TB/s; NVLink-4 900 GB/s; 50 MB L2. nccl-tests on 8x H100 SXM: all-reduce busbw 460-480 GB/s ([3p]
+# alayanew 2026): efficiency 470/900. Launch costs and the NCCL latency floor are [assumption] estimates.
+GPUS: dict[str, Gpu] = {
+    "h100": Gpu(
+        name="H100 SXM5 80GB",
+        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 494e12},
+        vector_flops=67e12, hbm_bytes=80 * 10**9, hbm_bw=3.35e12, link_bw=900e9, sbuf_bytes=50 * 10**6,
+        launch_s=5e-6, kernel_s=2e-6,
+        fabric=Fabric(fixed_s=15e-6, hop_s=1e-6, efficiency=470 / 900,
+                      source="[3p] nccl-tests busbw 460-480 GB/s; latency floor [assumption]"),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class GpuInstance:
+    name: str
+    gpu: str  # key of GPUS
+    gpus: int
+    price_per_hour: float
+    price_source: str
+    efa_bps: float
+
+
+GPU_INSTANCES: dict[str, GpuInstance] = {
+    "p5.48xlarge": GpuInstance(
+        "p5.48xlarge", "h100", 8, 55.04,
+        "[3p] us-east-1 on-demand after the June 2025 P5 price cut (2026 price tables); $98.32 at launch",
+        3200e9),  # S35
+}

@@ -1,0 +1,363 @@
+"""torchneuron.estimate: how long one training step, forward pass or decode step of a model would take on a
+Trainium instance, how well it would use the chip, and what it would cost, compared with an H100 instance.
+
+The model runs on fake tensors (costmodel.trace), so nothing is computed and a 70B model built on the meta
+device needs no memory. Every recorded op is costed on one logical core with costmodel.ops; a compiled step
+groups ops into fused kernels (see _Coster.groups; intermediates that fit in SBUF stay there). Tensor
+parallelism divides each op as the trace's layout says and adds its collectives; data parallelism adds the
+gradient all-reduce. All the assumptions are listed in docs/costmodel.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from ..hardware.chips import GPU_INSTANCES, INSTANCES, LARGEST_INSTANCE, Chip
+from .ops import OpCost, Target, collective_cost, kernel_time, op_cost, target
+from .trace import Rec, Trace, trace
+
+MODES = ("train", "forward", "decode")
+RECOMPUTE = ("none", "selective", "full")
+EXECUTIONS = ("compiled", "eager")
+# Bytes an update reads and writes per parameter (fp32 param or master weight and moments), and the fp32
+# optimizer state it keeps.
+OPTIMIZER_BYTES = {"adamw": 3 * 8, "adam": 3 * 8, "sgd": 2 * 8, None: 0}
+OPTIMIZER_STATE = {"adamw": 8, "adam": 8, "sgd": 4, None: 0}
+
+
+@dataclass(frozen=True)
+class OpTime:
+    """One op's share of a step on one core. `count`: how many times a step runs it (micro-steps)."""
+
+    op: str
+    phase: str  # forward | backward | recompute | grad_sync | optimizer
+    engine: str
+    flops: float
+    bytes: float
+    time_s: float
+    bound: str
+    achieved: float
+    count: float = 1.0
+    shapes: str = ""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a job runs: a target core type on an instance type, with its price."""
+
+    target: Target
+    instance: str
+    cores_per_instance: int
+    price_per_hour: float | None
+    price_source: str
+    efa_bw: float  # bytes/s per instance
+
+    @classmethod
+    def of(cls, tgt: str | Target, instance: str | None = None, lnc: int | None = None) -> Layout:
+        if isinstance(tgt, str) and (tgt in INSTANCES or tgt in GPU_INSTANCES):
+            instance, tgt = tgt, tgt
+        t = target(tgt, lnc)
+        if not t.is_neuron:
+            name = instance or next(n for n, g in GPU_INSTANCES.items() if g.gpu == t.name)
+            gi = GPU_INSTANCES[name]
+            return cls(t, name, gi.gpus, gi.price_per_hour, gi.price_source, gi.efa_bps / 8)
+        name = instance or LARGEST_INSTANCE[t.name]
+        inst = INSTANCES[name]
+        if inst.chip != t.name:
+            raise ValueError(f"{name} has {inst.chip} chips, not {t.name}")
+        assert isinstance(t.spec, Chip)
+        return cls(t, name, inst.chips * t.spec.logical_cores(t.lnc), inst.price_per_hour, inst.price_source,
+                   inst.efa_bps / 8)
+
+    def collective(self, kind: str, nbytes: float, ranks: int, stride: int = 1) -> OpCost:
+        """A collective over `ranks` cores spaced `stride` apart (TP groups are packed, DP groups strided)."""
+        per_node = max(1, min(ranks, self.cores_per_instance // stride))
+        busy = min(self.cores_per_instance, ranks * stride)  # cores of one instance sharing its EFA at once
+        return collective_cost(kind, nbytes, ranks, self.target, ranks_per_node=per_node,
+                               efa_bw=self.efa_bw / busy)
+
+
+@dataclass
+class EstimateResult:
+    """A modelled step. Times are seconds; costs USD (the instance price pro rata for the cores used)."""
+
+    target: str
+    instance: str
+    mode: str
+    execution: str
+    dp: int
+    tp: int
+    lnc: int
+    cores: int
+    instances: int
+    micro_steps: float
+    step_time_s: float
+    items_per_step: float
+    unit: str  # tokens | samples
+    items_per_s: float
+    mfu: float
+    price_per_hour: float | None  # of one instance
+    price_source: str
+    cost_per_hour: float | None
+    cost_per_step: float | None
+    cost_per_million: float | None  # per million items
+    memory: dict[str, float]  # bytes per core by kind, and "capacity"
+    ops: list[OpTime] = field(repr=False, default_factory=list)
+    comparison: EstimateResult | None = field(repr=False, default=None)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory["total"] <= self.memory["capacity"]
+
+    def by(self, key: str = "phase") -> dict[str, float]:
+        """Step time split by op attribute (phase, engine, op, bound), largest first."""
+        out: dict[str, float] = {}
+        for o in self.ops:
+            out[getattr(o, key)] = out.get(getattr(o, key), 0.0) + o.time_s * o.count
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def top(self, n: int = 10) -> list[tuple[str, str, float, str, float, int]]:
+        """The n ops with most time: (op, engine, seconds per step, bound, mean achieved, calls per step)."""
+        agg: dict[tuple[str, str], list[float]] = {}
+        for o in self.ops:
+            a = agg.setdefault((o.op, o.engine), [0.0, 0.0, 0.0, {}])
+            a[0] += o.time_s * o.count
+            a[1] += o.achieved * o.time_s * o.count
+            a[2] += o.count
+            a[3][o.bound] = a[3].get(o.bound, 0.0) + o.time_s
+        rows = [(op, eng, t, max(b, key=b.get), w / t if t else 0.0, int(round(c)))
+                for (op, eng), (t, w, c, b) in agg.items()]
+        return sorted(rows, key=lambda r: -r[2])[:n]
+
+    def summary(self) -> str:
+        per = {"train": "training step", "forward": "forward pass", "decode": "decode step"}[self.mode]
+        lines = [f"{per} on {self.cores} x {self.target} core{'s' if self.cores > 1 else ''} "
+                 f"({self.instance}, dp={self.dp} tp={self.tp}, {self.execution}): "
+                 f"{_ms(self.step_time_s)}, {self.items_per_s:,.0f} {self.unit}/s, MFU {self.mfu:.1%}"]
+        if self.cost_per_hour is not None:
+            lines.append(f"  cost ${self.cost_per_hour:,.2f}/h (pro rata of ${self.price_per_hour:,.2f}/h "
+                         f"per instance, estimate), ${self.cost_per_million:,.4f} per million {self.unit}")
+        total, cap = self.memory["total"] / 2**30, self.memory["capacity"] / 2**30
+        fits = "" if self.fits else "  DOES NOT FIT: shard more (tp, zero1) or recompute"
+        lines.append(f"  memory per core {total:,.2f} GiB of {cap:,.0f} GiB{fits}")
+        split = ", ".join(f"{k} {v / self.step_time_s:.0%}" for k, v in self.by("phase").items() if v)
+        lines.append(f"  time: {split}")
+        return "\n".join(lines)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:,.3f} ms" if s < 1 else f"{s:,.3f} s"
+
+
+def _shapes(r: Rec) -> str:
+    return " ".join("x".join(map(str, t.shape)) or "scalar" for t in r.ins[:3])
+
+
+class _Coster:
+    """Costs a trace on one layout: per-core shapes under tensor parallelism, fused kernels or eager ops."""
+
+    def __init__(self, tr: Trace, lay: Layout, tp: int, sp: bool, compiled: bool):
+        self.tr, self.lay, self.t, self.tp, self.sp, self.compiled = tr, lay, lay.target, tp, sp, compiled
+
+    def per_core_bytes(self, i: int) -> float:
+        """A tensor's bytes on one core: sharded data and weights are split; replicated data (and partial
+        sums, costed as if reduce-scattered) are split only under sequence parallelism."""
+        p = self.tr.placement.get(i, "R")
+        split = p in ("S", "W") or (p in ("R", "P") and self.sp)
+        return self.tr.specs[i].nbytes / (self.tp if split else 1)
+
+    def op(self, r: Rec, mode: str) -> OpCost:
+        if r.op == "all_reduce":
+            n = r.ins[0].nbytes
+            parts = ("reduce_scatter", "all_gather") if self.sp else ("all_reduce",)
+            cs = [self.lay.collective(k, n, self.tp) for k in parts]
+            return replace(cs[0], op="+".join(parts), compute_s=sum(c.compute_s for c in cs),
+                           bytes=sum(c.bytes for c in cs), io_bytes=sum(c.io_bytes for c in cs))
+        shard = None
+        if self.tp > 1 and r.shard and (r.shard != "sp" or self.sp):
+            shard = ("all" if r.shard == "sp" else r.shard, self.tp)
+        return op_cost(r.op, r.ins, r.outs, self.t, attrs=r.attrs, shard=shard, mode=mode)
+
+    def times(self, recs: list[Rec]) -> list[tuple[Rec, OpCost, float]]:
+        """(record, standalone cost, modelled time) per op, collectives dropped when tp == 1."""
+        recs = [r for r in recs if self.tp > 1 or r.op != "all_reduce"]
+        if not self.compiled:
+            out = []
+            for r in recs:
+                c = self.op(r, "eager")
+                out.append((r, c, c.time_s + (self.t.launch_s if c.engine == "collective" else 0.0)))
+            return out
+        costs = [self.op(r, "fused") for r in recs]
+        groups = self.groups(recs, costs)
+        owner = {i: g for g, idx in enumerate(groups) for i in idx}
+        consumers: dict[int, set[int]] = {}
+        for i, r in enumerate(recs):
+            for t in r.in_ids:
+                consumers.setdefault(t, set()).add(owner[i])
+        out: list[tuple[Rec, OpCost, float]] = []
+        for g, idx in enumerate(groups):
+            if costs[idx[0]].engine == "collective":
+                out.append((recs[idx[0]], costs[idx[0]], costs[idx[0]].time_s))
+                continue
+            made = {t for i in idx for t in recs[i].out_ids}
+            ext = {t for i in idx for t in recs[i].in_ids} - made
+            written = {t for t in made if consumers.get(t, {g}) != {g} or t not in consumers}
+            spilled = {t for t in made - written if self.per_core_bytes(t) > self.t.sbuf_bytes / 2}
+            hbm = sum(map(self.per_core_bytes, ext | written)) + 2 * sum(map(self.per_core_bytes, spilled))
+            hbm += sum(costs[i].bytes - costs[i].io_bytes for i in idx)
+            kt = kernel_time([costs[i] for i in idx], hbm, self.t)
+            weight = [max(costs[i].compute_s, costs[i].memory_s) for i in idx]
+            total = sum(weight)
+            for i, w in zip(idx, weight):
+                out.append((recs[i], costs[i], kt * (w / total if total else 1 / len(idx))))
+        return out
+
+    @staticmethod
+    def groups(recs: list[Rec], costs: list[OpCost]) -> list[list[int]]:
+        """Greedy fusion in program order: a vector/scalar/DMA op joins the open kernel when it consumes a
+        value made in it (same phase); anything else opens a new kernel; collectives stand alone."""
+        groups: list[list[int]] = []
+        made: set[int] = set()
+        for i, (r, c) in enumerate(zip(recs, costs)):
+            joins = (groups and c.engine in ("vector", "scalar", "dma") and not made.isdisjoint(r.in_ids)
+                     and costs[groups[-1][0]].engine != "collective" and recs[groups[-1][0]].phase == r.phase)
+            if joins:
+                groups[-1].append(i)
+                made.update(r.out_ids)
+            else:
+                groups.append([i])
+                made = set(r.out_ids)
+        return groups
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How the step runs: see estimate() for the meaning of each field."""
+
+    mode: str = "train"
+    dp: int = 1
+    tp: int = 1
+    batch_items: float | None = None
+    sequence_parallel: bool | None = None
+    execution: str = "compiled"
+    recompute: str = "none"
+    optimizer: str | None = "adamw"
+    zero1: bool = True
+
+    def __post_init__(self):
+        if self.mode not in MODES or self.recompute not in RECOMPUTE or self.execution not in EXECUTIONS:
+            raise ValueError(f"mode in {MODES}, recompute in {RECOMPUTE}, execution in {EXECUTIONS}")
+        if self.optimizer not in OPTIMIZER_BYTES or self.dp < 1 or self.tp < 1:
+            raise ValueError(f"optimizer in {tuple(OPTIMIZER_BYTES)}; dp, tp >= 1")
+
+    @property
+    def train(self) -> bool:
+        return self.mode == "train"
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1 and (self.train if self.sequence_parallel is None else self.sequence_parallel)
+
+
+def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float) -> list[OpTime]:
+    """Once per step: the gradient all-reduce over the data-parallel group (reduce-scatter + all-gather under
+    ZeRO-1 moves the same bytes), then the optimizer update, bound by HBM bandwidth."""
+    ops = []
+    per_core = tr.param_count / plan.tp
+    if plan.dp > 1:
+        c = lay.collective("all_reduce", per_core * itemsize, plan.dp, stride=plan.tp)
+        ops.append(OpTime("all_reduce", "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound,
+                          c.achieved))
+    if plan.optimizer:
+        own = per_core / (plan.dp if plan.zero1 else 1)
+        nbytes = own * (OPTIMIZER_BYTES[plan.optimizer] + itemsize * (2 if itemsize < 4 else 1))
+        bw = lay.target.hbm_bw
+        t = nbytes / bw + lay.target.kernel_s
+        ops.append(OpTime(plan.optimizer, "optimizer", "vector", 0.0, nbytes, t, "memory", nbytes / t / bw))
+    return ops
+
+
+def _memory(tr: Trace, co: _Coster, plan: Plan, itemsize: float) -> dict[str, float]:
+    """Bytes per core: weights, inputs (a KV cache), and for training gradients, optimizer state (fp32
+    moments, plus fp32 master weights under mixed precision) and the activations saved for backward."""
+    tp = plan.tp
+    mem = {"weights": tr.param_bytes / tp, "inputs": tr.input_bytes / tp}
+    if plan.train:
+        mem["gradients"] = tr.param_bytes / tp
+        state = OPTIMIZER_STATE[plan.optimizer] + (4 if itemsize < 4 else 0)
+        mem["optimizer"] = tr.param_count / tp * state / (plan.dp if plan.zero1 else 1)
+        fwd = {t for r in tr.recs if r.phase == "forward" for t in r.out_ids}
+        saved = {t for r in tr.recs if r.phase == "backward" for t in r.in_ids} & fwd
+        mem["activations"] = sum(map(co.per_core_bytes, saved))
+    mem["total"] = sum(mem.values())
+    mem["capacity"] = float(co.t.hbm_bytes)
+    return mem
+
+
+def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = None) -> EstimateResult:
+    """Cost a recorded step on `layout` under `plan`."""
+    co = _Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled")
+    micro = max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
+    ops = [OpTime(c.op if c.engine == "collective" else r.op, r.phase, c.engine, c.flops, c.bytes, t, c.bound,
+                  c.achieved, micro, _shapes(r)) for r, c, t in co.times(tr.recs)]
+    if plan.train and plan.recompute != "none":
+        ops += [replace(o, phase="recompute") for o in ops if o.phase == "forward"
+                and (plan.recompute == "full" or o.op.startswith("_scaled_dot_product"))]
+    itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
+    if plan.train:
+        ops += _optimizer_ops(tr, layout, plan, itemsize)
+    step = sum(o.time_s * o.count for o in ops)
+    items, cores, t = tr.items * plan.dp * micro, plan.dp * plan.tp, layout.target
+    flops = sum(o.flops * o.count for o in ops if o.engine == "tensor" and o.phase in ("forward", "backward"))
+    price = layout.price_per_hour if price_per_hour is None else price_per_hour
+    per_hour = None if price is None else price * cores / layout.cores_per_instance
+    return EstimateResult(
+        target=t.name, instance=layout.instance, mode=plan.mode, execution=plan.execution, dp=plan.dp,
+        tp=plan.tp, lnc=t.lnc, cores=cores, instances=math.ceil(cores / layout.cores_per_instance),
+        micro_steps=micro,
+        step_time_s=step, items_per_step=items, unit=tr.unit, items_per_s=items / step,
+        mfu=flops / step / t.marketed_flops("bfloat16" if itemsize <= 2 else "float32"),
+        price_per_hour=price, price_source=layout.price_source if price_per_hour is None else "given",
+        cost_per_hour=per_hour, cost_per_step=None if per_hour is None else per_hour * step / 3600,
+        cost_per_million=None if per_hour is None else per_hour / (items / step * 3600) * 1e6,
+        memory=_memory(tr, co, plan, itemsize), ops=ops)
+
+
+def gpu_layout(cores: int, tp: int, cores_per_instance: int, gpus_per_instance: int) -> tuple[int, int]:
+    """(dp, tp) of the comparison job: as many GPU instances as Trainium instances (at least one GPU), tensor
+    parallel inside one GPU instance, the rest data parallel."""
+    gpus = max(1, round(cores * gpus_per_instance / cores_per_instance))
+    gtp = max(1, min(tp, gpus_per_instance, gpus))
+    return max(1, gpus // gtp), gtp
+
+
+def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2",
+             instance: str | None = None, mode: str = "train", dp: int = 1, tp: int = 1,
+             dtype: torch.dtype | None = None, batch_tokens: float | None = None,
+             price_per_hour: float | None = None, lnc: int | None = None, execution: str = "compiled",
+             sequence_parallel: bool | None = None, recompute: str = "none", optimizer: str | None = "adamw",
+             zero1: bool = True, compare: str | None = "p5.48xlarge") -> EstimateResult:
+    """Model one step of `model` on `example_inputs` (one micro-batch per data-parallel rank) on Trainium.
+
+    target: trn1 | trn2 | trn3 (or h100); instance: defaults to the target's largest instance. mode: "train"
+    (forward + backward + gradient sync + optimizer), "forward", or "decode" (a forward whose inputs hold one
+    new token per sequence and its cache: pass a callable building them, see costmodel.presets). dp, tp:
+    data- and tensor-parallel degrees over logical cores (TP groups packed inside an instance). dtype: cast
+    floating parameters and inputs (e.g. torch.bfloat16). batch_tokens: global batch per step in tokens (or
+    samples); more than dp x the example's items means gradient accumulation. execution: "compiled" (fused
+    kernels) or "eager" (one launched kernel per op). sequence_parallel (default: on for training with
+    tp > 1), recompute ("none", "selective": attention, "full"), optimizer ("adamw", "sgd", None), zero1
+    (optimizer state sharded over dp). price_per_hour overrides the instance price. compare: a GPU instance
+    to cost the same step on (same method; None to skip)."""
+    plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1)
+    tr = trace(model, example_inputs, train=plan.train, dtype=dtype)
+    lay = Layout.of(target, instance, lnc)
+    res = cost(tr, lay, plan, price_per_hour)
+    if compare and lay.target.is_neuron:
+        glay = Layout.of(compare)
+        gdp, gtp = gpu_layout(dp * tp, tp, lay.cores_per_instance, glay.cores_per_instance)
+        res.comparison = cost(tr, glay, replace(plan, dp=gdp, tp=gtp))
+    return res

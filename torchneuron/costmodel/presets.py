@@ -1,0 +1,89 @@
+"""Named models for estimates, built from Hugging Face configs on the meta device (no weights, no downloads),
+and their example inputs for each mode. `transformers` is imported only here."""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# name -> (config class, config keyword arguments). Llama sizes are those of the published Llama 3.x models.
+_LLAMA = dict(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072,
+              tie_word_embeddings=False)
+PRESETS: dict[str, tuple[str, dict]] = {
+    "gpt2-small": ("GPT2Config", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)),
+    "llama-8b": ("LlamaConfig", dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                     num_attention_heads=32)),
+    "llama-70b": ("LlamaConfig", dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                      num_attention_heads=64)),
+    "llama-405b": ("LlamaConfig", dict(_LLAMA, hidden_size=16384, intermediate_size=53248,
+                                       num_hidden_layers=126, num_attention_heads=128)),
+}
+_MODELS = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM"}
+
+
+def hf_model(config: Any) -> torch.nn.Module:
+    """A causal-LM built from `config` on the meta device: parameters have shapes and dtypes, no storage."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    cls = getattr(transformers, _MODELS.get(type(config).__name__, "AutoModelForCausalLM"))
+    with torch.device("meta"):
+        return cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
+
+
+def config(name: str, **overrides: Any) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
+
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}: choose one of {', '.join(PRESETS)}")
+    cls, kw = PRESETS[name]
+    return getattr(transformers, cls)(**{**kw, **overrides})
+
+
+def lm_inputs(model: torch.nn.Module, *, batch: int = 1, seq: int = 1024, mode: str = "train",
+              context: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict | Callable[[], dict]:
+    """Example inputs of a Hugging Face causal LM. train: input_ids and labels of [batch, seq]; forward:
+    input_ids; decode: one new token per sequence after `context` cached tokens, in a static cache (a
+    callable: the cache is built under the estimator's fake mode)."""
+    if mode == "train":
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids}
+    if mode == "forward":
+        return {"input_ids": torch.zeros(batch, seq, dtype=torch.long)}
+    cfg = model.config
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def build() -> dict:
+        from transformers import StaticCache
+
+        cache = StaticCache(config=cfg, max_cache_len=context + 1)  # updated in place, as Neuron serving does
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv = torch.empty(batch, heads, 1, dim, dtype=dtype)
+        for layer in cache.layers:
+            layer.lazy_initialization(kv, kv)
+        return {"input_ids": torch.zeros(batch, 1, dtype=torch.long), key: cache, "use_cache": True,
+                "cache_position": torch.tensor([context])}
+
+    return build
+
+
+def load(spec: str, *, batch: int = 1, seq: int = 1024, mode: str = "train", context: int = 0,
+         dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module, Any]:
+    """A preset name, or `path/to/file.py:function` where function(batch=, seq=, mode=) returns
+    (model, example_inputs)."""
+    if spec in PRESETS:
+        model = hf_model(config(spec))
+        return model, lm_inputs(model, batch=batch, seq=seq, mode=mode, context=context, dtype=dtype)
+    path, _, fn = spec.rpartition(":")
+    if not path or not os.path.exists(path):
+        raise ValueError(f"--model {spec!r}: use one of {', '.join(PRESETS)} or path/to/file.py:function")
+    module_spec = importlib.util.spec_from_file_location("_torchneuron_estimate_model", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return getattr(module, fn)(batch=batch, seq=seq, mode=mode)

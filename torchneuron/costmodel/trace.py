@@ -1,0 +1,246 @@
+"""Record a model's step as ATen ops with shapes and dtypes, without computing anything.
+
+The model runs under FakeTensorMode on fake CPU copies of its parameters (so a 70B model built on the meta
+device needs no memory, and fused CPU kernels such as flash attention appear as one op). A TorchDispatchMode
+records every op, and tracks how each tensor would be laid out under Megatron-style tensor parallelism:
+  W  a parameter (sharded across the TP group),
+  R  replicated, S  sharded, P  partial sums awaiting a reduction.
+A matmul of a replicated activation with a weight shards the weight's output dimension (column parallel,
+result S); of a sharded activation, its contraction dimension (row parallel, result P). Activation x
+activation matmuls and attention on S inputs split heads / rows. A P tensor is reduced (an all-reduce record)
+before any op that is not linear in it. Backward follows from the same rules. The records are independent of
+the TP degree: costing applies it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..runtime.native_ops import ENGINE_OF, base_name
+from .ops import FREE_OPS, RULES, T, _attention, _conv, _matmul
+
+# Ops through which a partial sum stays partial (they are linear in every P input).
+_LINEAR = frozenset({"add", "sub", "neg", "_to_copy", "clone", "copy", "sum", "mean", "cat"})
+_SCALING = frozenset({"mul", "div"})  # linear in one P input only
+
+
+@dataclass
+class Rec:
+    """One recorded op. `shard` says what the TP degree divides when it is costed: a matmul dimension
+    ("b", "m", "k", "n"), "heads", "all" (sharded data), "sp" (replicated data, divided only under sequence
+    parallelism), or None (every rank does the whole op)."""
+
+    op: str
+    phase: str
+    ins: list[T]
+    outs: list[T]
+    in_ids: list[int]
+    out_ids: list[int]
+    attrs: dict = field(default_factory=dict)
+    shard: str | None = None
+
+
+@dataclass
+class Trace:
+    recs: list[Rec]
+    placement: dict[int, str]  # tensor id -> W / R / S / P (last known; views share their base's)
+    specs: dict[int, T]  # tensor id -> shape and dtype
+    param_bytes: int
+    param_count: int
+    input_bytes: int  # bytes of the example inputs (e.g. a KV cache)
+    items: int  # tokens (or samples) one step processes
+    unit: str
+
+
+def _spec(t: torch.Tensor) -> T:
+    return T(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def _attrs(func, args, kwargs) -> dict:
+    """The op's small non-tensor arguments by schema name (groups, transposed, is_causal, output_mask)."""
+    named = dict(zip((arg.name for arg in func._schema.arguments), args)) | kwargs
+    ok = (bool, int, float)
+    small = lambda v: isinstance(v, ok) or isinstance(v, (list, tuple)) and all(isinstance(e, ok) for e in v)
+    return {k: (tuple(v) if isinstance(v, list) else v) for k, v in named.items() if small(v)}
+
+
+def _kind(op: str) -> str:
+    rule = RULES.get(op)
+    return {_matmul: "mm", _conv: "conv", _attention: "attn"}.get(rule, "other")
+
+
+class Recorder(TorchDispatchMode):
+    """Records ATen ops with shapes, dtypes, producers/consumers and tensor-parallel layout."""
+
+    def __init__(self, weights: set[int]):
+        super().__init__()
+        self.recs: list[Rec] = []
+        self.phase = "forward"
+        self.place: dict[int, str] = dict.fromkeys(weights, "W")  # by storage: the base tensor of views
+        self.base: dict[int, int] = {}  # view id -> id of the tensor it views
+        self.partial: dict[int, T] = {}  # P tensor -> the tensor whose reduction it stands for (narrowest)
+        self.specs: dict[int, T] = {}
+        self._alive: list[torch.Tensor] = []  # keeps ids unique for the length of the trace
+
+    def _key(self, t: torch.Tensor) -> int:
+        return self.base.get(id(t), id(t))
+
+    def _note(self, t: torch.Tensor, placement: str | None = None) -> int:
+        i = id(t)
+        if i not in self.specs:
+            self._alive.append(t)
+            self.specs[i] = _spec(t)
+        if placement is not None:
+            self.place[self._key(t)] = placement
+        return i
+
+    def _reduce(self, t: torch.Tensor) -> None:
+        """A partial-sum tensor is consumed by an op that needs the sum: an all-reduce over the TP group (of
+        the tensor the partial sums were made as: a later cast does not make the reduction wider)."""
+        i, k = self._note(t, "R"), self._key(t)
+        spec = self.partial.pop(k, self.specs[i])
+        self.recs.append(Rec("all_reduce", self.phase, [spec], [spec], [i], [i]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "aten":
+            return func(*args, **kwargs)
+        op = base_name(func._overloadpacket.__name__)
+        tins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        pl = [self.place.get(self._key(x), "R") for x in tins]
+        if func.is_view or op in FREE_OPS:
+            out = func(*args, **kwargs)
+            for o in pytree.tree_leaves(out):
+                if isinstance(o, torch.Tensor) and tins and o is not tins[0]:
+                    self.base[id(o)] = self._key(tins[0])
+                    self._note(o)
+            return out
+        kind = _kind(op)
+        scaling = op in _SCALING and pl.count("P") == 1 and "S" not in pl
+        if "P" in pl and not (scaling or (op in _LINEAR and all(p == "P" for p in pl))):
+            for x, p in zip(tins, pl):
+                if p == "P":
+                    self._reduce(x)
+            pl = [("R" if p == "P" else p) for p in pl]
+        out = func(*args, **kwargs)
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        result, shard = self._layout(op, kind, tins, pl)
+        ids = [self._note(x) for x in tins]
+        out_ids = [self._note(o, result) for o in outs]
+        if result == "P":
+            made = [self.partial.get(self._key(x), self.specs[i])
+                    for x, i, p in zip(tins, ids, pl) if p == "P"]
+            for o, i in zip(outs, out_ids):
+                same = [t for t in made if t.numel == self.specs[i].numel]
+                self.partial[self._key(o)] = min([*same, self.specs[i]], key=lambda t: t.nbytes)
+        self.recs.append(Rec(op, self.phase, [self.specs[i] for i in ids], [self.specs[i] for i in out_ids],
+                             ids, out_ids, _attrs(func, args, kwargs), shard))
+        return out
+
+    @staticmethod
+    def _layout(op: str, kind: str, tins: list[torch.Tensor], pl: list[str]) -> tuple[str, str | None]:
+        """(placement of the outputs, what TP divides) for one op."""
+        if kind in ("mm", "conv"):
+            ia, ib = {"addmm": (1, 2), "baddbmm": (1, 2), "addbmm": (1, 2), "addmv": (1, 2)}.get(op, (0, 1))
+            if kind == "conv" or op == "linear":  # the weight is the second operand, its rows the outputs
+                ia, ib = (0, 1) if op != "convolution_backward" else (1, 2)
+            pa, pb = pl[ia], pl[ib]
+            batched = tins[ia].dim() > 2 and kind == "mm"
+            if "W" in (pa, pb):
+                act = pb if pa == "W" else pa
+                if act == "W":
+                    return "R", None
+                if act == "S":
+                    return "P", "k"
+                return "S", ("n" if pb == "W" or kind == "conv" else "m")
+            if pa == "S" and pb == "S":
+                return ("S", "b") if batched else ("P", "k")
+            if "S" in (pa, pb):
+                return "S", "b" if batched else ("m" if pa == "S" else "n")
+            return "R", None
+        if kind == "attn":
+            return ("S", "heads") if "S" in pl else ("R", None)
+        if "P" in pl:  # linear ops on partial sums: as if after a reduce-scatter under sequence parallelism
+            return "P", "sp"
+        if "W" in pl and ENGINE_OF.get(op) == "gpsimd":  # lookup in a vocab-sharded table: partial rows
+            return "P", None
+        if "S" in pl:
+            return "S", "all"
+        if pl and all(p == "W" for p in pl):  # casts and updates of weights stay weights
+            return "W", "all"
+        return "R", "sp"
+
+
+def _fake(x: Any, dtype: torch.dtype | None) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    dt = dtype if dtype is not None and x.is_floating_point() else x.dtype
+    return torch.empty(x.shape, dtype=dt, requires_grad=x.requires_grad)
+
+
+def _loss(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is not None:
+        return loss
+    first = getattr(out, "logits", None)
+    if first is None:
+        leaves = pytree.tree_leaves(out)
+        first = next(t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return first.sum()
+
+
+def _count(inputs: Any) -> tuple[int, str]:
+    """Tokens (integer inputs, e.g. input_ids) or samples (the batch dimension of the first float input)."""
+    leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+    ints = [t for t in leaves if not t.is_floating_point() and t.dtype != torch.bool]
+    if ints:
+        return ints[0].numel(), "tokens"
+    return (leaves[0].shape[0] if leaves and leaves[0].dim() else 1), "samples"
+
+
+def trace(model: torch.nn.Module, example_inputs: Any, *, train: bool = True,
+          dtype: torch.dtype | None = None) -> Trace:
+    """Run one step of `model` on fake tensors and record it: forward, then backward when `train`.
+
+    `example_inputs`: a tensor, a tuple of positional arguments, a dict of keyword arguments, or a callable
+    returning one of those (called under the fake mode: build caches or other objects there)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    named = dict(model.named_parameters())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        params = {n: _fake(p.detach(), dtype).requires_grad_(train and p.requires_grad)
+                  for n, p in named.items()}
+        buffers = {n: _fake(b, dtype) for n, b in model.named_buffers()}
+        raw = example_inputs() if callable(example_inputs) else example_inputs
+        inputs = pytree.tree_map(lambda x: _fake(x, dtype), raw)
+        if isinstance(inputs, dict):
+            args, kwargs = (), inputs
+        else:
+            args, kwargs = ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)), {}
+        rec = Recorder({id(p) for p in params.values()})
+        grad = torch.enable_grad() if train else torch.no_grad()
+        with rec, grad:
+            out = torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
+            if train:
+                rec.phase = "backward"
+                _loss(out).backward()
+    input_leaves = [t for t in pytree.tree_leaves(raw) if isinstance(t, torch.Tensor)] + _cache_leaves(raw)
+    items, unit = _count(raw)
+    placement = {i: rec.place.get(rec.base.get(i, i), "R") for i in rec.specs}
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)
+    return Trace(rec.recs, placement, rec.specs, nbytes(params.values()),
+                 sum(p.numel() for p in params.values()), nbytes(input_leaves), items, unit)
+
+
+def _cache_leaves(inputs: Any) -> list[torch.Tensor]:
+    """Tensors held by a Hugging Face cache object among the inputs (its KV tensors)."""
+    found: list[torch.Tensor] = []
+    for v in (inputs.values() if isinstance(inputs, dict) else ()):
+        for layer in getattr(v, "layers", ()):
+            found += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    return found
+
