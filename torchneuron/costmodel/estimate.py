@@ -1,11 +1,11 @@
 """torchneuron.estimate: how long one training step, forward pass or decode step of a model would take on a
 Trainium instance, how well it would use the chip, and what it would cost, compared with an H100 instance.
 
-The model runs on fake tensors (costmodel.trace), so nothing is computed and a 70B model built on the meta
-device needs no memory. Every recorded op is costed on one logical core with costmodel.ops; a compiled step
-groups ops into fused kernels (see _Coster.groups; intermediates that fit in SBUF stay there). Tensor
-parallelism divides each op as the trace's layout says and adds its collectives; data parallelism adds the
-gradient all-reduce. All the assumptions are listed in docs/costmodel.md.
+The model runs on meta tensors (costmodel.trace), so nothing is computed and a 70B model needs no memory.
+Every recorded op is costed on one logical core with costmodel.ops; a compiled step groups ops into fused
+kernels (see _Coster.groups; intermediates that fit in SBUF stay there). Tensor parallelism divides each op
+as the trace's layout says and adds its collectives; data parallelism adds the gradient all-reduce. All the
+assumptions are listed in docs/costmodel.md.
 """
 from __future__ import annotations
 

@@ -49,7 +49,7 @@ def lm_inputs(model: torch.nn.Module, *, batch: int = 1, seq: int = 1024, mode: 
               context: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict | Callable[[], dict]:
     """Example inputs of a Hugging Face causal LM. train: input_ids and labels of [batch, seq]; forward:
     input_ids; decode: one new token per sequence after `context` cached tokens, in a static cache (a
-    callable: the cache is built under the estimator's fake mode)."""
+    callable: the cache is built on the meta device by the estimator)."""
     if mode == "train":
         ids = torch.zeros(batch, seq, dtype=torch.long)
         return {"input_ids": ids, "labels": ids}

@@ -1,8 +1,8 @@
 """Record a model's step as ATen ops with shapes and dtypes, without computing anything.
 
-The model runs under FakeTensorMode on fake CPU copies of its parameters (so a 70B model built on the meta
-device needs no memory, and fused CPU kernels such as flash attention appear as one op). A TorchDispatchMode
-records every op, and tracks how each tensor would be laid out under Megatron-style tensor parallelism:
+The model runs on meta copies of its parameters (so a 70B model needs no memory), with attention as one fused
+op. A TorchDispatchMode records every op, and tracks how each tensor would be laid out under Megatron-style
+tensor parallelism:
   W  a parameter (sharded across the TP group),
   R  replicated, S  sharded, P  partial sums awaiting a reduction.
 A matmul of a replicated activation with a weight shards the weight's output dimension (column parallel,
@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -175,11 +177,28 @@ class Recorder(TorchDispatchMode):
         return "R", "sp"
 
 
-def _fake(x: Any, dtype: torch.dtype | None) -> Any:
+def _meta(x: Any, dtype: torch.dtype | None) -> Any:
     if not isinstance(x, torch.Tensor):
         return x
     dt = dtype if dtype is not None and x.is_floating_point() else x.dtype
-    return torch.empty(x.shape, dtype=dt, requires_grad=x.requires_grad)
+    return torch.empty(x.shape, dtype=dt, device="meta")
+
+
+class FusedAttention(TorchFunctionMode):
+    """Runs F.scaled_dot_product_attention as one fused (flash) attention op, as an accelerator does: on the
+    meta device PyTorch would decompose it into matmuls and a softmax over the whole score matrix. Attention
+    with dropout stays decomposed."""
+
+    _ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kw = dict(zip(self._ARGS, args[3:])) | kwargs if func is F.scaled_dot_product_attention else {}
+        if func is not F.scaled_dot_product_attention or kw.get("dropout_p", 0.0):
+            return func(*args, **kwargs)  # no fused kernel with dropout is assumed: it runs decomposed
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return flash(*args[:3], 0.0, kw.get("is_causal", False), attn_mask=kw.get("attn_mask"),
+                     scale=kw.get("scale"))[0]
 
 
 def _loss(out: Any) -> torch.Tensor:
@@ -204,26 +223,23 @@ def _count(inputs: Any) -> tuple[int, str]:
 
 def trace(model: torch.nn.Module, example_inputs: Any, *, train: bool = True,
           dtype: torch.dtype | None = None) -> Trace:
-    """Run one step of `model` on fake tensors and record it: forward, then backward when `train`.
+    """Run one step of `model` on meta tensors and record it: forward, then backward when `train`. The model's
+    own parameters are untouched (the step runs on meta copies) and may live on any device, meta included.
 
     `example_inputs`: a tensor, a tuple of positional arguments, a dict of keyword arguments, or a callable
-    returning one of those (called under the fake mode: build caches or other objects there)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    named = dict(model.named_parameters())
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        params = {n: _fake(p.detach(), dtype).requires_grad_(train and p.requires_grad)
-                  for n, p in named.items()}
-        buffers = {n: _fake(b, dtype) for n, b in model.named_buffers()}
+    returning one of those (called on the meta device: build caches or other objects there)."""
+    with torch.device("meta"):
+        params = {n: _meta(p, dtype).requires_grad_(train and p.requires_grad)
+                  for n, p in model.named_parameters()}
+        buffers = {n: _meta(b, dtype) for n, b in model.named_buffers()}
         raw = example_inputs() if callable(example_inputs) else example_inputs
-        inputs = pytree.tree_map(lambda x: _fake(x, dtype), raw)
+        inputs = pytree.tree_map(lambda x: _meta(x, dtype), raw)
         if isinstance(inputs, dict):
             args, kwargs = (), inputs
         else:
             args, kwargs = ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)), {}
         rec = Recorder({id(p) for p in params.values()})
-        grad = torch.enable_grad() if train else torch.no_grad()
-        with rec, grad:
+        with FusedAttention(), rec, torch.enable_grad() if train else torch.no_grad():
             out = torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
             if train:
                 rec.phase = "backward"
