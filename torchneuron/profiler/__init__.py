@@ -1,1 +1,7 @@
-"""profiler"""
+"""torchneuron.profiler: per-op host times and modelled device times of what runs on `neuron`, as a
+Chrome / Perfetto trace and a summary table. See profiler.trace."""
+from __future__ import annotations
+
+from .trace import Event, profile
+
+__all__ = ["Event", "profile"]
