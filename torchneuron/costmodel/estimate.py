@@ -181,14 +181,15 @@ class _Coster:
             shard = ("all" if r.shard == "sp" else r.shard, self.tp)
         return op_cost(r.op, r.ins, r.outs, self.t, attrs=r.attrs, shard=shard, mode=mode)
 
-    def times(self, recs: list[Rec]) -> list[tuple[Rec, OpCost, float]]:
-        """(record, standalone cost, modelled time) per op, collectives dropped when tp == 1."""
+    def times(self, recs: list[Rec]) -> list[tuple[Rec, OpCost, float, float]]:
+        """(record, its own cost, modelled time, HBM bytes) per op; collectives dropped when tp == 1. In a
+        fused kernel each op gets the kernel's time and traffic in proportion to its own cost."""
         recs = [r for r in recs if self.tp > 1 or r.op != "all_reduce"]
         if not self.compiled:
             out = []
             for r in recs:
                 c = self.op(r, "eager")
-                out.append((r, c, c.time_s + (self.t.launch_s if c.engine == "collective" else 0.0)))
+                out.append((r, c, c.time_s + (self.t.launch_s if c.engine == "collective" else 0.0), c.bytes))
             return out
         costs = [self.op(r, "fused") for r in recs]
         groups = self.groups(recs, costs)
@@ -197,10 +198,11 @@ class _Coster:
         for i, r in enumerate(recs):
             for t in r.in_ids:
                 consumers.setdefault(t, set()).add(owner[i])
-        out: list[tuple[Rec, OpCost, float]] = []
+        out: list[tuple[Rec, OpCost, float, float]] = []
         for g, idx in enumerate(groups):
             if costs[idx[0]].engine == "collective":
-                out.append((recs[idx[0]], costs[idx[0]], costs[idx[0]].time_s))
+                c = costs[idx[0]]
+                out.append((recs[idx[0]], c, c.time_s, c.bytes))
                 continue
             made = {t for i in idx for t in recs[i].out_ids}
             ext = {t for i in idx for t in recs[i].in_ids} - made
@@ -212,7 +214,8 @@ class _Coster:
             weight = [max(costs[i].compute_s, costs[i].memory_s) for i in idx]
             total = sum(weight)
             for i, w in zip(idx, weight):
-                out.append((recs[i], costs[i], kt * (w / total if total else 1 / len(idx))))
+                share = w / total if total else 1 / len(idx)
+                out.append((recs[i], costs[i], kt * share, hbm * share))
         return out
 
     @staticmethod
@@ -301,8 +304,8 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
     """Cost a recorded step on `layout` under `plan`."""
     co = _Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled")
     micro = max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
-    ops = [OpTime(c.op if c.engine == "collective" else r.op, r.phase, c.engine, c.flops, c.bytes, t, c.bound,
-                  c.achieved, micro, _shapes(r)) for r, c, t in co.times(tr.recs)]
+    ops = [OpTime(c.op if c.engine == "collective" else r.op, r.phase, c.engine, c.flops, nbytes, t, c.bound,
+                  c.achieved, micro, _shapes(r)) for r, c, t, nbytes in co.times(tr.recs)]
     if plan.train and plan.recompute != "none":
         ops += [replace(o, phase="recompute") for o in ops if o.phase == "forward"
                 and (plan.recompute == "full" or o.op.startswith("_scaled_dot_product"))]
