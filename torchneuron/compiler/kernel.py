@@ -1,0 +1,181 @@
+"""Device kernels: code generation for the host by Inductor's CPU backend, and the zero-copy device boundary.
+
+A kernel's graph is rewritten from `neuron` to `cpu` and compiled by `compile_fx_inner`, exactly as Inductor
+compiles a CPU graph. At run time its neuron inputs enter as CPU views of the same memory (no copy), and the
+memory of its results is adopted by the neuron allocator (no copy; counted by
+torch.neuron.memory_allocated())."""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import _C
+from .cache import Cache, digest
+
+CPU = torch.device("cpu")
+_DEVICE_STR = re.compile(r"neuron(:\d+)?")
+ABI = 1  # bump when the meaning of a cache entry changes
+
+
+def host_view(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over the same memory as a neuron tensor (the neuron tensor must outlive it)."""
+    return _C._host_alias(t)
+
+
+def adopt(t: torch.Tensor, index: int) -> torch.Tensor:
+    """A neuron tensor that takes over the memory of a fresh CPU tensor (which is left empty)."""
+    return _C._adopt(t, index)
+
+
+def _on_host(a: Any) -> Any:
+    if isinstance(a, torch.device) and a.type == "neuron":
+        return CPU
+    if isinstance(a, str) and _DEVICE_STR.fullmatch(a):
+        return "cpu"
+    return a
+
+
+def to_host(gm: fx.GraphModule, example_inputs: list) -> list:
+    """Rewrite the graph (in place) to run on the host; returns CPU example inputs with the same metadata."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    fake_mode = detect_fake_mode(example_inputs)
+    with fake_mode:
+        inputs = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=CPU)
+                  if isinstance(x, torch.Tensor) and x.device.type == "neuron" else x for x in example_inputs]
+    for m in gm.modules():
+        if isinstance(m, fx.GraphModule):
+            for n in m.graph.nodes:
+                n.args = fx.node.map_aggregate(n.args, _on_host)
+                n.kwargs = fx.node.map_aggregate(n.kwargs, _on_host)
+            m.recompile()
+    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
+    return inputs
+
+
+def signature(inputs: list) -> list:
+    return [(tuple(x.shape), tuple(x.stride()), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor)
+            else repr(x) for x in inputs]
+
+
+def _target() -> dict:
+    from torch._inductor import config as inductor_config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    import torchneuron
+
+    cfg = torch.neuron.config()
+    return {"instance": cfg.instance.name, "chip": cfg.chip.name, "lnc": cfg.lnc,
+            "dtype_policy": cfg.dtype_policy,
+            "torch": torch.__version__, "torchneuron": torchneuron.__version__, "abi": ABI,
+            "threads": torch.get_num_threads(), "isa": str(pick_vec_isa()),
+            "inductor": digest(inductor_config.save_config_portable())}
+
+
+class Kernel:
+    """A compiled kernel, called boxed (a list of arguments, consumed) like Inductor's own compiled graphs."""
+
+    def __init__(self, call: Any, device_inputs: list[int], outputs: list[int | None]):
+        self.call, self.device_inputs, self.outputs = call, device_inputs, outputs
+        self._boxed_call = True
+
+    def __call__(self, args: list) -> list:
+        owners: dict[int, torch.Tensor] = {}  # storage address -> neuron tensor holding that memory
+        for i in self.device_inputs:
+            t = args[i]
+            owners[t.untyped_storage().data_ptr()] = t
+            args[i] = host_view(t)
+        outs = self.call(args)
+        return _to_device(outs, self.outputs, owners)
+
+
+def _to_device(outs: list, devices: list[int | None], owners: dict[int, torch.Tensor]) -> list:
+    """Results onto the device: views of input memory stay views, fresh memory is adopted once per storage
+    (memory that something else still references is copied first)."""
+    storages = [o.untyped_storage() if d is not None and isinstance(o, torch.Tensor) else None
+                for o, d in zip(outs, devices)]
+    sharing: dict[int, int] = {}
+    for s in storages:
+        if s is not None:
+            sharing[s.data_ptr()] = sharing.get(s.data_ptr(), 0) + 1
+    res = []
+    for o, d, s in zip(outs, devices, storages):
+        if s is None:
+            res.append(o)
+            continue
+        ptr = s.data_ptr()
+        base = owners.get(ptr)
+        if base is None:
+            if s.nbytes() == 0:
+                res.append(torch.empty_strided(o.shape, o.stride(), dtype=o.dtype,
+                                               device=torch.device("neuron", d)))
+                continue
+            if torch._C._storage_Use_Count(s._cdata) > sharing[ptr] + 1:
+                o = o.clone()  # memory shared with something outside this kernel's results
+            base = owners[ptr] = adopt(o, d)
+            res.append(base)
+            continue
+        res.append(torch.empty(0, dtype=o.dtype, device=base.device).set_(
+            base.untyped_storage(), o.storage_offset(), o.shape, o.stride()))
+    return res
+
+
+@dataclass
+class Compiled:
+    kernel: Kernel
+    output_strides: list
+    cache_hit: bool
+    seconds: float
+    source: str
+
+
+def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner_kwargs: dict) -> Compiled:
+    """Compile one kernel graph (neuron, after the passes) through Inductor for the host, or load it from the
+    cache."""
+    from torch._inductor.codecache import PyCodeCache
+
+    start = time.perf_counter()
+    out_vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in gm.graph.output_node().args[0]]
+    outputs = [v.device.index if isinstance(v, torch.Tensor) and v.device.type == "neuron" else None
+               for v in out_vals]
+    device_inputs = [i for i, x in enumerate(example_inputs)
+                     if isinstance(x, torch.Tensor) and x.device.type == "neuron"]
+    inputs = to_host(gm, example_inputs)
+    visible = gm.graph.output_node().meta.get("user_visible_output_idxs")
+    key = digest({"graph": gm.code, "inputs": signature(inputs), "target": _target(), "visible": visible,
+                  "kwargs": {k: inner_kwargs.get(k) for k in ("is_backward", "is_inference")}})
+    with cache.inductor_dir():
+        entry = cache.load(key)
+        if entry is not None:
+            call = PyCodeCache.load(entry["source"]).call
+            strides = [tuple(s) if s is not None else None for s in entry["output_strides"]]
+            source = entry["source"]
+        else:
+            call, strides, source = _inductor(gm, inputs, inner_kwargs)
+            if call is None:
+                call = PyCodeCache.load(source).call
+                cache.store(key, {"graph": gm.code, "source": source, "output_strides": strides})
+    return Compiled(Kernel(call, device_inputs, outputs), strides, entry is not None,
+                    time.perf_counter() - start, source)
+
+
+def _inductor(gm: fx.GraphModule, inputs: list, inner_kwargs: dict) -> tuple[Any, list, str]:
+    """Inductor's CPU compile of a host graph, with Inductor's pickling FX-graph cache off (ours stores text).
+    Returns (a callable, or None when the module reloads from its source; output strides; source)."""
+    from torch._guards import TracingContext
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import BoxedBool
+
+    kwargs = {k: v for k, v in inner_kwargs.items() if k in ("graph_id", "is_inference", "is_backward")}
+    with inductor_config.patch(fx_graph_cache=False), TracingContext.report_output_strides():
+        compiled = compile_fx_inner(gm, inputs, cudagraphs=BoxedBool(False), static_input_idxs=[], **kwargs)
+    strides = [None if s is None else tuple(int(x) for x in s) for s in compiled.output_strides or []]
+    constants = getattr(compiled, "constants", None)
+    return (compiled.current_callable if constants else None), strides, compiled.source_code

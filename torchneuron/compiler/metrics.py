@@ -1,0 +1,30 @@
+"""Per-graph compile metrics of `torch.compile(backend="neuron")`, read by
+`torch.neuron.get_dynamo_metrics()`.
+
+One row per compiled graph and input signature: name, node count, compile time, whether every kernel came from
+the on-disk cache, how many earlier compiles the same graph had in this process (recompiles), the graph break
+that ended it, and any fallback taken. `reset()` clears the rows; recompile counts are facts of the process
+and stay."""
+from __future__ import annotations
+
+import copy
+import threading
+
+_LOCK = threading.Lock()
+_ROWS: list[dict] = []
+
+
+def record(row: dict) -> None:
+    with _LOCK:
+        _ROWS.append(row)
+
+
+def get() -> list[dict]:
+    """A copy of all rows since the last reset, oldest first."""
+    with _LOCK:
+        return copy.deepcopy(_ROWS)
+
+
+def reset() -> None:
+    with _LOCK:
+        _ROWS.clear()
