@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..hardware.chips import GPU_INSTANCES, INSTANCES, LARGEST_INSTANCE, Chip
+from ..hardware.chips import CHIPS, GPU_INSTANCES, INSTANCES, LARGEST_INSTANCE, Chip
 from .ops import OpCost, Target, collective_cost, kernel_time, op_cost, target
 from .trace import Rec, Trace, trace
 
@@ -134,7 +134,8 @@ class EstimateResult:
 
     def summary(self) -> str:
         per = {"train": "training step", "forward": "forward pass", "decode": "decode step"}[self.mode]
-        lines = [f"{per} on {self.cores} x {self.target} core{'s' if self.cores > 1 else ''} "
+        kind = "core" if self.target in CHIPS else "GPU"
+        lines = [f"{per} on {self.cores} x {self.target} {kind}{'s' if self.cores > 1 else ''} "
                  f"({self.instance}, dp={self.dp} tp={self.tp}, {self.execution}): "
                  f"{_ms(self.step_time_s)}, {self.items_per_s:,.0f} {self.unit}/s, MFU {self.mfu:.1%}"]
         if self.cost_per_hour is not None:

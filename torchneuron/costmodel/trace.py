@@ -202,14 +202,15 @@ class FusedAttention(TorchFunctionMode):
 
 
 def _loss(out: Any) -> torch.Tensor:
+    """What backward starts from: a `loss` attribute (Hugging Face), else the first scalar among the outputs
+    (e.g. (logits, loss)), else the sum of the first floating output."""
     loss = getattr(out, "loss", None)
     if loss is not None:
         return loss
-    first = getattr(out, "logits", None)
-    if first is None:
-        leaves = pytree.tree_leaves(out)
-        first = next(t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point())
-    return first.sum()
+    leaves = [t for t in pytree.tree_leaves(getattr(out, "logits", out))
+              if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    scalars = [t for t in leaves if t.dim() == 0]
+    return scalars[0] if scalars else leaves[0].sum()
 
 
 def _count(inputs: Any) -> tuple[int, str]:
@@ -239,11 +240,16 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, train: bool = True,
         else:
             args, kwargs = ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)), {}
         rec = Recorder({id(p) for p in params.values()})
-        with FusedAttention(), rec, torch.enable_grad() if train else torch.no_grad():
-            out = torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
-            if train:
-                rec.phase = "backward"
-                _loss(out).backward()
+        was_training = model.training
+        model.train(train)  # no dropout when estimating inference
+        try:
+            with FusedAttention(), rec, torch.enable_grad() if train else torch.no_grad():
+                out = torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
+                if train:
+                    rec.phase = "backward"
+                    _loss(out).backward()
+        finally:
+            model.train(was_training)
     input_leaves = [t for t in pytree.tree_leaves(raw) if isinstance(t, torch.Tensor)] + _cache_leaves(raw)
     items, unit = _count(raw)
     placement = {i: rec.place.get(rec.base.get(i, i), "R") for i in rec.specs}

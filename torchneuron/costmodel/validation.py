@@ -2,7 +2,8 @@
 every case. docs/costmodel.md shows the table; tests/test_costmodel_validation.py recomputes it.
 
 Sources (aws-neuron/aws-neuron-sdk documentation, see docs/hardware.md): S25 the NKI matmul tutorial
-(docs commit 82231d6), S26 about-neuron/benchmarks/trn1/training_data_{decoder,encoder}.csv, S27
+(docs commit 82231d6), S40 tools/neuron-sys-tools/nccom-test.rst, S26
+about-neuron/benchmarks/trn1/training_data_{decoder,encoder}.csv, S27
 libraries/nxd-inference/tutorials/trn2-llama3.3-70b-tutorial.rst, S28 the 405B speculative-decoding
 tutorial next to it.
 """
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import presets
-from .estimate import estimate
+from .estimate import Layout, estimate
 from .ops import op_cost
 
 BOUND = 0.30  # the aim: |modelled / published - 1| <= 30% on every case
@@ -62,6 +63,12 @@ def _bert_large_train() -> float:
     return r.items_per_s / 128
 
 
+def _allreduce_two_instances() -> float:
+    """S40: nccom-test all-reduce of 1 GiB (fp32) over 64 ranks on two trn1.32xlarge (the intra-instance
+    efficiency in chips.py comes from a different row of the same page: 2 ranks, one instance)."""
+    return Layout.of("trn1.32xlarge").collective("all_reduce", 2**30, 64).time_s * 1e3
+
+
 def _decode(name: str, context: int) -> float:
     """Batch 1, BF16, TP=64 at LNC=2 on one trn2.48xlarge, 10,000 input tokens and ~1,500-1,800 generated:
     the cache holds the prompt plus half the generated tokens on average."""
@@ -74,6 +81,8 @@ def _decode(name: str, context: int) -> float:
 CASES = (
     Case("bf16 matmul [4096,8192]x[8192,8192]", "trn1, one NeuronCore, tuned NKI kernel", "ms", 6.97,
          "S25 NKI matmul tutorial (P99)", _matmul),
+    Case("all-reduce 1 GiB, 64 ranks", "2x trn1.32xlarge, NeuronLink + EFA", "ms", 41.806,
+         "S40 nccom-test guide (example output)", _allreduce_two_instances),
     Case("Llama-3.1-8B pre-training", "32x trn1.32xlarge, TP32 DP32, seq 8192, GBS 1024", "seq/s", 47.95,
          "S26 training_data_decoder.csv (SDK 2.24)", _llama8b_train),
     Case("BERT-Large phase-1 pre-training", "1x trn1.32xlarge, DP32, mb 16, seq 128", "seq/s", 3836.47,
