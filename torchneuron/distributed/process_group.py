@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -86,26 +87,33 @@ def _future(work: dist.Work) -> torch.futures.Future:
 class Work(dist._Work):
     """A collective in flight. Its future resolves to the caller's tensors (keeping their memory alive until
     gloo is done) after any finishing step (AVG's division); wait() and the future raise an error naming the
-    collective."""
+    collective. It holds its group weakly: were gloo's own thread to drop the last reference, the group's
+    destructor would join that thread from itself."""
 
     def __init__(self, pg: ProcessGroupNeuron, name: str, futs: Sequence[torch.futures.Future], result: Any,
                  finish: Callable[[], None] | None = None, source: dist.Work | None = None):
         super().__init__()
-        self._result, self._source = result, source
+        self._result, self._source, self._error = result, source, []
+        group, error = weakref.ref(pg), self._error
 
         def done(_: torch.futures.Future) -> Any:
             try:
                 for f in futs:
                     f.wait()
             except Exception as e:
-                raise pg._failure(name, e) from e
+                pg = group()
+                error.append(pg._failure(name, e) if pg else dist.DistBackendError(f"neuron: {name}: {e}"))
+                raise error[0] from e
             if finish is not None:
                 finish()
             return result
         self._fut = torch.futures.collect_all(list(futs)).then(done)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        self._fut.wait()
+        try:
+            self._fut.wait()
+        except RuntimeError as e:  # the future wraps our error; raise it as itself
+            raise (self._error[0] if self._error else e) from None
         return True
 
     def get_future(self) -> torch.futures.Future:

@@ -1,0 +1,113 @@
+"""Faults on the neuron backend: a rank that dies (before or during a transfer) or hangs makes the others fail
+within the process-group timeout with an error naming the collective; ranks that disagree on a collective
+(shapes, dtypes, op, root, all-to-all splits) all get a clear error, and the group keeps working after it."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import init, launch
+
+pytestmark = pytest.mark.slow
+TIMEOUT = 8  # seconds: the process-group timeout in these tests
+
+
+def _outcome(fn: Any) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        fn()
+        return {"error": None, "seconds": time.monotonic() - t0}
+    except Exception as e:  # noqa: BLE001  (the test inspects it)
+        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - t0}
+
+
+def killed(when: str) -> dict[str, Any]:
+    r, n = init(timeout=TIMEOUT)
+    dev = torch.device("neuron", torch.neuron.current_device())
+    dist.all_reduce(torch.ones(4, device=dev))  # everyone is connected
+    big = torch.ones(16 << 20, device=dev)
+    if r == 1:
+        if when == "during":  # start the transfer, then die in the middle of it
+            dist.all_reduce(big, async_op=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _outcome(lambda: dist.all_reduce(big, async_op=True).wait() if when == "during"
+                    else dist.all_reduce(torch.ones(4, device=dev)))
+
+
+def hung() -> dict[str, Any]:
+    r, _ = init(timeout=TIMEOUT)
+    dev = torch.device("neuron", torch.neuron.current_device())
+    dist.barrier()
+    if r == 1:
+        time.sleep(TIMEOUT + 6)  # never joins the all_gather below
+        os._exit(0)
+    out = torch.empty(8, device=dev)
+    return _outcome(lambda: dist.all_gather_into_tensor(out, torch.ones(4, device=dev)))
+
+
+def mismatched() -> dict[str, Any]:
+    r, n = init(timeout=TIMEOUT)
+    dev = torch.device("neuron", torch.neuron.current_device())
+    big = 1 + (r == n - 1)  # the last rank's buffers are larger
+    cases = {
+        "shape": lambda: dist.all_reduce(torch.ones(3, big, device=dev)),
+        "dtype": lambda: dist.broadcast(torch.ones(4, device=dev, dtype=torch.float32 if big == 1 else
+                                                   torch.bfloat16), 0),
+        "op": lambda: dist.all_reduce(torch.ones(2, device=dev), op=dist.ReduceOp.MAX if big == 1 else
+                                      dist.ReduceOp.SUM),
+        "collective": lambda: dist.all_reduce(torch.ones(2, device=dev)) if big == 1 else
+        dist.broadcast(torch.ones(2, device=dev), 0),
+        "root": lambda: dist.broadcast(torch.ones(2, device=dev), src=big - 1),
+        "splits": lambda: dist.all_to_all_single(torch.empty(n * big, device=dev), torch.ones(n, device=dev)),
+    }
+    out = {name: _outcome(fn) for name, fn in cases.items()}
+    t = torch.full((2,), float(r), device=dev)
+    dist.all_reduce(t)  # the group still works
+    out["after"] = t
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("when", ["between", "during"])
+def test_killed_rank_fails_the_others(when: str) -> None:
+    ranks = launch("test_distributed_faults.py::killed", 3, when, allow_fail=(1,))
+    assert ranks[1] is None
+    for r in (ranks[0], ranks[2]):
+        assert r["error"] and "all_reduce failed" in r["error"] and "DistBackendError" in r["error"], r
+        assert r["seconds"] < TIMEOUT + 5, r
+
+
+def test_hung_rank_fails_the_others_at_the_timeout() -> None:
+    r = launch("test_distributed_faults.py::hung", 2, timeout=120)[0]
+    assert r["error"] and "all_gather_into_tensor failed" in r["error"] and f"timeout {TIMEOUT}s" in r["error"], r
+    assert TIMEOUT - 1 < r["seconds"] < TIMEOUT + 5, r
+
+
+@pytest.fixture(scope="module")
+def mismatches() -> list[dict[str, Any]]:
+    return launch("test_distributed_faults.py::mismatched", 3)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("shape", ["all_reduce", "float32[3, 1]", "float32[3, 2]"]),
+    ("dtype", ["broadcast", "float32[4]", "bfloat16[4]"]),
+    ("op", ["op MAX", "op SUM"]),
+    ("collective", ["all_reduce (collective", "broadcast (collective"]),
+    ("root", ["root 0", "root 1"]),
+    ("splits", ["all_to_all_single", "sends [1, 1, 1] elements", "receives [2, 2, 2]"]),
+])
+def test_ranks_that_disagree_all_get_a_clear_error(mismatches: list[dict[str, Any]], case: str,
+                                                   words: list[str]) -> None:
+    for r in mismatches:
+        err = r[case]["error"]
+        assert err and "ranks disagree" in err and all(w in err for w in words), err
+
+
+def test_group_works_after_a_mismatch(mismatches: list[dict[str, Any]]) -> None:
+    for r in mismatches:
+        assert r["after"].tolist() == [3.0, 3.0]  # 0 + 1 + 2
