@@ -1,0 +1,135 @@
+"""torchneuron.estimate: a step is the sum of its ops; large models from configs cost no memory or time."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import torchneuron
+from torchneuron.costmodel import presets
+from torchneuron.costmodel.estimate import estimate
+from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    cfg = GPTConfig(n_layer=2, n_embd=128, n_head=4, block_size=64)
+    x, y = gpt_batch(cfg, 8, torch.Generator().manual_seed(0))
+    return TinyGPT(cfg), (x, y)
+
+
+@pytest.mark.parametrize("mode", ["train", "forward"])
+@pytest.mark.parametrize("execution", ["compiled", "eager"])
+def test_small_gpt_step_is_the_sum_of_its_op_times(gpt, mode, execution):
+    model, inputs = gpt
+    r = estimate(model, inputs, target="trn2", mode=mode, execution=execution)
+    assert r.step_time_s == pytest.approx(sum(o.time_s * o.count for o in r.ops))
+    assert r.step_time_s == pytest.approx(sum(r.by("phase").values()))
+    assert r.items_per_step == 8 * 64 and r.unit == "tokens"
+    assert r.items_per_s == pytest.approx(r.items_per_step / r.step_time_s)
+    assert 0 < r.mfu < 1
+    phases = set(r.by("phase"))
+    assert phases == ({"forward", "backward", "optimizer"} if mode == "train" else {"forward"})
+    engines = {o.engine for o in r.ops}
+    assert {"tensor", "vector"} <= engines
+    assert r.cost_per_hour == pytest.approx(35.7608 / 64)  # one trn2 logical core, pro rata
+    assert r.cost_per_million == pytest.approx(r.cost_per_hour / (r.items_per_s * 3600) * 1e6)
+    assert model.training  # the user's model is left as it was
+
+
+def test_eager_pays_a_launch_per_op(gpt):
+    model, inputs = gpt
+    eager = estimate(model, inputs, mode="forward", execution="eager", compare=None)
+    compiled = estimate(model, inputs, mode="forward", compare=None)
+    kernels = sum(1 for o in eager.ops if o.engine != "none")
+    assert eager.step_time_s > compiled.step_time_s + kernels * 30e-6 * 0.9
+
+
+def test_comparison_uses_the_same_trace_on_an_h100(gpt):
+    model, inputs = gpt
+    r = estimate(model, inputs, target="trn2", mode="forward")
+    c = r.comparison
+    assert c.target == "h100" and c.instance == "p5.48xlarge" and c.cores == 1
+    assert c.cost_per_hour == pytest.approx(55.04 / 8)
+    assert {o.op for o in c.ops} == {o.op for o in r.ops}
+    assert "h100 GPU" in c.summary()
+
+
+def test_top_level_lazy_api():
+    assert torchneuron.estimate is estimate
+
+
+def _llama(name: str, layers: int | None = None):
+    overrides = {"num_hidden_layers": layers} if layers else {}
+    model = presets.hf_model(presets.config(name, **overrides))
+    assert all(p.is_meta for p in model.parameters())  # no weights, no memory
+    return model
+
+
+def test_llama_8b_training_estimate_under_a_minute():
+    model = _llama("llama-8b")
+    start = time.perf_counter()
+    r = estimate(model, presets.lm_inputs(model, seq=2048), target="trn2", tp=8, dp=8, dtype=torch.bfloat16,
+                 batch_tokens=512 * 2048)
+    assert time.perf_counter() - start < 60
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(8.03e9, rel=0.01)
+    assert r.micro_steps == 64 and r.items_per_step == 512 * 2048
+    assert 0.1 < r.mfu < 1
+    assert r.fits and r.memory["weights"] == pytest.approx(8.03e9 * 2 / 8, rel=0.01)
+    assert r.by("phase")["grad_sync"] > 0
+    assert any(o.engine == "collective" and o.phase == "forward" for o in r.ops)
+
+
+def test_llama_70b_estimates_under_a_minute():
+    model = _llama("llama-70b")
+    start = time.perf_counter()
+    bf16 = torch.bfloat16
+    train = estimate(model, presets.lm_inputs(model, seq=1024), tp=32, dp=2, dtype=bf16, compare=None)
+    decode = estimate(model, presets.lm_inputs(model, mode="decode", context=2048), mode="decode", tp=64,
+                      dtype=bf16, compare=None)
+    assert time.perf_counter() - start < 60
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(70.6e9, rel=0.01)
+    assert train.step_time_s > 0 and decode.unit == "tokens" and decode.items_per_step == 1
+    # decode reads every weight once per token: at least the HBM time of 1/64 of 141 GB at 725 GB/s per core
+    assert decode.step_time_s > 70.6e9 * 2 / 64 / 725e9
+
+
+def test_tensor_parallel_splits_matmuls_and_adds_two_reductions_per_layer():
+    model = _llama("llama-8b", layers=2)
+    inputs = presets.lm_inputs(model, seq=512, mode="forward")
+    one = estimate(model, inputs, mode="forward", dtype=torch.bfloat16, compare=None)
+    four = estimate(model, inputs, mode="forward", tp=4, dtype=torch.bfloat16, compare=None)
+    mm = lambda r: sum(o.flops for o in r.ops if o.op == "mm")
+    assert mm(four) == pytest.approx(mm(one) / 4)
+    # column-parallel q/k/v and gate/up need nothing; row-parallel o_proj and down_proj each need one
+    # all-reduce; so does the vocab-parallel embedding
+    assert sum(1 for o in four.ops if o.engine == "collective") == 2 * 2 + 1
+    assert not any(o.engine == "collective" for o in one.ops)
+
+
+def test_decode_time_grows_with_the_cache():
+    model = _llama("llama-8b", layers=2)
+    t = [estimate(model, presets.lm_inputs(model, mode="decode", context=n), mode="decode", tp=8,
+                  dtype=torch.bfloat16, compare=None).step_time_s for n in (1024, 65536)]
+    assert t[1] > t[0]
+
+
+def test_hugging_face_gpt2_from_a_small_config():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256))
+    ids = torch.zeros(2, 128, dtype=torch.long)
+    r = estimate(model, {"input_ids": ids, "labels": ids}, target="trn1")
+    assert r.items_per_step == 256 and r.step_time_s > 0
+    assert {"nll_loss_forward", "nll_loss_backward"} <= {o.op for o in r.ops}
+    assert r.comparison is not None and r.comparison.step_time_s > 0
+
+
+def test_bad_arguments_are_errors(gpt):
+    model, inputs = gpt
+    with pytest.raises(ValueError):
+        estimate(model, inputs, mode="serve")
+    with pytest.raises(ValueError):
+        estimate(model, inputs, target="trn2", instance="trn1.32xlarge")

@@ -1,0 +1,74 @@
+"""torchneuron.profiler: ops on neuron tensors with host and modelled device times, a Chrome / Perfetto trace,
+and a summary table."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import torchneuron
+from torchneuron.profiler import profile
+
+TRACE_KEYS = {"name", "ph", "ts", "dur", "pid", "tid"}
+
+
+def _check_trace(doc: dict) -> list[dict]:
+    """The JSON object form of the Chrome trace-event format that Perfetto imports."""
+    events = doc["traceEvents"]
+    assert isinstance(events, list) and events
+    for e in events:
+        assert TRACE_KEYS <= set(e), e
+        assert e["ph"] in ("X", "M")
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        assert e["ts"] >= 0 and e["dur"] >= 0
+    return [e for e in events if e["ph"] == "X"]
+
+
+def test_neuron_ops_are_recorded_with_modelled_device_time(tmp_path):
+    lin = torch.nn.Linear(64, 128).to("neuron")
+    x = torch.randn(32, 64, device="neuron")
+    host_only = torch.randn(8)
+    with torchneuron.profiler.profile(target="trn2") as prof:
+        y = torch.nn.functional.gelu(lin(x)).sum()
+        host_only * 2  # a CPU op: not recorded
+    assert y.device.type == "neuron"
+    names = [e.name for e in prof.events]
+    assert "aten::addmm" in names and "aten::gelu" in names and "aten::mul" not in names
+    mm = next(e for e in prof.events if e.name == "aten::addmm")
+    assert mm.device == "neuron:0" and mm.cost.engine == "tensor" and mm.host_ns > 0
+    assert mm.cost.flops == 2 * 32 * 64 * 128
+    # one device queue: each op starts after the previous one ends
+    timed = [e for e in prof.events if e.device_s > 0]
+    assert all(b.device_start_s >= a.device_start_s + a.device_s - 1e-12 for a, b in zip(timed, timed[1:]))
+
+    path = prof.export_chrome_trace(tmp_path / "trace.json")
+    spans = _check_trace(json.loads(path.read_text()))
+    device = [e for e in spans if e["pid"] >= 2]
+    assert {e["name"] for e in device} >= {"aten::addmm", "aten::gelu"}
+    assert {"bound", "achieved", "flops", "bytes"} <= set(device[0]["args"])
+
+
+def test_cpu_profiling_and_summary_table():
+    a = torch.randn(256, 256)
+    with profile(device="cpu", target="trn1") as prof:
+        b = torch.relu(a @ a)
+        b.sum()
+    rows = {r["op"]: r for r in prof.table()}
+    assert rows["aten::mm"]["engine"] == "tensor" and rows["aten::mm"]["calls"] == 1
+    assert rows["aten::relu"]["engine"] == "scalar"
+    assert rows["aten::sum"]["engine"] == "vector"
+    tot = prof.totals()
+    assert tot["device_s"] == pytest.approx(sum(r["device_s"] for r in rows.values()))
+    text = prof.summary()
+    assert "modelled trn1 device" in text
+    for col in ("op", "calls", "host ms", "device ms", "engine", "bound", "achieved"):
+        assert col in text
+    assert text.index("aten::mm") < text.index("aten::relu")  # sorted by device time (mm is the largest)
+    _check_trace(prof.chrome_trace())
+
+
+def test_all_devices():
+    with profile(device=None, target="trn2") as prof:
+        torch.ones(4) + 1
+    assert [e.name for e in prof.events] == ["aten::ones", "aten::add"]
