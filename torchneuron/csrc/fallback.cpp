@@ -261,13 +261,13 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   bool rounded = false;
   auto apply_rules = [&](const at::Tensor& host) {
-    if (!trainium || e->exact) return;
-    if (is_fp64(host)) round_to_fp32(host), rounded = true;
+    if (!trainium) return;
+    if (is_fp64(host) && !e->exact) round_to_fp32(host), rounded = true;
     check_int64_range(*e, host);
   };
   for (auto& [dev, alias] : written) {
+    apply_rules(alias);  // before sync_written: it may move the alias's memory into the device tensor
     sync_written(dev, alias);
-    apply_rules(alias);
   }
 
   // Map the results back onto the device: written arguments, views of inputs, or fresh (adopted) memory.
@@ -323,6 +323,27 @@ void note_host_to_device(const at::Tensor& host) {
     }
   }
   check_int64_range(copy_in, host);
+}
+
+int route_to_cpu_kernels() {
+  static std::unique_ptr<torch::Library> lib;
+  if (lib) return -1;
+  lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  int n = 0;
+  auto& d = c10::Dispatcher::singleton();
+  for (const auto& name : d.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    auto op = d.findOp(name);
+    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)))
+      continue;
+    std::string n_ = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+    lib->impl(n_.c_str(), torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
+    ++n;
+  }
+  return n;
 }
 
 std::vector<std::pair<std::string, int64_t>> executed_ops() {

@@ -33,6 +33,13 @@ std::array<std::atomic<StreamId>, 128> g_next_stream{};  // per device; ids > 2*
 std::array<std::atomic<int>, 128> g_pool_cursor{};
 thread_local std::array<StreamId, 128> t_stream{};  // current stream per device, 0 = default stream
 
+// A device without an index (torch.Stream(device="neuron")) means the current device.
+DeviceIndex index_of(Device d) {
+  DeviceIndex i = d.index() < 0 ? current_device() : d.index();
+  check_device_index(i);
+  return i;
+}
+
 struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   c10::DeviceType type() const override { return kNeuron; }
 
@@ -51,16 +58,19 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
 
   Stream make(DeviceIndex dev, StreamId id) const { return Stream(Stream::UNSAFE, Device(kNeuron, dev), id); }
-  Stream getStream(Device d) const override { return make(d.index(), t_stream[d.index()]); }
-  Stream getDefaultStream(Device d) const override { return make(d.index(), 0); }
+  Stream getStream(Device d) const override {
+    DeviceIndex i = index_of(d);
+    return make(i, t_stream[i]);
+  }
+  Stream getDefaultStream(Device d) const override { return make(index_of(d), 0); }
   Stream getStreamFromGlobalPool(Device d, bool high) const override {
-    check_device_index(d.index());
-    int slot = g_pool_cursor[d.index()]++ % kPoolSize;
-    return make(d.index(), 1 + slot + (high ? kPoolSize : 0));
+    DeviceIndex i = index_of(d);
+    int slot = g_pool_cursor[i]++ % kPoolSize;
+    return make(i, 1 + slot + (high ? kPoolSize : 0));
   }
   Stream getNewStream(Device d, int priority) const override {
-    check_device_index(d.index());
-    return make(d.index(), 1 + 2 * kPoolSize + g_next_stream[d.index()]++);
+    DeviceIndex i = index_of(d);
+    return make(i, 1 + 2 * kPoolSize + g_next_stream[i]++);
   }
   Stream exchangeStream(Stream s) const override {
     check_device_index(s.device_index());

@@ -184,7 +184,30 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
   return {input.mul(mask).mul_(scale), mask};
 }
 
+// ATen's dropout takes the fused native_dropout on every accelerator but uses plain bernoulli-and-multiply on the
+// CPU. The neuron device follows the CPU's arithmetic (same draws, same rounding, same gradient), so training runs
+// match the CPU bit for bit. Registered at the autograd level: the ops below are recorded like any other.
+template <bool inplace>
+at::Tensor dropout_like_cpu(const at::Tensor& input, double p, bool train) {
+  TORCH_CHECK(p >= 0 && p <= 1, "dropout probability has to be between 0 and 1, but got ", p);
+  if (p == 0 || !train || input.sym_numel() == 0) return input;
+  at::Tensor noise = p == 1 ? at::zeros({}, input.options()) : at::empty_like(input).bernoulli_(1 - p);
+  if (p != 1) noise.div_(1 - p);
+  return inplace ? input.mul_(noise) : input.mul(noise);
+}
+
+at::Tensor dropout(const at::Tensor& input, double p, bool train) { return dropout_like_cpu<false>(input, p, train); }
+at::Tensor& dropout_(at::Tensor& input, double p, bool train) {
+  dropout_like_cpu<true>(input, p, train);
+  return input;
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("dropout", dropout);
+  m.impl("dropout_", dropout_);
+}
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", empty_memory_format);
@@ -205,6 +228,17 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("convolution_overrideable", convolution);
   m.impl("convolution_backward_overrideable", convolution_backward);
   m.impl("native_dropout", native_dropout);
+}
+
+// Our copies carry conj/neg bits onto the CPU aliases, where ATen's CPU copy resolves them; without these the
+// Conjugate/Negative fallbacks would materialise the source with a clone, which copies, which recurses.
+TORCH_LIBRARY_IMPL(aten, Conjugate, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+}
+TORCH_LIBRARY_IMPL(aten, Negative, m) {
+  m.impl("_copy_from", torch::CppFunction::makeFallthrough());
+  m.impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
 }
 
 }  // namespace torchneuron

@@ -15,6 +15,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_init", [](const std::vector<int64_t>& capacities) {
     configure_devices(capacities);
     register_hooks();
+    return route_to_cpu_kernels();
   }, "Configure the modelled devices (one capacity in bytes per visible logical core) and register the hooks.");
   m.def("_set_policies", [](int dtype, int fallback) {
     set_policies(static_cast<DtypePolicy>(dtype), static_cast<FallbackPolicy>(fallback));

@@ -46,6 +46,10 @@ void set_op_tables(const std::vector<std::string>& native, const std::vector<std
 void note_executed(const char* name);              // an explicit kernel ran on the device
 void note_host_to_device(const at::Tensor& host);  // data entered the device: apply the dtype policy
 void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// Ops with both a CPU kernel and a device-generic composite kernel would take the composite on `neuron`
+// (a different algorithm, different rounding, and an extra out= round trip). Route them to the CPU kernel
+// through the fallback instead, so the device computes exactly what the CPU does. Returns how many.
+int route_to_cpu_kernels();
 // (name, count) pairs
 std::vector<std::pair<std::string, int64_t>> executed_ops();
 std::vector<std::pair<std::string, int64_t>> fallback_ops();

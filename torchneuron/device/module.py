@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from typing import Any
 
@@ -42,8 +43,42 @@ def register() -> None:
     torch._register_device_module("neuron", sys.modules[__package__])  # torchneuron.device is torch.neuron
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+    _keep_parameters_on_conversion()
     if cfg.local_rank is not None:  # under torchrun each rank starts on its own logical core
         torch._C._accelerator_hooks_set_current_device(cfg.local_rank)
+
+
+def _keep_parameters_on_conversion() -> None:
+    """Make `module.to("neuron")` keep parameter identity and weight tying, as it does for CUDA.
+
+    PyTorch swaps a parameter's data in place only between "dense" backends, a list that leaves PrivateUse1 out, so
+    a plain `.to("neuron")` would make new Parameter objects: tied weights come apart and optimizers built before
+    the move lose their parameters. Conversions that cross the neuron boundary use PyTorch's own tensor-swapping
+    path (torch.__future__.set_swap_module_params_on_conversion) instead; all others are left untouched.
+    """
+    Module = torch.nn.Module
+
+    def crosses(module: torch.nn.Module, target: torch.device | None) -> bool:
+        if target is None:
+            return False
+        into = target.type == "neuron"
+        return any((t.device.type == "neuron") != into for t in (*module.parameters(), *module.buffers()))
+
+    def crossing(convert, target_of):
+        @functools.wraps(convert)
+        def wrapper(self, *args, **kwargs):
+            if torch.__future__.get_swap_module_params_on_conversion() or not crosses(self, target_of(args, kwargs)):
+                return convert(self, *args, **kwargs)
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                return convert(self, *args, **kwargs)
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(False)
+        return wrapper
+
+    Module.to = crossing(Module.to, lambda a, k: torch._C._nn._parse_to(*a, **k)[0])
+    Module.cpu = crossing(Module.cpu, lambda a, k: torch.device("cpu"))
+    Module.neuron = crossing(Module.neuron, lambda a, k: torch.device("neuron"))
 
 
 def is_available() -> bool:

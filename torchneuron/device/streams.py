@@ -81,7 +81,8 @@ def current_stream(device: _device_t = None) -> Stream:
 
 
 def default_stream(device: _device_t = None) -> Stream:
-    return Stream(stream_id=0, device_index=_checked(device), device_type=torch.device("neuron").type)
+    s = torch.accelerator.current_stream(_checked(device))
+    return Stream(stream_id=0, device_index=s.device_index, device_type=s.device_type)
 
 
 def set_stream(stream: torch.Stream) -> None:

@@ -1,0 +1,113 @@
+"""Runs PyTorch's OpInfo samples on `neuron` against CPU, the way PyTorch's test_compare_cpu does.
+
+Samples are made on the device; each is copied to the CPU and the op runs on both. Random ops are compared
+exactly: both devices use the same mt19937 engine, so seeding both identically before each run must give the
+same numbers.
+"""
+from __future__ import annotations
+
+import unittest
+
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.testing._internal.opinfo.core import DecorateInfo
+
+
+def op_id(op) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+OPS = {op_id(op): op for op in op_db}
+
+
+def pytorch_skips_compare_cpu(op) -> bool:
+    """OpInfo entries that PyTorch itself excludes from test_compare_cpu (e.g. ops returning uninitialised memory)."""
+    for d in op.decorators:
+        if isinstance(d, DecorateInfo) and d.cls_name in (None, "TestCommon") and d.test_name == "test_compare_cpu":
+            if any(getattr(x, "__name__", "") in ("skip", "decorator") or x is unittest.expectedFailure
+                   for x in d.decorators):
+                return True
+    return False
+
+
+def to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().requires_grad_(x.requires_grad) if x.is_neuron else x
+    if isinstance(x, torch.device) and x.type == "neuron":
+        return torch.device("cpu")
+    if isinstance(x, str) and x.startswith("neuron"):
+        return "cpu"
+    return x
+
+
+def run_seeded(fn, seed: int = 1234):
+    torch.manual_seed(seed)  # seeds the CPU and every neuron generator
+    return fn()
+
+
+def compare_forward(op, dtype: torch.dtype, atol: float, rtol: float) -> int:
+    """Compare every sample; return how many were compared. Raises AssertionError on the first mismatch."""
+    n = 0
+    for sample in op.sample_inputs("neuron", dtype, requires_grad=False):
+        cpu_sample = sample.transform(to_cpu)
+        dev = run_seeded(lambda: op(sample.input, *sample.args, **sample.kwargs))
+        ref = run_seeded(lambda: op(cpu_sample.input, *cpu_sample.args, **cpu_sample.kwargs))
+        dev = sample.output_process_fn_grad(dev)
+        ref = cpu_sample.output_process_fn_grad(ref)
+        torch.testing.assert_close(to_cpu_tree(dev), ref, atol=atol, rtol=rtol, equal_nan=True,
+                                   check_device=False, msg=lambda m: f"{op_id(op)} sample {n}: {m}")
+        n += 1
+    return n
+
+
+def to_cpu_tree(x):
+    if isinstance(x, torch.Tensor):
+        assert x.device.type in ("neuron", "cpu"), x.device
+        return x.detach().cpu() if x.is_neuron else x.detach()
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_cpu_tree(v) for v in x) if not hasattr(x, "_fields") else type(x)(*map(to_cpu_tree, x))
+    return x
+
+
+def _grad_inputs(sample):
+    ts = [sample.input] + list(sample.args) + list(sample.kwargs.values())
+    out = []
+    for t in ts:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            out.append(t)
+        elif isinstance(t, (list, tuple)):
+            out.extend(x for x in t if isinstance(x, torch.Tensor) and x.requires_grad)
+    return out
+
+
+def _sum_outputs(out):
+    if isinstance(out, torch.Tensor):
+        return out.sum() if out.is_floating_point() or out.is_complex() else None
+    parts = [_sum_outputs(o) for o in (out if isinstance(out, (list, tuple)) else [])]
+    parts = [p for p in parts if p is not None and p.requires_grad]
+    return sum(parts) if parts else None
+
+
+def compare_backward(op, dtype: torch.dtype, atol: float, rtol: float) -> bool:
+    """Gradients of sum(outputs) for the first sample with differentiable outputs; False if none applies."""
+    for sample in op.sample_inputs("neuron", dtype, requires_grad=True):
+        cpu_sample = sample.transform(to_cpu)
+        dev_out = run_seeded(lambda: sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs)))
+        cpu_out = run_seeded(lambda: cpu_sample.output_process_fn_grad(
+            op(cpu_sample.input, *cpu_sample.args, **cpu_sample.kwargs)))
+        dl, cl = _sum_outputs(dev_out), _sum_outputs(cpu_out)
+        di, ci = _grad_inputs(sample), _grad_inputs(cpu_sample)
+        if dl is None or cl is None or not di:
+            continue
+        if dl.is_complex():
+            dl, cl = dl.abs(), cl.abs()
+        dg = torch.autograd.grad(dl, di, allow_unused=True)
+        cg = torch.autograd.grad(cl, ci, allow_unused=True)
+        for a, b in zip(dg, cg):
+            if a is None or b is None:
+                assert a is None and b is None, f"{op_id(op)}: gradient defined on one device only"
+                continue
+            torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True,
+                                       msg=lambda m: f"{op_id(op)} backward: {m}")
+        return True
+    return False

@@ -1,0 +1,92 @@
+"""Op tracking and the host-fallback policy; the fallback's in-place, out= and view semantics."""
+import warnings
+
+import pytest
+import torch
+
+import torchneuron
+from conftest import run_py
+
+
+def test_native_ops_are_counted():
+    a = torch.randn(8, 8, device="neuron")
+    torchneuron.clear_op_tracking()
+    (a @ a).relu().sum()
+    ops = torchneuron.get_executed_ops()
+    assert ops["aten::mm"] == 1 and ops["aten::relu"] == 1 and ops["aten::sum"] == 1
+    assert torchneuron.get_fallback_ops() == {}
+
+
+def test_fallback_ops_warn_once_and_are_counted():
+    a = torch.randn(6, 6, device="neuron")
+    with pytest.warns(UserWarning, match="aten::linalg_qr is not a native neuron op"):
+        torch.linalg.qr(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.linalg.qr(a)
+    assert torchneuron.get_fallback_ops()["aten::linalg_qr"] == 2
+    torchneuron.clear_op_tracking()
+    assert torchneuron.get_fallback_ops() == {}
+
+
+def test_fallback_error_policy_names_the_op():
+    torchneuron.set_policies(fallback_policy="error")
+    a = torch.randn(4, 4, device="neuron")
+    with pytest.raises(NotImplementedError, match="aten::linalg_qr is not a native neuron op"):
+        torch.linalg.qr(a)
+    assert (a @ a).is_neuron  # native ops still run
+    p = run_py("import torch; torch.linalg.qr(torch.randn(3, 3, device='neuron'))",
+               {"TORCHNEURON_FALLBACK": "error"}, check=False)
+    assert p.returncode != 0 and "TORCHNEURON_FALLBACK=error" in p.stderr
+
+
+def test_silent_policy(no_warnings):
+    torchneuron.set_policies(fallback_policy="silent")
+    torch.linalg.qr(torch.randn(3, 3, device="neuron"))
+    assert torchneuron.get_fallback_ops()["aten::linalg_qr"] == 1
+
+
+def test_in_place_out_and_views_share_device_memory():
+    a = torch.zeros(4, 4, device="neuron")
+    v = a[1]  # a view
+    v.add_(3)  # in-place through the fallback, on the view
+    assert a.sum().item() == 12
+    out = torch.empty(4, 4, device="neuron")
+    r = torch.mul(a, 2, out=out)
+    assert r.data_ptr() == out.data_ptr() and out.sum().item() == 24
+    d = a.diagonal()
+    d.fill_(1)
+    assert a.trace().item() == 4
+    u = a.unfold(0, 2, 1)
+    assert u.data_ptr() == a.data_ptr() and u.is_neuron
+
+
+def test_out_argument_resized_by_the_kernel():
+    out = torch.empty(0, device="neuron")
+    torch.add(torch.ones(3, device="neuron"), 1, out=out)
+    assert out.shape == (3,) and out.sum().item() == 6
+    base = torch.neuron.memory_allocated()
+    out2 = torch.empty(2, device="neuron")
+    torch.cat([torch.ones(500, device="neuron")] * 4, out=out2)
+    assert out2.shape == (2000,) and out2.sum().item() == 2000
+    assert torch.neuron.memory_allocated() - base >= 2000 * 4
+    m = torch.empty(5, device="neuron")
+    torch.ops.aten.mse_loss.out(torch.ones(3, device="neuron"), torch.zeros(3, device="neuron"), 1, out=m)
+    assert m.shape == () and m.item() == 1.0
+
+
+def test_multiple_outputs_and_complex():
+    x = torch.randn(5, 7, device="neuron")
+    vals, idx = x.sort(dim=1)
+    ref_v, ref_i = x.cpu().sort(dim=1)
+    assert torch.equal(vals.cpu(), ref_v) and torch.equal(idx.cpu(), ref_i)
+    c = torch.randn(8, dtype=torch.complex64, device="neuron")
+    f = torch.fft.fft(c)
+    assert torch.allclose(f.cpu(), torch.fft.fft(c.cpu()), atol=1e-5)
+    assert torch.equal(c.conj().cpu(), c.cpu().conj())
+    assert torch.equal(torch.view_as_real(c).cpu(), torch.view_as_real(c.cpu()))
+
+
+def test_sparse_is_a_clear_not_implemented():
+    with pytest.raises(NotImplementedError):
+        torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (2,)).to("neuron")

@@ -1,0 +1,70 @@
+"""Several logical cores in one process: device guard, cross-device copies, and clear errors."""
+import pytest
+import torch
+import torch.nn as nn
+
+
+def test_ops_stay_on_their_device():
+    a = torch.randn(4, 4, device="neuron:3")
+    b = (a @ a).relu() + 1
+    assert b.device == torch.device("neuron:3")
+    assert torch.neuron.current_device() == 0  # the guard restored the current device
+
+
+def test_copies_between_devices_and_host():
+    a = torch.arange(6.0).reshape(2, 3)
+    d1 = a.to("neuron:1")
+    d2 = d1.to("neuron:2")
+    assert d2.device.index == 2 and torch.equal(d2.cpu(), a)
+    d2.t().contiguous()  # non-contiguous source
+    d3 = torch.empty(3, 2, device="neuron:3").copy_(d1.t())
+    assert torch.equal(d3.cpu(), a.t())
+    h = torch.empty(3, 2).copy_(d3)
+    assert torch.equal(h, a.t())
+
+
+def test_device_context_manager():
+    with torch.neuron.device(2):
+        assert torch.randn(2, device="neuron").device.index == 2
+    assert torch.neuron.current_device() == 0
+    t = torch.ones(1, device="neuron:1")
+    with torch.neuron.device_of(t):
+        assert torch.neuron.current_device() == 1
+
+
+def test_two_devices_in_one_op_is_an_error():
+    a, b = torch.ones(3, device="neuron:0"), torch.ones(3, device="neuron:1")
+    with pytest.raises(RuntimeError, match="same device.*neuron:0 and neuron:1"):
+        a + b
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.cat([a, b])
+    assert (a + a).sum().item() == 6
+
+
+def test_host_tensor_in_device_op_is_an_error_but_scalars_are_fine():
+    a = torch.ones(3, device="neuron")
+    with pytest.raises(RuntimeError, match="same device"):
+        a + torch.ones(3)
+    assert (a * torch.tensor(2.0)).sum().item() == 6  # 0-dim host tensors act as scalars, like CUDA
+    assert a[torch.tensor([0, 2])].shape == (2,)  # host indices are accepted, like CUDA
+
+
+def test_invalid_indices():
+    with pytest.raises(IndexError, match="valid indices are 0..3"):
+        torch.empty(1, device="neuron:4")
+    with pytest.raises((IndexError, RuntimeError)):
+        torch.neuron.set_device(7)
+    with pytest.raises(IndexError):
+        torch.neuron.get_device_properties(5)
+    assert torch.neuron.current_device() == 0
+
+
+def test_model_on_second_device_trains():
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).to("neuron:1")
+    opt = torch.optim.Adam(m.parameters())
+    for _ in range(2):
+        loss = m(torch.randn(5, 4, device="neuron:1")).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(p.grad.device.index == 1 for p in m.parameters())

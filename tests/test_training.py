@@ -1,0 +1,32 @@
+"""End to end: a small GPT and a CNN train on `neuron` with losses equal to the CPU's (same seeds)."""
+import copy
+
+import torch
+
+import torchneuron
+from torchneuron.models import GPTConfig, SmallCNN, TinyGPT, gpt_batch, image_batch, train_steps
+
+
+def _compare(make_model, make_batches, steps=20):
+    torch.manual_seed(0)
+    model = make_model()
+    cpu = train_steps(copy.deepcopy(model), make_batches(), "cpu", steps)
+    torchneuron.clear_op_tracking()
+    dev = train_steps(copy.deepcopy(model), make_batches(), "neuron", steps)
+    return cpu, dev
+
+
+def test_small_gpt_trains_like_cpu():
+    cfg = GPTConfig()
+    cpu, dev = _compare(lambda: TinyGPT(cfg), lambda: (gpt_batch(cfg, 8, torch.Generator().manual_seed(i))
+                                                       for i in range(20)))
+    assert len(dev) == 20 and dev[-1] < dev[0]
+    torch.testing.assert_close(dev, cpu, rtol=1e-5, atol=1e-5)
+    assert torchneuron.get_fallback_ops() == {}  # the whole step runs on native ops
+
+
+def test_cnn_trains_like_cpu():
+    cpu, dev = _compare(SmallCNN, lambda: (image_batch(16, torch.Generator().manual_seed(i)) for i in range(20)))
+    assert dev[-1] < dev[0]
+    torch.testing.assert_close(dev, cpu, rtol=1e-5, atol=1e-5)
+    assert torchneuron.get_fallback_ops() == {}
