@@ -185,8 +185,8 @@ class OpCost:
 
 def pe_cycles(m: int, k: int, n: int, chip: Chip, dclass: str) -> int:
     """Cycles of one [m,k]x[k,n] matmul on one systolic array, the cheaper of the two orientations."""
-    rows, cols, free, floor = chip.k_per_pass.get(dclass, chip.pe_rows), chip.pe_cols, chip.psum_free_max, \
-        chip.mm_min_cycles
+    rows, cols = chip.k_per_pass.get(dclass, chip.pe_rows), chip.pe_cols
+    free, floor = chip.psum_free_max, chip.mm_min_cycles
     best = math.inf
     for stat, mov in ((m, n), (n, m)):
         full, rem = divmod(mov, free)
@@ -224,10 +224,9 @@ def _matmul(op, ins, outs, attrs, shard, t):
     dclass = dtype_class(ins[ia].dtype if ins[ia].dtype == ins[ib].dtype else "float32")
     size = {x: math.prod(dims[d] for d in _DIMS[x] if d != "b" or bat[x]) for x in "abc"}
     io = size["a"] * ins[ia].itemsize + size["b"] * ins[ib].itemsize + size["c"] * outs[0].itemsize
-    flops = 2 * dims["b"] * dims["m"] * dims["k"] * dims["n"]
     b, m, k, n = dims["b"], dims["m"], dims["k"], dims["n"]
-    reread = _reread_bytes(b, m, k, n, ins[ia].itemsize, t)
-    return "tensor", flops, _gemm_s(b, m, k, n, t, dclass), io, max(io, reread), t.matmul_flops(dclass)
+    nbytes = max(io, _reread_bytes(b, m, k, n, ins[ia].itemsize, t))
+    return "tensor", 2 * b * m * k * n, _gemm_s(b, m, k, n, t, dclass), io, nbytes, t.matmul_flops(dclass)
 
 
 def _conv_gemm(ins, outs, attrs):
