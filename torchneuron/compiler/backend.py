@@ -168,7 +168,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str)
 
 def _failure_message(session: Session, e: BaseException | None) -> str:
     """Name the graph and, where it can be found, the node that failed."""
-    node, seen = None, set()
+    node, seen, first = None, set(), e
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         m = re.search(r"target: (\S+)", str(e))
@@ -178,9 +178,10 @@ def _failure_message(session: Session, e: BaseException | None) -> str:
             node = found.format_node() if found is not None else m.group(1)
             break
         e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
-    cause = str(e or "").strip().splitlines()
+    e = e or first
+    cause = f"{type(e).__name__}: {e}".strip().splitlines()
     return (f"torch.compile(backend='neuron') could not compile graph {session.name} ({session.stage}, "
-            f"node {node or 'unknown'}): {cause[0] if cause else 'see the chained exception'}. "
+            f"node {node or 'unknown'}): {cause[0]}. "
             "Set TORCHNEURON_COMPILE_FALLBACK=eager to run this graph eagerly on neuron instead.")
 
 
@@ -197,8 +198,12 @@ def _compile_graph(session: Session, gm: fx.GraphModule, example_inputs: list, *
     session.write(f"{stage}.before.fx.txt", gm.print_readable(print_output=False, include_stride=True))
     report, lifted = passes.run(gm)
     session.write(f"{stage}.after.fx.txt", gm.print_readable(print_output=False, include_stride=True))
-    inputs = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    inputs[:len(example_inputs)] = example_inputs
+    if report.float64_rounded:
+        warnings.warn(f"neuron: graph {session.name} ({stage}) computes float64 values in "
+                      f"{len(report.float64_rounded)} ops; Trainium has no fp64, so they carry float32 "
+                      "precision (TORCHNEURON_DTYPE_POLICY=host keeps full precision)", stacklevel=2)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs = list(example_inputs) + [n.meta["val"] for n in placeholders[len(example_inputs):]]
     kernels = []
     if not report.eager_nodes:
         session.stage = f"{stage} kernel 0 (Inductor)"

@@ -41,21 +41,41 @@ def _on_host(a: Any) -> Any:
 
 
 def to_host(gm: fx.GraphModule, example_inputs: list) -> list:
-    """Rewrite the graph (in place) to run on the host; returns CPU example inputs with the same metadata."""
+    """Rewrite the graph (in place) to run on the host; returns CPU example inputs with the same metadata.
+
+    Meta values are translated, not recomputed: a saved activation may arrive with the strides the forward
+    kernel gave it, on which the graph's own view ops would not trace. Fake tensors that shared a storage
+    still share one (Inductor's alias analysis reads it)."""
     from torch._guards import detect_fake_mode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._pytree import tree_map
 
     fake_mode = detect_fake_mode(example_inputs)
+    bases: dict[StorageWeakRef, torch.Tensor] = {}
+
+    def cpu(v: Any) -> Any:
+        if not isinstance(v, torch.Tensor) or v.device.type != "neuron":
+            return v
+        storage = v.untyped_storage()
+        base = bases.get(key := StorageWeakRef(storage))
+        if base is None:
+            base = bases[key] = torch.empty(storage.nbytes(), dtype=torch.uint8, device=CPU)
+        return torch.empty(0, dtype=v.dtype, device=CPU).set_(base.untyped_storage(), v.storage_offset(),
+                                                               v.shape, v.stride())
+
     with fake_mode:
-        inputs = [torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=CPU)
-                  if isinstance(x, torch.Tensor) and x.device.type == "neuron" else x for x in example_inputs]
-    for m in gm.modules():
-        if isinstance(m, fx.GraphModule):
+        inputs = [cpu(x) for x in example_inputs]
+        placeholders = iter(inputs)
+        for m in gm.modules():
+            if not isinstance(m, fx.GraphModule):
+                continue
             for n in m.graph.nodes:
                 n.args = fx.node.map_aggregate(n.args, _on_host)
                 n.kwargs = fx.node.map_aggregate(n.kwargs, _on_host)
+                if "val" in n.meta:
+                    n.meta["val"] = next(placeholders) if m is gm and n.op == "placeholder" else tree_map(
+                        cpu, n.meta["val"])
             m.recompile()
-    FakeTensorProp(gm, mode=fake_mode).propagate_dont_convert_inputs(*inputs)
     return inputs
 
 
