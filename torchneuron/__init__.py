@@ -9,7 +9,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import _C  # noqa: F401  (the C++ core: allocator, guard, hooks, fallback, kernels, autocast)
+
+
+def _autoload() -> None:
+    """Entry point of the `torch.backends` group: importing the package registers the device. Defined before
+    `import torch` so that `import torchneuron` first (torch then autoloads this package mid-import) works too."""
+
+
+import torch  # noqa: E402  (loads libtorch before the C++ core links against it)
+
+from . import _C  # noqa: E402,F401  (the C++ core: allocator, guard, hooks, fallback, kernels, autocast)
 from .device import module as _module
 from .runtime.policy import set_policies
 from .runtime.tracking import clear_op_tracking, get_dtype_events, get_executed_ops, get_fallback_ops
@@ -20,9 +29,10 @@ __all__ = ["clear_op_tracking", "get_dtype_events", "get_executed_ops", "get_fal
 
 _module.register()
 
+from . import distributed as _distributed  # noqa: E402,F401  (registers the "neuron" c10d backend)
+from .compiler import route_default_backend  # noqa: E402
 
-def _autoload() -> None:
-    """Entry point of the `torch.backends` group: importing the package already registered the device."""
+route_default_backend()  # plain torch.compile(model) on neuron tensors reaches the neuron backend
 
 
 _LAZY = {"estimate": ("torchneuron.costmodel.estimate", "estimate"), "profiler": ("torchneuron.profiler", None)}

@@ -1,0 +1,1 @@
+"""Benchmarks: neuron vs plain PyTorch CPU, run by `make bench`."""

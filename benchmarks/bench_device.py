@@ -1,0 +1,53 @@
+"""Eager `neuron` vs plain PyTorch CPU in the same process: per-op latency and training steps."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from benchmarks.common import interleaved, row
+from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
+    def step():
+        out = model(x, y) if isinstance(model, TinyGPT) else model(x)
+        loss = out[1] if isinstance(out, tuple) else F.cross_entropy(out, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def _pair(make_model, make_batch):
+    """The same model and batch on each device, as training-step closures."""
+    torch.manual_seed(0)
+    model, (x, y) = make_model(), make_batch()
+    fns = {}
+    for dev in ("cpu", "neuron"):
+        m = copy.deepcopy(model).to(dev)
+        fns[dev] = _train_step(m, torch.optim.AdamW(m.parameters(), lr=1e-3), x.to(dev), y.to(dev))
+    return fns
+
+
+def run(quick: bool = False) -> list[dict]:
+    reps = 5 if quick else 9
+    rows = []
+    a = {d: torch.randn(16, device=d) for d in ("cpu", "neuron")}
+    t = interleaved({d: (lambda d=d: a[d] + a[d]) for d in a}, calls=2000 if quick else 5000, repeats=reps)
+    rows.append(row("add, 16 elements", t["neuron"] * 1e6, t["cpu"] * 1e6, "us", 1.5))
+    m = {d: torch.randn(1024, 1024, device=d) for d in ("cpu", "neuron")}
+    t = interleaved({d: (lambda d=d: m[d] @ m[d]) for d in m}, calls=3 if quick else 10, repeats=reps)
+    rows.append(row("matmul 1024x1024", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.05))
+    mlp = _pair(lambda: nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
+                                      nn.Linear(512, 10)),
+                lambda: (torch.randn(64, 256), torch.randint(0, 10, (64,))))
+    t = interleaved(mlp, calls=10 if quick else 30, repeats=reps)
+    rows.append(row("MLP training step", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.15))
+    cfg = GPTConfig()
+    gpt = _pair(lambda: TinyGPT(cfg), lambda: gpt_batch(cfg, 8, torch.Generator().manual_seed(0)))
+    t = interleaved(gpt, calls=3 if quick else 8, repeats=reps)
+    rows.append(row("small-GPT training step", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.15))
+    return rows

@@ -1,0 +1,32 @@
+"""Timing helpers shared by the benchmarks: interleaved A/B runs in one process, medians of repeats."""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def interleaved(fns: dict[str, Callable[[], object]], calls: int, repeats: int = 9, warmup: int = 3
+                ) -> dict[str, float]:
+    """Median seconds per call of each function; the functions alternate (and swap order) every repeat, so a
+    noisy neighbour on the shared machine hits all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            fn = fns[name]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / calls)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def row(name: str, neuron: float, cpu: float, unit: str, target: float | None = None) -> dict:
+    return {"name": name, "neuron": neuron, "cpu": cpu, "ratio": neuron / cpu, "unit": unit,
+            "threads": torch.get_num_threads(), "target": target}
