@@ -1,0 +1,707 @@
+"""`torchneuron check`: find CUDA lock-in with libcst and qualified-name resolution, rule by rule from `rules.py`.
+
+Static only: nothing here imports torch, so it runs fast, anywhere, and never needs a device.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import libcst as cst
+from libcst.helpers import get_full_name_for_node
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
+
+from .rules import BENIGN, RULES, SEEDERS, TRIGGER, VENDORS, Rule
+
+MAX_BYTES = 2 << 20  # larger files are generated or data, not code to migrate
+SKIP_DIRS = {"__pycache__", "node_modules", "venv", "site-packages"}
+GUARDS = {"torch.cuda.is_available", "torch.accelerator.is_available"}
+CUDA_SUBMODULES = ("memory", "random", "streams", "graphs", "amp.autocast_mode", "amp.grad_scaler")
+NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*))?", re.I)
+VENDOR_CHECK = re.compile(rf"(?:^|\.)(?:backends\.)?({'|'.join(VENDORS)})\.is_available$")
+SPECIFICITY = {"guarded": 0, "exact": 1, "method": 2, "prefix": 3, "any": 4}
+
+
+@dataclass
+class Finding:
+    path: str
+    line: int
+    col: int  # 1-based, like ruff and SARIF
+    code: str
+    message: str
+    fix: str  # auto | suggest | report: what `torchneuron fix` does with it here
+    site: Site | None = field(default=None, repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("path", "line", "col", "code", "message", "fix")}
+
+
+@dataclass
+class Site:
+    """Where and how `fix` rewrites one auto finding; nodes are the original tree's, matched by identity."""
+    rule: Rule
+    target: cst.CSTNode  # the node the rewrite replaces
+    call: cst.Call | None = None  # the call whose arguments `...` stands for
+    subject: str = "none"  # what `x` is: value (the target), arg0 (the call's first argument), receiver
+    kw: tuple[str | None, ...] = ()  # per original argument: the keyword it is passed as (params)
+    drop: int | None = None  # argument position removed (index argument, or an empty replacement)
+    index: cst.BaseExpression | None = None  # an index read from a string ("cuda:1" -> 1)
+    index_arg: int | None = None  # ... or the position of the argument holding it
+    guarded: bool = False  # already inside `if torch.{cuda,accelerator}.is_available():`
+    keep_func: bool = False  # the replacement calls the same function: keep the user's spelling of it
+
+
+@dataclass
+class Analysis:
+    path: str
+    findings: list[Finding]
+    module: cst.Module | None = None
+    wrapper: MetadataWrapper | None = None
+
+
+# ---- the rule table, compiled into lookups --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ArgPattern:
+    rule: Rule
+    specs: tuple[tuple[bool, str, int | None], ...]  # (absent?, parameter, position)
+    kind: str  # exact | method | prefix | any
+    guarded: bool
+
+
+class Matcher:
+    def __init__(self, rules: list[Rule]):
+        self.names: dict[str, Rule] = {}
+        self.prefixes: list[tuple[str, Rule]] = []
+        self.methods: dict[str, Rule] = {}
+        self.attrs: dict[str, Rule] = {}
+        self.imports: dict[str, Rule] = {}
+        self.strings: list[Rule] = []
+        self.guarded_strings: list[Rule] = []
+        self.args: dict[str, list[ArgPattern]] = {}  # key: qualified name, "prefix.*", ".method" or "*"
+        self.ladder: Rule | None = None
+        for rule in rules:
+            for pat in rule.match:
+                self._add(rule, pat)
+        self.prefixes.sort(key=lambda p: -len(p[0]))
+
+    def _add(self, rule: Rule, pat: str, guarded: bool = False) -> None:
+        if pat.startswith("if torch.cuda.is_available(): "):
+            return self._add(rule, pat.split(": ", 1)[1], guarded=True)
+        if m := re.fullmatch(r"([\w.*]+)\((.*)\)", pat):
+            callee, args = m.groups()
+            if callee.startswith(".") and not args:
+                self.methods[callee[1:]] = rule
+                return
+            specs = tuple((s.startswith("!"), *re.fullmatch(r"!?(\w+)(?:@(\d+)|=)", s).groups())
+                          for s in (a.strip() for a in args.split(",")))
+            specs = tuple((neg, name, None if pos is None else int(pos)) for neg, name, pos in specs)
+            kind = "any" if callee == "*" else "method" if callee.startswith(".") else \
+                "prefix" if callee.endswith(".*") else "exact"
+            self.args.setdefault(callee, []).append(ArgPattern(rule, specs, "guarded" if guarded else kind, guarded))
+        elif pat == "<str>":
+            (self.guarded_strings if guarded else self.strings).append(rule)
+        elif pat == "<ladder>":
+            self.ladder = rule
+        elif pat.startswith("import "):
+            self.imports[pat[7:]] = rule
+        elif pat.startswith("."):
+            self.attrs[pat[1:]] = rule
+        elif pat.endswith(".*"):
+            self.prefixes.append((pat[:-1], rule))
+        elif pat != "<syntax error>":
+            self.names[pat] = rule
+
+    def name(self, qnames: Iterable[str]) -> Rule | None:
+        """The rule for a reference to any of `qnames`: exact names first, then the longest prefix."""
+        qnames = [n for q in qnames for n in (q, *_cuda_alias(q))]
+        for q in qnames:
+            if q in self.names:
+                return self.names[q]
+        return next((r for p, r in self.prefixes for q in qnames if q.startswith(p)), None)
+
+    def arg_patterns(self, qnames: Iterable[str], method: str | None) -> list[ArgPattern]:
+        keys = [*qnames, *(q.rsplit(".", 1)[0] + ".*" for q in qnames if "." in q), "*"]
+        keys += [f".{method}"] if method else []
+        pats = [p for k in dict.fromkeys(keys) for p in self.args.get(k, ())]
+        pats += [p for k, ps in self.args.items() if k.endswith(".*") and k not in keys
+                 for p in ps if any(q.startswith(k[:-1]) for q in qnames)]
+        return sorted(pats, key=lambda p: SPECIFICITY[p.kind])
+
+    def import_rule(self, module: str) -> Rule | None:
+        return next((r for m, r in self.imports.items() if module == m or module.startswith(m + ".")), None)
+
+
+def _cuda_alias(q: str) -> list[str]:
+    """`torch.cuda.memory.memory_allocated` is also known as `torch.cuda.memory_allocated`."""
+    return [f"torch.cuda.{q[len(p):]}" for s in CUDA_SUBMODULES if q.startswith(p := f"torch.cuda.{s}.")]
+
+
+MATCHER = Matcher(RULES)
+
+
+@functools.lru_cache(maxsize=None)
+def template(rule: Rule) -> cst.CSTNode | None:
+    """The parsed replacement of an auto rule: an `if` statement, an expression, or None (delete the argument)."""
+    if rule.fix != "auto" or not rule.replacement:
+        return None
+    return cst.parse_statement(rule.replacement) if rule.replacement.startswith("if ") else \
+        cst.parse_expression(rule.replacement)
+
+
+def _names_in(node: cst.CSTNode) -> set[str]:
+    return {n.value for n in _walk(node) if isinstance(n, cst.Name)}
+
+
+def _has_ellipsis(node: cst.CSTNode) -> bool:
+    return any(isinstance(n, cst.Arg) and isinstance(n.value, cst.Ellipsis) for n in _walk(node))
+
+
+def _dotted(node: cst.CSTNode) -> str | None:
+    if isinstance(node, cst.Name):
+        return node.value
+    return f"{base}.{node.attr.value}" if isinstance(node, cst.Attribute) and (base := _dotted(node.value)) else None
+
+
+def _walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    yield node
+    for c in node.children:
+        yield from _walk(c)
+
+
+# ---- literals ---------------------------------------------------------------------------------------------------
+
+def literal(node: cst.CSTNode) -> tuple[str, cst.BaseExpression | None] | None:
+    """A string literal's text and the device index it carries: "cuda:1" -> 1, f"cuda:{r}" / "cuda:{}".format(r)
+    -> r (read as "cuda:{}"). None for anything else."""
+    if isinstance(node, cst.SimpleString):
+        try:
+            v = node.evaluated_value
+        except Exception:  # odd escapes: not a literal we reason about
+            return None
+        if not isinstance(v, str):
+            return None
+        m = re.fullmatch(r"cuda:(\d+)", v)
+        return v, cst.Integer(m[1]) if m else None
+    if isinstance(node, cst.FormattedString):
+        exprs = [p.expression for p in node.parts if isinstance(p, cst.FormattedStringExpression)]
+        text = "".join(p.value if isinstance(p, cst.FormattedStringText) else "{}" for p in node.parts)
+        return text, exprs[0] if text == "cuda:{}" else None
+    if (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "format"
+            and isinstance(node.func.value, cst.SimpleString) and len(node.args) == 1 and not node.args[0].keyword
+            and not node.args[0].star and (lit := literal(node.func.value)) and lit[0].count("{}") == 1):
+        return lit[0], node.args[0].value if lit[0] == "cuda:{}" else None
+    return None
+
+
+def _value_ok(rule: Rule, node: cst.BaseExpression) -> bool:
+    if rule.value is None:
+        return True
+    if rule.value == "[...]":
+        return isinstance(node, (cst.List, cst.Tuple))
+    if rule.value == "<index>":
+        return isinstance(node, (cst.Name, cst.Attribute, cst.Integer, cst.Subscript)) and not _is_none(node)
+    return (lit := literal(node)) is not None and re.fullmatch(rule.value, lit[0]) is not None
+
+
+def _is_none(node: cst.CSTNode | None) -> bool:
+    return isinstance(node, cst.Name) and node.value == "None"
+
+
+def _is_str(node: cst.CSTNode | None) -> bool:
+    return isinstance(node, (cst.SimpleString, cst.FormattedString, cst.ConcatenatedString))
+
+
+# ---- the visitor ------------------------------------------------------------------------------------------------
+
+class _Visitor(cst.CSTVisitor):
+    METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
+
+    def __init__(self, m: Matcher):
+        super().__init__()
+        self.m = m
+        self.hits: list[tuple[Rule, cst.CSTNode, Site | None, str | None]] = []  # rule, node, site, why not
+        self.claimed: set[int] = set()  # literals already matched by an argument pattern
+        self.guard_depth = 0
+        self.guard_bodies: dict[int, cst.CSTNode] = {}  # id(is_available reference) -> the body it guards
+        self.calls: dict[int, cst.Call] = {}  # id(func) -> call
+        self.statements: dict[int, cst.SimpleStatementLine] = {}  # id(call) -> its one-call statement line
+        self.decorators: set[int] = set()
+        self.with_items: set[int] = set()
+        self.seeded: set[int] = set()
+        self.elifs: set[int] = set()
+        self.module: cst.Module | None = None
+
+    # -- helpers
+    def qnames(self, node: cst.CSTNode) -> set[str]:
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}
+        if not names and (dotted := _dotted(node)):
+            names = {dotted}  # unresolved (star import, snippet): read the dotted text
+        return names
+
+    def guard_calls(self, test: cst.BaseExpression) -> list[cst.Call] | None:
+        """The availability calls that make `test` an accelerator guard (`g()` or `... and g() and ...`)."""
+        if isinstance(test, cst.Call) and self.qnames(test.func) & GUARDS:
+            return [test]
+        if isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And):
+            calls = [c for side in (test.left, test.right) for c in (self.guard_calls(side) or [])]
+            return calls or None
+        return None
+
+    def hit(self, rule: Rule, node: cst.CSTNode, site: Site | None = None, why_not: str | None = None) -> None:
+        self.hits.append((rule, node, site, why_not))
+
+    def site(self, rule: Rule, target: cst.CSTNode, call: cst.Call | None = None, **kw: Any) -> tuple[Site | None, str | None]:
+        """Build the rewrite of an auto rule, or say why it is not safe here."""
+        if rule.fix != "auto":
+            return None, None
+        s = Site(rule, target, call, guarded=self.guard_depth > 0, **kw)
+        tpl = template(rule)
+        if call is not None and isinstance(tpl, cst.Call):
+            s.keep_func = _dotted(tpl.func) in self.qnames(call.func)
+        if call is not None and (rule.params or rule.index):
+            args = call.args
+            if any(a.star for a in args):
+                return None, "starred arguments"
+            positional = [i for i, a in enumerate(args) if a.keyword is None]
+            if len(positional) > len(rule.params) and rule.params:
+                return None, "unexpected positional arguments"
+            kw_of = {i: rule.params[n] for n, i in enumerate(positional) if rule.params}
+            s.kw = tuple(kw_of.get(i) if a.keyword is None else None for i, a in enumerate(args))
+            names = [kw_of.get(i) or (a.keyword.value if a.keyword else None) for i, a in enumerate(args)]
+            if rule.index and rule.index in names:
+                i = names.index(rule.index)
+                if _is_str(args[i].value):
+                    return None, "the device is given as a string"
+                if not _is_none(args[i].value):
+                    s.index_arg = i
+                s.drop = i
+        if isinstance(tpl, cst.If) and not s.guarded and id(call) not in self.statements:
+            return None, "not a statement of its own"
+        if tpl is not None and "x" in _names_in(tpl) and s.subject == "arg0" and (
+                call is None or not call.args or call.args[0].keyword or _is_none(call.args[0].value)):
+            return None, "no argument"
+        if rule.only and not ONLY[rule.only](self, s):
+            return None, f"not safe here ({rule.only.replace('_', ' ')})"
+        return s, None
+
+    # -- structure
+    def visit_Module(self, node: cst.Module) -> None:
+        self.module = node
+        self._scan_block(node.body)
+
+    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
+        self._scan_block(node.body)
+
+    def _scan_block(self, body: Iterable[cst.CSTNode]) -> None:
+        """Mark CUDA seeding calls that sit among seeding statements next to `torch.manual_seed(same)`."""
+        run: list[cst.CSTNode] = []
+        for stmt in [*body, None]:
+            if stmt is not None and self._neutral(stmt):
+                run.append(stmt)
+                continue
+            calls = [s.value for line in run for s in line.body if isinstance(s, cst.Expr)]
+            code = lambda c: self.module.code_for_node(c.args[0].value) if len(c.args) == 1 else None
+            seeds = {code(c) for c in calls if self.qnames(c.func) & {"torch.manual_seed", "torch.random.manual_seed"}}
+            self.seeded |= {id(c) for c in calls if code(c) in seeds - {None}}
+            run = []
+
+    def _neutral(self, stmt: cst.CSTNode) -> bool:
+        """Seeding calls and flag assignments: statements that draw nothing from the CPU generator."""
+        if not isinstance(stmt, cst.SimpleStatementLine):
+            return False
+        for s in stmt.body:
+            if isinstance(s, cst.Expr) and isinstance(s.value, cst.Call) and self.qnames(s.value.func) & set(SEEDERS):
+                continue
+            if isinstance(s, cst.Assign) and all(
+                    any(q.startswith(("torch.backends.", "os.environ")) for q in self.qnames(
+                        t.target.value if isinstance(t.target, cst.Subscript) else t.target))
+                    for t in s.targets):
+                continue
+            return False
+        return True
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+        if len(node.body) == 1 and isinstance(node.body[0], cst.Expr) and isinstance(node.body[0].value, cst.Call):
+            self.statements[id(node.body[0].value)] = node
+
+    def visit_Decorator(self, node: cst.Decorator) -> None:
+        self.decorators.add(id(node.decorator))
+
+    def visit_WithItem(self, node: cst.WithItem) -> None:
+        self.with_items.add(id(node.item))
+
+    def visit_If(self, node: cst.If) -> None:
+        if isinstance(node.orelse, cst.If):
+            self.elifs.add(id(node.orelse))
+        self._guard(node.test, node.body)
+        if id(node) not in self.elifs:
+            self._ladder(node)
+
+    def visit_IfExp(self, node: cst.IfExp) -> None:
+        self._guard(node.test, node.body)
+        if isinstance(node.orelse, cst.IfExp):
+            self.elifs.add(id(node.orelse))
+        if id(node) not in self.elifs:
+            self._ladder(node)
+
+    def _guard(self, test: cst.BaseExpression, body: cst.CSTNode) -> None:
+        for c in self.guard_calls(test) or []:
+            self.guard_bodies[id(c.func)] = body
+
+    def _ladder(self, node: cst.CSTNode) -> None:
+        tests, vendors = [], []
+        while isinstance(node, (cst.If, cst.IfExp)):
+            tests.append(node.test)
+            node = node.orelse
+        for t in tests:
+            for n in _walk(t):
+                if isinstance(n, cst.Call):
+                    vendors += [m[1] for q in self.qnames(n.func) if (m := VENDOR_CHECK.search(q))]
+        if self.m.ladder and "cuda" in vendors and len(set(vendors)) > 1:
+            self.hit(self.m.ladder, tests[0])
+
+    def visit_If_body(self, node: cst.If) -> None:
+        self.guard_depth += self.guard_calls(node.test) is not None
+
+    def leave_If_body(self, node: cst.If) -> None:
+        self.guard_depth -= self.guard_calls(node.test) is not None
+
+    def visit_IfExp_body(self, node: cst.IfExp) -> None:
+        self.guard_depth += self.guard_calls(node.test) is not None
+
+    def leave_IfExp_body(self, node: cst.IfExp) -> None:
+        self.guard_depth -= self.guard_calls(node.test) is not None
+
+    # -- imports
+    def visit_Import(self, node: cst.Import) -> bool:
+        for alias in node.names:
+            if rule := self.m.import_rule(get_full_name_for_node(alias.name) or ""):
+                self.hit(rule, alias)
+        return False
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
+        if node.module and not node.relative and (rule := self.m.import_rule(get_full_name_for_node(node.module))):
+            self.hit(rule, node.module)
+        return False
+
+    # -- names, methods, attributes
+    def visit_Attribute(self, node: cst.Attribute) -> bool:
+        if _dotted(node) and (rule := self.m.name(self.qnames(node))):
+            self._name_hit(rule, node)
+            return False
+        if rule := self.m.attrs.get(node.attr.value):
+            self.hit(rule, node.attr)
+        return True
+
+    def visit_Name(self, node: cst.Name) -> None:
+        if rule := self.m.name(self.qnames(node)):
+            self._name_hit(rule, node)
+
+    def _name_hit(self, rule: Rule, node: cst.CSTNode) -> None:
+        call = self.calls.get(id(node))
+        tpl = template(rule)
+        if call is None and id(node) not in self.decorators:
+            site, why = None, "not called" if rule.fix == "auto" else None
+        elif call is None:
+            site, why = self.site(rule, node)
+        elif isinstance(tpl, cst.If) and not self.guard_depth:
+            site, why = self.site(rule, self.statements.get(id(call), call), call, subject="arg0")
+        else:
+            site, why = self.site(rule, call, call, subject="arg0")
+        self.hit(rule, node, site, why)
+
+    # -- calls and their arguments
+    def visit_Call(self, node: cst.Call) -> None:
+        self.calls[id(node.func)] = node
+        method = node.func.attr.value if isinstance(node.func, cst.Attribute) else None
+        if method and (rule := self.m.methods.get(method)) and not self._module_receiver(node.func.value):
+            site, why = self.site(rule, node, node, subject="receiver")
+            self.hit(rule, node.func.attr, site, why)
+        qnames = self.qnames(node.func) if isinstance(node.func, (cst.Name, cst.Attribute)) else set()
+        if method and (lit := literal(node)):  # "cuda:{}".format(i) is a string literal too
+            self.claimed.add(id(node.func.value))
+            self._string(node, lit)
+        done: set[int] = set()
+        for pat in self.m.arg_patterns(qnames, method):
+            if pat.guarded and not self.guard_depth:
+                continue
+            for value in self._arg_match(node, pat):
+                key = id(value if value is not None else node)
+                if key in done:
+                    continue
+                done.add(key)
+                self._arg_hit(pat.rule, node, value)
+
+    def _module_receiver(self, node: cst.BaseExpression) -> bool:
+        """`tvm.cuda()` or `cupy.cuda` are other libraries' modules, not tensors."""
+        return any(q.source == QualifiedNameSource.IMPORT and isinstance(node, cst.Name) and q.name == node.value
+                   for q in self.get_metadata(QualifiedNameProvider, node, set()))
+
+    def _arg_match(self, call: cst.Call, pat: ArgPattern) -> list[cst.BaseExpression | None]:
+        """The subject values of `call` that satisfy `pat` ([None] for an absent-parameter match)."""
+        found = []
+        for absent, name, pos in pat.specs:
+            arg = _find_arg(call, name, pos)
+            if absent != (arg is None) or (arg is None and any(a.star for a in call.args)):
+                return []
+            found.append(arg)
+        subject = found[0]
+        if subject is None:
+            return [None]
+        literal_value = pat.rule.value not in (None, "[...]", "<index>")
+        values = [v for v in (_branches(subject.value, self) if literal_value else [subject.value])
+                  if _value_ok(pat.rule, v)]
+        self.claimed |= {id(v) for v in values} | {id(v.func.value) for v in values if isinstance(v, cst.Call)}
+        return values
+
+    def _arg_hit(self, rule: Rule, call: cst.Call, value: cst.BaseExpression | None) -> None:
+        if value is None:  # absent parameter: the call gains it
+            site, why = self.site(rule, call, call)
+            return self.hit(rule, call, site, why)
+        lit = literal(value)
+        index = lit[1] if lit else None
+        if rule.replacement == "":
+            i = next(i for i, a in enumerate(call.args) if a.value is value)
+            site, why = self.site(rule, call, call)
+            if site:
+                site.drop = i
+        elif rule.whole and any(a.value is value for a in call.args):
+            site, why = self.site(rule, call, call, index=index)
+        else:
+            site, why = self.site(rule, value, None, subject="value", index=index)
+        if site and index is not None and _is_str(index):
+            site, why = None, "the index is a string"
+        self.hit(rule, value, site, why)
+
+    # -- strings
+    def visit_SimpleString(self, node: cst.SimpleString) -> None:
+        if id(node) not in self.claimed and (lit := literal(node)):
+            self._string(node, lit)
+
+    def visit_FormattedString(self, node: cst.FormattedString) -> None:
+        if id(node) not in self.claimed and (lit := literal(node)):
+            self._string(node, lit)
+
+    def _string(self, node: cst.BaseExpression, lit: tuple[str, cst.BaseExpression | None]) -> None:
+        if id(node) in self.claimed:
+            return
+        rules = (self.m.guarded_strings if self.guard_depth else []) + self.m.strings
+        if rule := next((r for r in rules if re.fullmatch(r.value, lit[0])), None):
+            self.claimed.add(id(node))
+            site, why = self.site(rule, node, None, subject="value", index=lit[1])
+            self.hit(rule, node, site, why)
+
+
+def _find_arg(call: cst.Call, name: str, pos: int | None) -> cst.Arg | None:
+    for a in call.args:
+        if a.keyword is not None and a.keyword.value == name:
+            return a
+    positional = [a for a in call.args if a.keyword is None and not a.star]
+    return positional[pos] if pos is not None and pos < len(positional) else None
+
+
+def _branches(node: cst.BaseExpression, v: _Visitor) -> list[cst.BaseExpression]:
+    """A value and, through conditional expressions, its alternatives; a guarded branch is left to NRN003/NRN008."""
+    if isinstance(node, cst.IfExp):
+        body = [] if v.guard_calls(node.test) else _branches(node.body, v)
+        return body + _branches(node.orelse, v)
+    return [node]
+
+
+# named conditions for `Rule.only`: when the rewrite keeps the program's meaning
+ONLY = {
+    "int_arg": lambda v, s: bool(s.call.args) and not _is_str(a := s.call.args[0].value) and not (
+        isinstance(a, cst.Call) and v.qnames(a.func) & {"torch.device"}),
+    "no_device": lambda v, s: all(_is_none(a.value) for k, a in zip(s.kw, s.call.args)
+                                  if (k or (a.keyword and a.keyword.value)) == "device"),
+    "with_item": lambda v, s: id(s.call) in v.with_items and len(s.call.args) == 1,
+    "seeded": lambda v, s: id(s.call) in v.seeded,
+}
+
+
+# ---- analysis of one source -------------------------------------------------------------------------------------
+
+def analyze(source: bytes | str, path: str = "<string>", noqa: bool = True, keep_tree: bool = False) -> Analysis:
+    """Parse `source` and return its findings (sorted); `keep_tree` keeps the tree for `fix`."""
+    text = source if isinstance(source, str) else source.decode("utf-8", "replace")
+    if not re.search(TRIGGER, text) and not keep_tree:
+        return Analysis(path, [])
+    try:
+        module = cst.parse_module(source)
+    except cst.ParserSyntaxError as e:
+        return Analysis(path, [Finding(path, e.raw_line, e.raw_column + 1, "NRN000", f"syntax error: {e.message}",
+                                       "report")])
+    except Exception as e:  # undecodable bytes, odd encodings: report, never crash
+        return Analysis(path, [Finding(path, 1, 1, "NRN000", f"could not parse: {type(e).__name__}: {e}", "report")])
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    v = _Visitor(MATCHER)
+    wrapper.visit(v)
+    pos = wrapper.resolve(PositionProvider)
+    findings = []
+    for rule, node, site, why in v.hits:
+        start = pos[node].start
+        fix = "auto" if site else "suggest" if rule.fix != "report" else "report"
+        msg = f"{rule.message}; use `{rule.replacement}`" if rule.replacement else f"{rule.message}; remove it"
+        msg += f" [not rewritten: {why}]" if why else ""
+        findings.append(Finding(path, start.line, start.column + 1, rule.code, msg, fix, site))
+    _downgrade_guards(findings, v, pos)
+    if noqa:
+        findings = suppress(findings, re.split(r"\r\n|\r|\n", text))
+    findings.sort(key=lambda f: (f.line, f.col, f.code))
+    return Analysis(path, findings, module, wrapper) if keep_tree else Analysis(path, findings)
+
+
+def _downgrade_guards(findings: list[Finding], v: _Visitor, pos: Any) -> None:
+    """`if torch.cuda.is_available():` guarding code that stays CUDA-only must stay a CUDA check."""
+    changed = True
+    while changed:
+        changed = False
+        for f in findings:
+            body = v.guard_bodies.get(id(f.site.target.func)) if f.fix == "auto" and f.code == "NRN010" and \
+                isinstance(f.site.target, cst.Call) else None
+            if body is None:
+                continue
+            r = pos[body]
+            inside = [g for g in findings if g.fix != "auto" and g.code not in BENIGN and
+                      (r.start.line, r.start.column) <= (g.line, g.col - 1) <= (r.end.line, r.end.column)]
+            if inside:
+                f.fix, f.site, changed = "suggest", None, True
+                f.message += f" [not rewritten: guards CUDA-only code ({inside[0].code})]"
+
+
+def suppress(findings: list[Finding], lines: list[str]) -> list[Finding]:
+    """Drop findings on lines with `# noqa` or `# noqa: NRN001,NRN002` naming their code."""
+    def keep(f: Finding) -> bool:
+        m = NOQA.search(lines[f.line - 1]) if 0 < f.line <= len(lines) else None
+        return m is None or (m["codes"] is not None and f.code not in re.split(r"[,\s]+", m["codes"].upper()))
+    return [f for f in findings if keep(f)]
+
+
+# ---- files ------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # skipped paths, with why
+    files: int = 0
+    seconds: float = 0.0
+
+
+def iter_files(paths: Iterable[str], notes: list[str]) -> Iterator[str]:
+    """Python files under `paths`, recursively; symlinks are followed only when they stay inside the tree."""
+    for root in paths:
+        if os.path.isfile(root):
+            yield root
+            continue
+        if not os.path.isdir(root):
+            notes.append(f"{root}: no such file or directory")
+            continue
+        top = os.path.realpath(root)
+        for d, dirs, files in os.walk(root):
+            for name in sorted(dirs):
+                p = os.path.join(d, name)
+                if name.startswith(".") or name in SKIP_DIRS:
+                    dirs.remove(name)
+                elif os.path.islink(p):
+                    dirs.remove(name)
+                    notes.append(f"{p}: symlinked directory not followed")
+            dirs.sort()
+            for name in sorted(files):
+                p = os.path.join(d, name)
+                if not name.endswith(".py"):
+                    continue
+                real = os.path.realpath(p)
+                if os.path.islink(p) and os.path.commonpath([top, real]) != top:
+                    notes.append(f"{p}: symlink outside the tree not followed")
+                elif os.path.isfile(real):
+                    yield p
+
+
+def read_source(path: str, notes: list[str]) -> bytes | None:
+    """The file's bytes, or None (with a note) when it is huge, binary or unreadable."""
+    try:
+        if (size := os.path.getsize(path)) > MAX_BYTES:
+            notes.append(f"{path}: skipped, {size / 2**20:.1f} MiB is over the {MAX_BYTES >> 20} MiB limit")
+            return None
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        notes.append(f"{path}: unreadable ({e.strerror})")
+        return None
+    if b"\0" in data[:8192]:
+        notes.append(f"{path}: skipped, binary")
+        return None
+    return data
+
+
+def check_file(path: str, notes: list[str]) -> list[Finding]:
+    if (data := read_source(path, notes)) is None:
+        return []
+    try:
+        return analyze(data, path).findings
+    except Exception as e:  # a bug of ours must not stop the run: report the file and go on
+        return [Finding(path, 1, 1, "NRN000", f"internal error: {type(e).__name__}: {e}", "report")]
+
+
+def check_paths(paths: Iterable[str]) -> Report:
+    rep, t0 = Report(), time.perf_counter()
+    for p in iter_files(paths, rep.notes):
+        rep.files += 1
+        rep.findings += check_file(p, rep.notes)
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+# ---- output -----------------------------------------------------------------------------------------------------
+
+def format_text(rep: Report) -> str:
+    lines = [f"{f.path}:{f.line}:{f.col}: {f.code} [{f.fix}] {f.message}" for f in rep.findings]
+    kinds = {k: sum(f.fix == k for f in rep.findings) for k in ("auto", "suggest", "report")}
+    rate = rep.files / rep.seconds if rep.seconds else 0.0
+    lines.append(f"{len(rep.findings)} findings ({', '.join(f'{n} {k}' for k, n in kinds.items())}) in "
+                 f"{rep.files} files, {rep.seconds:.2f}s ({rate:.0f} files/s)")
+    return "\n".join(lines) + "\n"
+
+
+def format_json(rep: Report) -> str:
+    return json.dumps([f.as_dict() for f in rep.findings], indent=1) + "\n"
+
+
+def format_sarif(rep: Report) -> str:
+    """SARIF 2.1.0, as GitHub code scanning reads it."""
+    index = {r.code: i for i, r in enumerate(RULES)}
+    level = {"auto": "warning", "suggest": "warning", "report": "note"}
+    rules = [{"id": r.code, "name": r.category, "shortDescription": {"text": r.message},
+              "fullDescription": {"text": r.why}, "help": {"text": f"Replacement: {r.replacement or '(remove)'}"},
+              "properties": {"fix": r.fix, "category": r.category}} for r in RULES]
+    results = [{"ruleId": f.code, "ruleIndex": index[f.code], "level": "error" if f.code == "NRN000" else level[f.fix],
+                "message": {"text": f.message},
+                "locations": [{"physicalLocation": {"artifactLocation": {"uri": f.path.replace(os.sep, "/")},
+                                                    "region": {"startLine": f.line, "startColumn": f.col}}}],
+                "properties": {"fix": f.fix}} for f in rep.findings]
+    notes = [{"level": "note", "message": {"text": n}} for n in rep.notes]
+    run = {"tool": {"driver": {"name": "torchneuron", "informationUri": "https://github.com/torchneuron/torchneuron",
+                               "rules": rules}},
+           "results": results, "invocations": [{"executionSuccessful": True, "toolExecutionNotifications": notes}]}
+    return json.dumps({"$schema": "https://json.schemastore.org/sarif-2.1.0.json", "version": "2.1.0",
+                       "runs": [run]}, indent=1) + "\n"
+
+
+FORMATS = {"text": format_text, "json": format_json, "sarif": format_sarif}
+
+
+def run(paths: list[str], fmt: str = "text", out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """`torchneuron check`: 1 when something is found, 0 when clean."""
+    rep = check_paths(paths)
+    for n in rep.notes:
+        print(f"note: {n}", file=err)
+    out.write(FORMATS[fmt](rep))
+    return 1 if rep.findings else 0

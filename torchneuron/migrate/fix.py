@@ -1,0 +1,409 @@
+"""`torchneuron fix`: rewrite the `auto` findings of `check` into device-agnostic PyTorch, keeping everything else.
+
+One `device = ...` with a CPU fallback is hoisted after the imports (under a free name) instead of inlining
+long expressions; the result runs on CPU-only hosts with plain PyTorch. Unparsable files are never touched,
+report-only findings are left alone, and a second run changes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from typing import TextIO
+
+import libcst as cst
+from libcst.codemod import CodemodContext
+from libcst.codemod.visitors import RemoveImportsVisitor
+from libcst.metadata import ParentNodeProvider, ScopeProvider
+
+from .check import Analysis, Finding, Site, _dotted, _walk, analyze, iter_files, read_source
+
+HOIST = '{d} = {t}.accelerator.current_accelerator() if {t}.accelerator.is_available() else {t}.device("cpu")'
+DEVICE_NAMES = ("device", "accel_device", "default_device", "torch_device")
+SAFE_PARENTS = (cst.Arg, cst.Assign, cst.AnnAssign, cst.Return, cst.Expr, cst.Element, cst.DictElement,
+                cst.FormattedStringExpression)  # where a conditional expression needs no parentheses
+NO_SPACE = cst.AssignEqual(whitespace_before=cst.SimpleWhitespace(""), whitespace_after=cst.SimpleWhitespace(""))
+
+
+@dataclass
+class FixResult:
+    path: str
+    old: str
+    new: str
+    data: bytes | None = None  # the new file in its own encoding, when it changed
+    applied: list[Finding] = field(default_factory=list)
+    remaining: list[Finding] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Names:
+    """How the rewritten code spells torch, torch.distributed and the hoisted device in this module."""
+    torch: str = "torch"
+    dist: str | None = None
+    device: str = "device"
+
+    def fill(self, text: str, index: bool) -> str:
+        if index:  # the matched code named an index: keep it
+            text = re.sub(r"(?<![.\w])device(?![.\w])", "torch.device(device.type, __index__)", text)
+        text = re.sub(r"(?<![.\w])device(?!\w)", self.device, text)
+        if self.dist:
+            text = re.sub(r"(?<![.\w])torch\.distributed\.", self.dist + ".", text)
+        return re.sub(r"(?<![.\w])torch(?=\.)", self.torch, text)
+
+
+# ---- module facts -----------------------------------------------------------------------------------------------
+
+def _bindings(a: Analysis) -> tuple[dict[str, set[str]], set[str], dict[str, str]]:
+    """(name -> modules it is imported as, anywhere), names bound otherwise or read anywhere, and the
+    module-level aliases {module: name}."""
+    imports: dict[str, set[str]] = {}
+    other: set[str] = set()
+    aliases: dict[str, str] = {}
+    scopes = {id(s): s for s in a.wrapper.resolve(ScopeProvider).values() if s is not None}
+    for s in scopes.values():
+        for asg in s.assignments:
+            mod = _imported_module(asg.node, asg.name)
+            if mod is None:
+                other.add(asg.name)
+                continue
+            imports.setdefault(asg.name, set()).add(mod)
+            if s is s.globals:
+                aliases.setdefault(mod, asg.name)
+        other |= {n.split(".")[0] for acc in s.accesses if (n := _dotted(acc.node))}
+    return imports, other, aliases
+
+
+def _imported_module(node: cst.CSTNode, name: str) -> str | None:
+    """The module an import statement binds to `name` (`import a.b` binds `a`; `import a.b as c` binds a.b)."""
+    if isinstance(node, cst.Import):
+        for al in node.names:
+            full = _dotted(al.name)
+            if al.asname and _dotted(al.asname.name) == name:
+                return full
+            if not al.asname and full.split(".")[0] == name:
+                return name
+    if isinstance(node, cst.ImportFrom) and node.module and not node.relative and not isinstance(node.names, cst.ImportStar):
+        for al in node.names:
+            if _dotted(al.asname.name if al.asname else al.name) == name:
+                return f"{_dotted(node.module)}.{_dotted(al.name)}"
+    return None
+
+
+def _names(a: Analysis, need_device: bool) -> tuple[Names, bool] | None:
+    """The spelling to use, and whether `import torch` must be added; None when `torch` means something else."""
+    imports, other, aliases = _bindings(a)
+    clean = lambda name, mod: imports.get(name, {mod}) == {mod} and (name not in other or name in imports)
+    names = Names()
+    torch = aliases.get("torch")
+    add_torch = torch is None or not clean(torch, "torch")
+    if add_torch and not clean("torch", "torch"):
+        return None
+    names.torch = "torch" if add_torch else torch
+    if (dist := aliases.get("torch.distributed")) and clean(dist, "torch.distributed"):
+        names.dist = dist
+    if need_device:
+        hoisted = {_code(s.body[0].targets[0].target) for s in a.module.body if _is_hoist(s, names.torch)}
+        taken = set(imports) | other
+        names.device = next(iter(hoisted), None) or next(
+            (n for n in (*DEVICE_NAMES, *(f"device_{i}" for i in range(1, 100))) if n not in taken))
+    return names, add_torch
+
+
+def _code(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
+def _is_hoist(stmt: cst.CSTNode, torch: str) -> bool:
+    if not (isinstance(stmt, cst.SimpleStatementLine) and isinstance(a := stmt.body[0], cst.Assign)
+            and len(a.targets) == 1 and isinstance(t := a.targets[0].target, cst.Name)):
+        return False
+    return _code(a.value) == HOIST.format(d=t.value, t=torch).split(" = ", 1)[1]
+
+
+# ---- templates --------------------------------------------------------------------------------------------------
+
+class _Fill(cst.CSTTransformer):
+    """Put the matched code into a parsed replacement: `x`, `__index__` and the `...` argument."""
+
+    def __init__(self, subject: cst.BaseExpression | None, index: cst.BaseExpression | None,
+                 args: list[cst.Arg] | None):
+        super().__init__()
+        self.subject, self.index, self.args = subject, index, args
+
+    def leave_Name(self, orig: cst.Name, upd: cst.Name) -> cst.BaseExpression:
+        return {"x": self.subject, "__index__": self.index}.get(upd.value) or upd
+
+    def leave_Call(self, orig: cst.Call, upd: cst.Call) -> cst.Call:
+        i = next((i for i, a in enumerate(upd.args) if isinstance(a.value, cst.Ellipsis)), None)
+        if i is None:
+            return upd
+        args = self.args or []
+        new = [*upd.args[:i], *args, *upd.args[i + 1:]]
+        for j, a in enumerate(new):  # commas between arguments; a trailing comma only if the user wrote it
+            if j < len(new) - 1 and a.comma == cst.MaybeSentinel.DEFAULT:
+                new[j] = a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            elif j == len(new) - 1 and not i <= j < i + len(args):
+                new[j] = a.with_changes(comma=cst.MaybeSentinel.DEFAULT)
+        return upd.with_changes(args=new)
+
+
+def instantiate(site: Site, names: Names, subject: cst.BaseExpression | None, index: cst.BaseExpression | None,
+                args: list[cst.Arg] | None) -> cst.CSTNode:
+    text = names.fill(site.rule.replacement, index is not None)
+    tpl = cst.parse_statement(text) if text.startswith("if ") else cst.parse_expression(text)
+    if site.guarded and isinstance(tpl, cst.If):  # already guarded: drop ours
+        tpl = tpl.body.body[0].value
+    elif site.guarded and isinstance(tpl, cst.IfExp) and "is_available" in _code(tpl.test):
+        tpl = tpl.body
+    return tpl.visit(_Fill(subject, index, args))
+
+
+# ---- the rewrite ------------------------------------------------------------------------------------------------
+
+class _Fixer(cst.CSTTransformer):
+    def __init__(self, sites: dict[int, Site], names: Names, parents: dict[cst.CSTNode, cst.CSTNode]):
+        super().__init__()
+        self.sites, self.names, self.parents = sites, names, parents
+        self.applied: set[int] = set()
+
+    def on_leave(self, orig: cst.CSTNode, upd: cst.CSTNode) -> cst.CSTNode | cst.RemovalSentinel:
+        upd = super().on_leave(orig, upd)
+        if (site := self.sites.get(id(orig))) is None:
+            return upd
+        self.applied.add(id(orig))
+        return self.rewrite(site, orig, upd)
+
+    def rewrite(self, site: Site, orig: cst.CSTNode, upd: cst.CSTNode) -> cst.CSTNode:
+        if isinstance(upd, cst.SimpleStatementLine):  # `if available: call(...)` replaces the statement line
+            call = upd.body[0].value
+            new = self.expression(site, call, call)
+            inner = cst.SimpleStatementLine([cst.Expr(new.body.body[0].value)], trailing_whitespace=upd.trailing_whitespace)
+            return new.with_changes(body=cst.IndentedBlock([inner]), leading_lines=upd.leading_lines)
+        if site.rule.replacement == "":  # delete the argument
+            return upd.with_changes(args=_drop(upd.args, site.drop))
+        call = upd if isinstance(upd, cst.Call) else None
+        new = self.expression(site, upd, call)
+        if isinstance(new, cst.IfExp):
+            if orig.lpar:
+                new = new.with_changes(lpar=orig.lpar, rpar=orig.rpar)
+            elif not isinstance(self.parents.get(orig), SAFE_PARENTS):
+                new = new.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
+        elif isinstance(upd, cst.BaseExpression) and upd.lpar and isinstance(new, cst.BaseExpression):
+            new = new.with_changes(lpar=upd.lpar, rpar=upd.rpar)
+        return new
+
+    def expression(self, site: Site, upd: cst.CSTNode, call: cst.Call | None) -> cst.CSTNode:
+        args, index = None, site.index
+        if call is not None:
+            args = [a.with_changes(keyword=cst.Name(k), equal=NO_SPACE) if k else a
+                    for a, k in zip_longest(call.args, site.kw[:len(call.args)])]
+            if site.drop is not None:
+                index = call.args[site.drop].value if site.index_arg == site.drop else index
+                args = _drop(args, site.drop)
+        subject = {"value": upd, "receiver": call.func.value if call is not None and
+                   isinstance(call.func, cst.Attribute) else None,
+                   "arg0": call.args[0].value if call is not None and call.args else None}.get(site.subject)
+        new = instantiate(site, self.names, subject, index, args)
+        root = new.body.body[0].value if isinstance(new, cst.If) else new
+        if call is not None and isinstance(root, cst.Call):
+            root2 = root.with_changes(whitespace_before_args=call.whitespace_before_args)
+            if site.keep_func:
+                root2 = root2.with_changes(func=call.func)
+            new = root2 if root is new else new.deep_replace(root, root2)
+        return new
+
+
+def _drop(args: tuple[cst.Arg, ...], i: int) -> list[cst.Arg]:
+    new = [a for j, a in enumerate(args) if j != i]
+    if i == len(args) - 1 and new:  # the previous argument takes over the trailing comma (or none)
+        new[-1] = new[-1].with_changes(comma=args[i].comma)
+    return new
+
+
+# ---- one file ---------------------------------------------------------------------------------------------------
+
+def fix_source(source: bytes | str, path: str = "<string>") -> FixResult:
+    """Rewrite the auto findings of `source`; never raises on bad input (see `FixResult.error`)."""
+    a = analyze(source, path, keep_tree=True)
+    old = a.module.code if a.module else (source if isinstance(source, str) else source.decode("utf-8", "replace"))
+    res = FixResult(path, old, old, remaining=list(a.findings))
+    if a.module is None:
+        res.error = a.findings[0].message if a.findings else "could not parse"
+        return res
+    todo = [f for f in a.findings if f.fix == "auto"]
+    if not todo:
+        return res
+    need_device = any(re.search(r"(?<![.\w])device(?!\w)", f.site.rule.replacement) for f in todo)
+    picked = _names(a, need_device)
+    if picked is None:
+        res.error = "`torch` names something other than the torch module here; not rewritten"
+        return res
+    names, add_torch = picked
+    sites = {}
+    for f in todo:
+        sites.setdefault(id(f.site.target), f.site)
+    parents = a.wrapper.resolve(ParentNodeProvider)
+    fixer = _Fixer(sites, names, parents)
+    used_imports = _cuda_imports(a)
+    module = a.module.visit(fixer)
+    module = _remove_unused(module, used_imports)
+    module = _hoist(module, names, add_torch, need_device)
+    cst.parse_module(module.code)  # what we write must parse
+    res.applied = [f for f in todo if id(f.site.target) in fixer.applied]
+    res.remaining = [f for f in a.findings if f not in res.applied]
+    res.new, res.data = module.code, module.bytes
+    return res
+
+
+def _cuda_imports(a: Analysis) -> list[tuple[str, str | None, str | None]]:
+    """Module-level `from torch.cuda... import x [as y]` and `import torch.cuda... as y` bindings in use before
+    the rewrite: removed after it when the rewrite left them unused."""
+    found = []
+    g = next(s for s in a.wrapper.resolve(ScopeProvider).values() if s is not None).globals
+    for asg in g.assignments:
+        mod = _imported_module(asg.node, asg.name)
+        if not asg.references or mod is None or not mod.startswith("torch.cuda"):
+            continue
+        if isinstance(asg.node, cst.ImportFrom):
+            parent, obj = mod.rsplit(".", 1)
+            found.append((parent, obj, None if asg.name == obj else asg.name))
+        else:
+            found.append((mod, None, asg.name))
+    return found
+
+
+def _remove_unused(module: cst.Module, imports: list[tuple[str, str | None, str | None]]) -> cst.Module:
+    if not imports:
+        return module
+    ctx = CodemodContext()
+    for mod, obj, asname in imports:
+        RemoveImportsVisitor.remove_unused_import(ctx, mod, obj, asname)
+    return RemoveImportsVisitor(ctx).transform_module(module)
+
+
+def _hoist(module: cst.Module, names: Names, add_torch: bool, need_device: bool) -> cst.Module:
+    """Insert `import torch` and the device line once: after the imports that precede their first use."""
+    body = list(module.body)
+    has_hoist = any(_is_hoist(s, names.torch) for s in body)
+    if (not need_device or has_hoist) and not add_torch:
+        return module
+    imports = [i for i, s in enumerate(body) if isinstance(s, cst.SimpleStatementLine)
+               and all(isinstance(b, (cst.Import, cst.ImportFrom)) for b in s.body)]
+    binds = [i for i in imports if not add_torch and names.torch in _bound(body[i])]
+    pos = binds[0] + 1 if binds else 0
+    lead = 1 if body and _is_docstring(body[0]) else 0
+    pos = max(pos, lead)
+    while pos in imports or (pos < len(body) and not binds and pos == lead and _is_future(body[pos])):
+        pos += 1
+    if not binds:  # our own `import torch`: after the leading imports
+        while pos in imports:
+            pos += 1
+    first = next((i for i, s in enumerate(body) if _executes_name(s, names.device)), len(body)) \
+        if need_device and not has_hoist else len(body)
+    pos = min(pos, first)
+    new: list[cst.BaseStatement] = []
+    if add_torch or (binds and binds[0] >= pos):
+        new.append(cst.parse_statement(f"import {names.torch}\n"))
+    if need_device and not has_hoist:
+        new.append(cst.parse_statement(HOIST.format(d=names.device, t=names.torch) + "\n"))
+    if pos > 0 and isinstance(body[pos - 1], cst.SimpleStatementLine):
+        new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine()])
+    return module.with_changes(body=[*body[:pos], *new, *body[pos:]])
+
+
+def _bound(stmt: cst.SimpleStatementLine) -> set[str]:
+    out = set()
+    for imp in stmt.body:
+        if isinstance(imp, cst.Import):
+            out |= {_dotted(al.asname.name) if al.asname else _dotted(al.name).split(".")[0] for al in imp.names}
+        elif not isinstance(imp.names, cst.ImportStar):
+            out |= {_dotted(al.asname.name if al.asname else al.name) for al in imp.names}
+    return out
+
+
+def _is_docstring(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and isinstance(stmt.body[0], cst.Expr) and isinstance(
+        stmt.body[0].value, (cst.SimpleString, cst.ConcatenatedString))
+
+
+def _is_future(stmt: cst.CSTNode) -> bool:
+    return isinstance(stmt, cst.SimpleStatementLine) and isinstance(b := stmt.body[0], cst.ImportFrom) and \
+        b.module is not None and _dotted(b.module) == "__future__"
+
+
+def _executes_name(stmt: cst.CSTNode, name: str) -> bool:
+    """Does running this top-level statement read `name` (function bodies run later)?"""
+    parts = [*stmt.decorators, stmt.params] if isinstance(stmt, cst.FunctionDef) else [stmt]
+    return any(isinstance(n, cst.Name) and n.value == name for p in parts for n in _walk(p))
+
+
+# ---- files ------------------------------------------------------------------------------------------------------
+
+def fix_file(path: str, notes: list[str]) -> FixResult | None:
+    if (data := read_source(path, notes)) is None:
+        return None
+    try:
+        return fix_source(data, path)
+    except Exception as e:  # a bug of ours must not stop the run, nor write anything
+        return FixResult(path, "", "", error=f"internal error: {type(e).__name__}: {e}")
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write through a temporary file in the same directory and `os.replace`: never a half-written file."""
+    path = os.path.realpath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.copymode(path, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def diff(res: FixResult) -> str:
+    return "".join(difflib.unified_diff(res.old.splitlines(keepends=True), res.new.splitlines(keepends=True),
+                                        f"a/{res.path}", f"b/{res.path}"))
+
+
+def run(paths: list[str], write: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """`torchneuron fix`: print the diff (or write with `write`). 1 if a file failed or, without `write`, if
+    anything would change; 0 otherwise."""
+    notes: list[str] = []
+    changed = failed = applied = left = 0
+    for p in iter_files(paths, notes):
+        if (res := fix_file(p, notes)) is None:
+            continue
+        if res.error:
+            failed += 1
+            print(f"{p}: not rewritten: {res.error}", file=err)
+            continue
+        left += sum(f.fix != "auto" for f in res.remaining)
+        if res.new == res.old:
+            continue
+        changed, applied = changed + 1, applied + len(res.applied)
+        if write:
+            try:
+                atomic_write(p, res.data)
+            except OSError as e:
+                failed += 1
+                print(f"{p}: not written: {e}", file=err)
+        else:
+            out.write(diff(res))
+    for n in notes:
+        print(f"note: {n}", file=err)
+    verb = "rewrote" if write else "would rewrite"
+    print(f"{verb} {changed} files ({applied} fixes); {left} findings need a decision (torchneuron check)",
+          file=err)
+    return 1 if failed or (changed and not write) else 0

@@ -1,0 +1,421 @@
+"""The CUDA lock-in rule catalogue: one table that `check`, `fix`, the flake8 plugin and the docs all read.
+
+Each `Rule.match` entry is a pattern in a small notation, resolved on qualified names (so aliases such as
+`import torch.cuda as tc` or `from torch.cuda.amp import autocast` are seen through):
+
+  torch.cuda.synchronize       any use of that qualified name; a trailing `.*` matches the names below it
+  .cuda()   .is_cuda           a method call / an attribute read on any object
+  import triton                importing the module (or one of its submodules)
+  f(p@i)   f(p=)   f(!p@i)     a call of `f` with parameter `p` (keyword `p` or position `i`), or without it;
+                               the first parameter is the subject and, when `value` is set, must match it;
+                               `f` may be `prefix.*`, `.method` or `*` (any callable)
+  <str>                        a string literal (f-strings `f"cuda:{i}"` and `"cuda:{}".format(i)` read as
+                               `cuda:{}`), matched against `value`
+  if torch.cuda.is_available(): P     P inside code that only runs when an accelerator is present
+  <ladder>   <syntax error>    an if/elif ladder over vendor availability checks; a file that does not parse
+
+`value` is a regular expression the subject string must match in full, `[...]` (a list or tuple display) or
+`<index>` (a name, attribute, subscript or integer). When patterns of several rules match the same code, the
+most specific wins (guarded, exact name, method, prefix, any callable), then the earlier rule.
+
+`replacement` is device-agnostic PyTorch. For `auto` rules it is also the template `fix` instantiates: `torch`
+and `torch.distributed` become the module's own aliases, `device` the hoisted device (CPU fallback), or
+`torch.device(device.type, i)` when the matched code names an index `i`; `x` is the subject (the receiver of
+a method, the first argument of a call, the matched argument); `...` stands for the original arguments, with
+the positional ones named by `params` passed as keywords; an empty replacement deletes the argument. An
+`if torch.accelerator.is_available(): ...` or `... if torch.accelerator.is_available() else ...` guard keeps
+the rewrite runnable on CPU-only hosts and is dropped where the code is already guarded. `only` names the
+condition under which the rewrite is safe (see `check.ONLY`); elsewhere the finding becomes a suggestion.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FIX_KINDS = ("auto", "suggest", "report")
+CUDA = r"cuda(:\d+|:\{\})?"  # a CUDA device string, optionally indexed
+VENDORS = ("cuda", "mps", "xpu", "npu", "mlu", "hpu", "musa", "mtia", "neuron", "xla")  # for <ladder>
+SEEDERS = ("random.seed", "numpy.random.seed", "torch.manual_seed", "torch.random.manual_seed",
+           "torch.cuda.manual_seed", "torch.cuda.manual_seed_all", "torch.mps.manual_seed")
+# no-ops off CUDA: code guarded by `torch.cuda.is_available()` that only does these may run anywhere
+BENIGN = {"NRN030", "NRN031", "NRN032", "NRN033", "NRN034", "NRN035", "NRN060"}
+# a file none of whose lines matches this cannot trigger a rule: lets `check` skip most files unparsed
+TRIGGER = (r"(?i)cuda|cudnn|cublas|nccl|triton|nvidia|nvml|nvtx|apex|GradScaler|device_ids|output_device|"
+           r"DataParallel|reduce-overhead|max-autotune|\.cu\b")
+
+
+@dataclass(frozen=True)
+class Rule:
+    code: str
+    category: str
+    match: tuple[str, ...]
+    message: str
+    replacement: str
+    fix: str  # auto: rewritten by `fix`; suggest: needs a decision, `check` shows the replacement; report: none
+    why: str  # why this fix kind
+    example: str  # smallest code the rule fires on (tested, and shown in docs/migration.md)
+    value: str | None = None
+    params: tuple[str, ...] = ()
+    index: str | None = None
+    only: str | None = None
+    whole: bool = False  # the rewrite replaces the whole call, not just its subject argument
+
+    def __post_init__(self):
+        assert self.fix in FIX_KINDS, self
+
+
+R = Rule
+RULES: list[Rule] = [
+  R("NRN000", "input", ("<syntax error>",), "file could not be analysed", "fix the syntax error", "report",
+    "an unparsable file is never rewritten; it is reported so CI does not pass silently", "def f(:\n"),
+
+  # device selection and placement
+  R("NRN001", "device", (".cuda()",), "`.cuda()` moves to CUDA only", "x.to(device, ...)", "auto",
+    "`Tensor.to`/`Module.to` take any device, and the hoisted `device` falls back to CPU; an index becomes "
+    "`torch.device(device.type, i)`", "model.cuda()", params=("device", "non_blocking", "memory_format"),
+    index="device"),
+  R("NRN002", "device", ("torch.device(type@0)",), "`torch.device(\"cuda\")` names one vendor", "device",
+    "auto", "the hoisted device has the same role on every backend; `\"cuda:i\"`, `f\"cuda:{i}\"` and "
+    "`torch.device(\"cuda\", i)` keep their index", 'dev = torch.device("cuda")', value=CUDA,
+    params=("type", "index"), index="index", whole=True),
+  R("NRN003", "device", ("if torch.cuda.is_available(): torch.device(type@0, !index@1)",),
+    "`torch.device(\"cuda\")` in code that runs only with an accelerator",
+    "torch.accelerator.current_accelerator()", "auto",
+    "the guard guarantees an accelerator, so the current one is exactly what was meant; no hoisting needed",
+    'd = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")', value="cuda",
+    whole=True),
+  R("NRN004", "device", ("torch.*(device=)", ".to(device@0)", ".to_empty(device=)", ".new_empty(device=)",
+                         ".new_zeros(device=)", ".new_ones(device=)", ".new_full(device=)", ".new_tensor(device=)",
+                         "torch.set_default_device(device@0)", "torch.Generator(device@0)"),
+    "CUDA device string passed to a PyTorch API", "device", "auto",
+    "PyTorch APIs take a `torch.device` wherever they take a string", 'x = torch.zeros(3, device="cuda")',
+    value=CUDA),
+  R("NRN005", "device", ("torch.load(map_location@1)", "torch.serialization.load(map_location@1)",
+                         "torch.jit.load(map_location@1)"),
+    "`map_location` loads the checkpoint onto CUDA", "device", "auto",
+    "loading onto the hoisted device works on every backend and on CPU-only hosts",
+    'sd = torch.load("ckpt.pt", map_location="cuda")', value=CUDA),
+  R("NRN006", "device", ("torch.*(device_type=)", "torch.get_autocast_dtype(device_type@0)",
+                         "torch.is_autocast_enabled(device_type@0)", "torch.random.fork_rng(device_type=)"),
+    "`device_type=\"cuda\"` names one vendor", "device.type", "auto",
+    "these parameters want a device-type string; `device.type` is one, on every backend",
+    'torch.random.fork_rng(device_type="cuda")', value="cuda"),
+  R("NRN007", "device", ("*(device=)",), "`device=\"cuda\"` passed to a non-PyTorch callable", "device.type",
+    "auto", "keeps the argument a string (the callee may compare it) while naming the actual device type",
+    'pipe = make_pipeline(device="cuda")', value="cuda"),
+  R("NRN008", "device", ("if torch.cuda.is_available(): <str>",),
+    "`\"cuda\"` chosen only when an accelerator is present", "torch.accelerator.current_accelerator().type",
+    "auto", "the guard guarantees an accelerator; this is the PyTorch tutorials' device-selection idiom",
+    'name = "cuda" if torch.cuda.is_available() else "cpu"', value="cuda"),
+  R("NRN009", "device", ("<str>",), "CUDA device string", "compare `torch.device(d).type` with `device.type`, "
+    "or test `!= \"cpu\"`", "suggest",
+    "in comparisons, defaults and dictionaries the intent (is it CUDA? any accelerator?) is a decision",
+    'if args.device == "cuda":\n    pass', value=CUDA),
+  R("NRN010", "device", ("torch.cuda.is_available",), "`torch.cuda.is_available()` asks about one vendor",
+    "torch.accelerator.is_available(...)", "auto",
+    "the same question for whatever accelerator is present; a suggestion where the guarded code stays "
+    "CUDA-only, since the rewrite would run it on other devices", "ok = torch.cuda.is_available()"),
+  R("NRN011", "device", ("torch.cuda.device_count",), "`torch.cuda.device_count()` counts CUDA devices only",
+    "torch.accelerator.device_count(...)", "auto", "same semantics, any backend; 0 on CPU-only hosts as before",
+    "n = torch.cuda.device_count()"),
+  R("NRN012", "device", ("torch.cuda.current_device",), "`torch.cuda.current_device()` is CUDA-only",
+    "torch.accelerator.current_device_index()", "suggest",
+    "the accelerator call raises on CPU-only hosts, and what to use there (0? None?) depends on the caller",
+    "i = torch.cuda.current_device()"),
+  R("NRN013", "device", ("torch.cuda.set_device",), "`torch.cuda.set_device()` is CUDA-only",
+    "if torch.accelerator.is_available(): torch.accelerator.set_device_index(...)", "auto",
+    "same effect for any accelerator and a no-op on CPU-only hosts; only for an integer index, since a "
+    "`\"cuda:i\"` string or CUDA `torch.device` would be rejected by the accelerator API",
+    "torch.cuda.set_device(local_rank)", only="int_arg"),
+  R("NRN014", "device", ("torch.cuda.device",), "`torch.cuda.device(i)` selects a CUDA device",
+    "torch.accelerator.device_index(i)", "suggest",
+    "the accelerator context manager takes only an int and raises on CPU-only hosts",
+    "with torch.cuda.device(1):\n    pass"),
+  R("NRN015", "device", (".is_cuda",), "`.is_cuda` is False on every other accelerator",
+    'x.device.type != "cpu"', "suggest", "whether the test means CUDA or any accelerator is a decision",
+    "if x.is_cuda:\n    pass"),
+  R("NRN016", "device", tuple(f"torch.cuda.{t}Tensor" for t in ("Float", "Double", "Half", "BFloat16", "Long",
+                                                                  "Int", "Short", "Char", "Byte", "Bool")),
+    "legacy CUDA tensor type", "torch.tensor(data, dtype=..., device=device)", "suggest",
+    "typed constructors have no device-agnostic form; dtype and data need rewriting by hand",
+    "t = torch.cuda.FloatTensor([1.0])"),
+  R("NRN017", "device", ("torch.cuda",), "the `torch.cuda` module used as a value",
+    "torch.get_device_module(device)", "suggest",
+    "the code calls into the module later; whether every call exists on the other module is unknown",
+    "mod = torch.cuda"),
+  R("NRN018", "device", ("<str>",), "`CUDA_VISIBLE_DEVICES` selects CUDA devices",
+    "the backend's own visibility variable (neuron: `NEURON_RT_VISIBLE_CORES`) or launcher flags", "report",
+    "a process environment contract with the CUDA driver; no PyTorch API replaces it",
+    'os.environ["CUDA_VISIBLE_DEVICES"] = "0"', value="CUDA_VISIBLE_DEVICES"),
+
+  # mixed precision
+  R("NRN020", "amp", ("torch.cuda.amp.autocast", "torch.cuda.amp.autocast_mode.autocast"),
+    "`torch.cuda.amp.autocast` is deprecated and CUDA-only", "torch.amp.autocast(device.type, ...)", "auto",
+    "the generic autocast with the hoisted device type; positional arguments become keywords because the "
+    "signatures differ; the dtype default is the device's own", "with torch.cuda.amp.autocast():\n    pass",
+    params=("enabled", "dtype", "cache_enabled")),
+  R("NRN021", "amp", ("torch.cuda.amp.GradScaler", "torch.cuda.amp.grad_scaler.GradScaler"),
+    "`torch.cuda.amp.GradScaler` is deprecated and CUDA-only", "torch.amp.GradScaler(device.type, ...)", "auto",
+    "the generic scaler takes the device first; the remaining parameters are unchanged",
+    "scaler = torch.cuda.amp.GradScaler()"),
+  R("NRN022", "amp", ("torch.autocast(device_type@0)", "torch.amp.autocast(device_type@0)",
+                      "torch.amp.autocast_mode.autocast(device_type@0)", "torch.amp.GradScaler(device@0)",
+                      "torch.amp.grad_scaler.GradScaler(device@0)"),
+    "autocast/GradScaler for `\"cuda\"`: silently disabled on other devices", "device.type", "auto",
+    "these take a device-type string; off CUDA the literal turns AMP off with only a warning",
+    'with torch.autocast("cuda", dtype=torch.bfloat16):\n    pass', value="cuda"),
+  R("NRN023", "amp", ("torch.amp.GradScaler(!device@0)", "torch.amp.grad_scaler.GradScaler(!device@0)"),
+    "`torch.amp.GradScaler()` defaults to `\"cuda\"`", "torch.amp.GradScaler(device.type, ...)", "auto",
+    "without a device the scaler targets CUDA and disables itself elsewhere", "scaler = torch.amp.GradScaler()"),
+  R("NRN024", "amp", ("torch.cuda.amp.custom_fwd", "torch.cuda.amp.autocast_mode.custom_fwd"),
+    "`torch.cuda.amp.custom_fwd` is deprecated and CUDA-only",
+    "torch.amp.custom_fwd(..., device_type=device.type)", "auto", "the generic decorator needs the device type",
+    "@torch.cuda.amp.custom_fwd\ndef forward(ctx, x):\n    return x", params=("fwd", "cast_inputs")),
+  R("NRN025", "amp", ("torch.cuda.amp.custom_bwd", "torch.cuda.amp.autocast_mode.custom_bwd"),
+    "`torch.cuda.amp.custom_bwd` is deprecated and CUDA-only",
+    "torch.amp.custom_bwd(..., device_type=device.type)", "auto", "the generic decorator needs the device type",
+    "@torch.cuda.amp.custom_bwd\ndef backward(ctx, g):\n    return g", params=("bwd",)),
+  R("NRN026", "amp", ("torch.cuda.is_bf16_supported",), "`torch.cuda.is_bf16_supported()` is False off CUDA",
+    'torch.bfloat16 in torch.accelerator.get_device_capability()["supported_dtypes"]', "suggest",
+    "off CUDA it silently picks the fp16 + GradScaler path; the capability query needs backend support",
+    "dt = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16"),
+
+  # backend flags and environment knobs
+  R("NRN030", "backend", ("torch.backends.cudnn.benchmark",), "cuDNN autotuning flag",
+    "nothing: a no-op off CUDA (keep it, or set it only when `device.type == \"cuda\"`)", "report",
+    "harmless elsewhere; reported so the CUDA-only tuning is visible", "torch.backends.cudnn.benchmark = True"),
+  R("NRN031", "backend", ("torch.backends.cudnn.deterministic",), "cuDNN determinism flag",
+    "torch.use_deterministic_algorithms(True)", "suggest",
+    "the generic switch covers every backend but is broader: it raises for ops without a deterministic kernel",
+    "torch.backends.cudnn.deterministic = True"),
+  R("NRN032", "backend", ("torch.backends.cuda.matmul.allow_tf32", "torch.backends.cudnn.allow_tf32"),
+    "TF32 flag for CUDA matmul/convolution", 'torch.backends.fp32_precision = "tf32"  (or '
+    'torch.set_float32_matmul_precision("high"))', "suggest",
+    "the generic knobs also change CPU and other backends' numerics", "torch.backends.cuda.matmul.allow_tf32 = True"),
+  R("NRN033", "backend", ("torch.backends.cuda.sdp_kernel", "torch.backends.cuda.enable_flash_sdp",
+                          "torch.backends.cuda.enable_mem_efficient_sdp", "torch.backends.cuda.enable_math_sdp",
+                          "torch.backends.cuda.enable_cudnn_sdp"),
+    "CUDA scaled-dot-product attention kernel selection", "with torch.nn.attention.sdpa_kernel([SDPBackend...]):",
+    "suggest", "the backend list is a choice; flash/efficient kernels may not exist on the target",
+    "torch.backends.cuda.enable_flash_sdp(False)"),
+  R("NRN034", "backend", ("torch.backends.cudnn.*", "torch.backends.cuda.*"), "CUDA/cuDNN backend setting",
+    "nothing portable; guard with `device.type == \"cuda\"`", "report",
+    "these tune NVIDIA libraries and have no generic counterpart", "torch.backends.cudnn.enabled = False"),
+  R("NRN035", "backend", ("<str>",), "CUDA/NCCL environment knob", "the target backend's equivalent "
+    "(e.g. `PYTORCH_ALLOC_CONF` for the allocator)", "report",
+    "environment contracts with NVIDIA libraries; no PyTorch API replaces them",
+    'os.environ["CUDA_LAUNCH_BLOCKING"] = "1"',
+    value=r"CUDA_LAUNCH_BLOCKING|CUDA_DEVICE_ORDER|PYTORCH_CUDA_ALLOC_CONF|CUBLAS_WORKSPACE_CONFIG|"
+          r"(TORCH_)?NCCL_\w+"),
+
+  # synchronisation, timing, streams and events
+  R("NRN040", "sync", ("torch.cuda.synchronize",), "`torch.cuda.synchronize()` is CUDA-only",
+    "if torch.accelerator.is_available(): torch.accelerator.synchronize(...)", "auto",
+    "waits for whatever accelerator is present; the guard keeps it a no-op on CPU-only hosts",
+    "torch.cuda.synchronize()"),
+  R("NRN041", "sync", ("torch.cuda.Event",), "`torch.cuda.Event` is CUDA-only", "torch.Event(...)", "auto",
+    "the generic event of the current accelerator; positional flags become keywords (`torch.Event` takes a "
+    "device first). Recording still needs an accelerator: the CPU backend has no events",
+    "start = torch.cuda.Event(enable_timing=True)", params=("enable_timing", "blocking", "interprocess")),
+  R("NRN042", "sync", ("torch.cuda.Stream",), "`torch.cuda.Stream` is CUDA-only", "torch.Stream(...)", "auto",
+    "the generic stream of the current accelerator; only without a device argument, which would name CUDA",
+    "s = torch.cuda.Stream()", params=("device", "priority"), only="no_device"),
+  R("NRN043", "sync", ("torch.cuda.stream",), "`torch.cuda.stream(s)` context is CUDA-only", "x", "auto",
+    "a `torch.Stream` is its own context manager (`with s:`)", "with torch.cuda.stream(s):\n    pass",
+    only="with_item"),
+  R("NRN044", "sync", ("torch.cuda.current_stream", "torch.cuda.default_stream"),
+    "current/default CUDA stream", "torch.accelerator.current_stream(...)", "suggest",
+    "the accelerator call raises on CPU-only hosts and there is no generic default stream",
+    "torch.cuda.current_stream().wait_stream(s)"),
+  R("NRN045", "sync", ("torch.cuda.ExternalStream", "torch.cuda.StreamContext", "torch.cuda.set_stream",
+                       "torch.cuda.set_sync_debug_mode", "torch.cuda.get_stream_from_external"),
+    "CUDA stream plumbing", "torch.accelerator.set_stream / torch.Stream", "report",
+    "these wrap raw CUDA stream handles; no device-agnostic equivalent", "torch.cuda.set_sync_debug_mode(1)"),
+
+  # memory
+  R("NRN050", "memory", ("torch.cuda.empty_cache",), "`torch.cuda.empty_cache()` is CUDA-only",
+    "if torch.accelerator.is_available(): torch.accelerator.empty_cache(...)", "auto",
+    "same call on the accelerator allocator; guarded because it raises without an accelerator",
+    "torch.cuda.empty_cache()"),
+  R("NRN051", "memory", ("torch.cuda.memory_allocated",), "`torch.cuda.memory_allocated()` is 0 off CUDA",
+    "torch.accelerator.memory_allocated(...) if torch.accelerator.is_available() else 0", "auto",
+    "same statistic on any accelerator; 0 on CPU-only hosts, as before", "m = torch.cuda.memory_allocated()"),
+  R("NRN052", "memory", ("torch.cuda.max_memory_allocated",), "`torch.cuda.max_memory_allocated()` is 0 off CUDA",
+    "torch.accelerator.max_memory_allocated(...) if torch.accelerator.is_available() else 0", "auto",
+    "same statistic on any accelerator; 0 on CPU-only hosts, as before", "m = torch.cuda.max_memory_allocated()"),
+  R("NRN053", "memory", ("torch.cuda.memory_reserved", "torch.cuda.memory_cached"),
+    "`torch.cuda.memory_reserved()` is 0 off CUDA",
+    "torch.accelerator.memory_reserved(...) if torch.accelerator.is_available() else 0", "auto",
+    "same statistic on any accelerator; 0 on CPU-only hosts, as before", "m = torch.cuda.memory_reserved()"),
+  R("NRN054", "memory", ("torch.cuda.max_memory_reserved", "torch.cuda.max_memory_cached"),
+    "`torch.cuda.max_memory_reserved()` is 0 off CUDA",
+    "torch.accelerator.max_memory_reserved(...) if torch.accelerator.is_available() else 0", "auto",
+    "same statistic on any accelerator; 0 on CPU-only hosts, as before", "m = torch.cuda.max_memory_reserved()"),
+  R("NRN055", "memory", ("torch.cuda.reset_peak_memory_stats", "torch.cuda.reset_max_memory_allocated"),
+    "CUDA peak-memory reset", "if torch.accelerator.is_available(): torch.accelerator.reset_peak_memory_stats(...)",
+    "auto", "same reset on the accelerator allocator; guarded because it raises without an accelerator",
+    "torch.cuda.reset_peak_memory_stats()"),
+  R("NRN056", "memory", ("torch.cuda.memory_stats",), "`torch.cuda.memory_stats()` is CUDA-only",
+    "torch.accelerator.memory_stats(...) if torch.accelerator.is_available() else {}", "auto",
+    "same statistics dictionary; empty on CPU-only hosts", "s = torch.cuda.memory_stats()"),
+  R("NRN057", "memory", ("torch.cuda.mem_get_info",), "`torch.cuda.mem_get_info()` is CUDA-only",
+    "torch.accelerator.get_memory_info(...)", "suggest",
+    "(free, total) has no meaning on CPU-only hosts, where the accelerator call raises",
+    "free, total = torch.cuda.mem_get_info()"),
+  R("NRN058", "memory", ("torch.cuda.memory_summary", "torch.cuda.memory_snapshot",
+                         "torch.cuda.memory._record_memory_history", "torch.cuda.memory._snapshot",
+                         "torch.cuda.memory._dump_snapshot"),
+    "CUDA memory debugging", "torch.accelerator.memory_stats() (no portable summary or snapshot yet)",
+    "report", "the snapshot/summary tooling exists only for CUDA", "print(torch.cuda.memory_summary())"),
+  R("NRN059", "memory", ("torch.cuda.set_per_process_memory_fraction", "torch.cuda.caching_allocator_alloc",
+                         "torch.cuda.caching_allocator_delete", "torch.cuda.MemPool", "torch.cuda.use_mem_pool",
+                         "torch.cuda.CUDAPluggableAllocator", "torch.cuda.memory.change_current_allocator"),
+    "CUDA allocator control", "none (backend allocator settings)", "report",
+    "these configure the CUDA caching allocator itself", "torch.cuda.set_per_process_memory_fraction(0.5)"),
+
+  # RNG and checkpoint RNG state
+  R("NRN060", "rng", ("torch.cuda.manual_seed_all", "torch.cuda.manual_seed"),
+    "CUDA-only seeding: other devices stay unseeded", "torch.manual_seed(...)", "auto",
+    "`torch.manual_seed` seeds every device; rewritten only next to a `torch.manual_seed` with the same seed, "
+    "where reseeding the CPU generator changes nothing", "torch.manual_seed(0)\ntorch.cuda.manual_seed_all(0)",
+    only="seeded"),
+  R("NRN061", "rng", ("torch.cuda.get_rng_state", "torch.cuda.get_rng_state_all"),
+    "CUDA RNG state (often saved in checkpoints)", "torch.get_device_module(device).get_rng_state()", "suggest",
+    "checkpoint formats key it by device; the CPU module has no device RNG state",
+    'ckpt["cuda_rng"] = torch.cuda.get_rng_state()'),
+  R("NRN062", "rng", ("torch.cuda.set_rng_state", "torch.cuda.set_rng_state_all"),
+    "restores CUDA RNG state", "torch.get_device_module(device).set_rng_state(state)", "suggest",
+    "the saved state is CUDA's; restoring it on another device is meaningless", "torch.cuda.set_rng_state(s)"),
+  R("NRN063", "rng", ("torch.cuda.seed", "torch.cuda.seed_all", "torch.cuda.initial_seed"),
+    "CUDA-only seed query/randomisation", "torch.seed() / torch.initial_seed()", "suggest",
+    "the generic calls also touch the CPU generator", "s = torch.cuda.initial_seed()"),
+  R("NRN064", "rng", ("torch.cuda.default_generators",), "CUDA default generators",
+    "torch.Generator(device=device)", "report", "internal per-device generator list", "g = torch.cuda.default_generators[0]"),
+
+  # distributed
+  R("NRN070", "distributed", ("torch.distributed.init_process_group(backend@0)",
+                              "torch.distributed.distributed_c10d.init_process_group(backend@0)",
+                              "torch.distributed.new_group(backend=)"),
+    "`\"nccl\"` backend is CUDA-only", "torch.distributed.get_default_backend_for_device(device)", "auto",
+    "PyTorch maps each device type to its collective backend (gloo on CPU)",
+    'dist.init_process_group("nccl")', value="nccl"),
+  R("NRN071", "distributed", ("<str>",), "NCCL backend named in a string", "dist.get_default_backend_for_device(device)",
+    "suggest", "argparse defaults, comparisons and compound `\"cuda:nccl,cpu:gloo\"` specs need a decision",
+    'parser.add_argument("--backend", default="nccl")', value=r"[\w:,]*\bnccl\b[\w:,]*"),
+  R("NRN072", "distributed", ("torch.distributed.is_nccl_available",), "asks about NCCL only",
+    "dist.is_backend_available(dist.get_default_backend_for_device(device))", "suggest",
+    "callers usually branch on the answer", "ok = torch.distributed.is_nccl_available()"),
+  R("NRN073", "distributed", ("torch.distributed.device_mesh.init_device_mesh(device_type@0)",
+                              "torch.distributed.init_device_mesh(device_type@0)",
+                              "torch.distributed.device_mesh.DeviceMesh(device_type@0)",
+                              "torch.distributed.tensor.DeviceMesh(device_type@0)",
+                              "torch.distributed._tensor.DeviceMesh(device_type@0)"),
+    "device mesh over `\"cuda\"`", "device.type", "auto", "meshes take a device-type string",
+    'mesh = init_device_mesh("cuda", (2,))', value="cuda"),
+  R("NRN074", "distributed", ("torch.nn.parallel.DistributedDataParallel(device_ids=)",
+                              "torch.nn.parallel.distributed.DistributedDataParallel(device_ids=)"),
+    "`device_ids` make DDP fail on CPU", "x if torch.accelerator.is_available() else None", "auto",
+    "DDP rejects `device_ids` for CPU modules; None there, unchanged on any accelerator",
+    "ddp = DDP(model, device_ids=[rank])", value="[...]"),
+  R("NRN075", "distributed", ("torch.nn.parallel.DistributedDataParallel(output_device=)",
+                              "torch.nn.parallel.distributed.DistributedDataParallel(output_device=)"),
+    "`output_device` makes DDP fail on CPU", "x if torch.accelerator.is_available() else None", "auto",
+    "DDP rejects `output_device` for CPU modules; None there, unchanged on any accelerator",
+    "ddp = DDP(model, output_device=rank)", value="<index>"),
+  R("NRN076", "distributed", ("torch.cuda.nccl", "torch.cuda.nccl.*", "torch.distributed.ProcessGroupNCCL"),
+    "NCCL internals", "none", "report", "NCCL-specific", "v = torch.cuda.nccl.version()"),
+  R("NRN077", "distributed", ("torch.nn.DataParallel", "torch.nn.parallel.DataParallel",
+                              "torch.nn.parallel.data_parallel.DataParallel"),
+    "`DataParallel` scatters over CUDA devices", "DistributedDataParallel (one process per device)", "report",
+    "single-process multi-device scatter/gather is CUDA-centric and not portable",
+    "model = torch.nn.DataParallel(model)"),
+
+  # compile modes, CUDA graphs, Triton and CUDA extensions
+  R("NRN080", "compile", ("torch.compile(mode=)",), "compile mode that captures CUDA graphs",
+    'torch.compile(model)  (or mode="max-autotune-no-cudagraphs")', "suggest",
+    "dropping CUDA graphs trades speed for portability; which mode fits the target is a decision",
+    'm = torch.compile(model, mode="reduce-overhead")', value="reduce-overhead|max-autotune"),
+  R("NRN081", "compile", ("torch.cuda.CUDAGraph", "torch.cuda.graph", "torch.cuda.graphs.*",
+                          "torch.cuda.make_graphed_callables", "torch.cuda.graph_pool_handle",
+                          "torch.cuda.is_current_stream_capturing"),
+    "CUDA graph capture", "torch.accelerator.Graph (backend-dependent), or run eagerly", "report",
+    "graph capture needs backend support that cannot be checked statically", "g = torch.cuda.CUDAGraph()"),
+  R("NRN082", "extensions", ("import triton",), "Triton kernels target CUDA/ROCm GPUs",
+    "PyTorch ops, or a kernel for the target backend", "report", "hand-written GPU kernels do not port",
+    "import triton"),
+  R("NRN083", "extensions", ("triton.jit", "triton.autotune", "triton.heuristics"), "Triton kernel",
+    "PyTorch ops, or a kernel for the target backend", "report", "hand-written GPU kernels do not port",
+    "@triton.jit\ndef kernel(x):\n    pass"),
+  R("NRN084", "extensions", ("torch.utils.cpp_extension.CUDAExtension",), "CUDA C++ extension",
+    "CppExtension plus a kernel for the target backend", "report", "CUDA C++ sources do not port",
+    'ext = torch.utils.cpp_extension.CUDAExtension("k", ["k.cu"])'),
+  R("NRN085", "extensions", ("torch.utils.cpp_extension.load(extra_cuda_cflags=)",
+                             "torch.utils.cpp_extension.load_inline(cuda_sources=)",
+                             "torch.utils.cpp_extension.load_inline(extra_cuda_cflags=)"),
+    "JIT-compiled CUDA extension", "a CPU or target-backend implementation", "report",
+    "CUDA C++ sources do not port", 'm = torch.utils.cpp_extension.load_inline("m", "", cuda_sources=src)'),
+  R("NRN086", "extensions", ("<str>",), "CUDA source file", "a kernel for the target backend", "report",
+    "`.cu` sources need nvcc", 'sources = ["kernel.cu"]', value=r"[\w./-]+\.cuh?"),
+  R("NRN087", "extensions", ("torch.cuda.jiterator", "torch.cuda.jiterator.*"), "CUDA jiterator kernel",
+    "PyTorch ops", "report", "runtime-compiled CUDA code", "f = torch.cuda.jiterator._create_jit_fn(code)"),
+  R("NRN088", "extensions", ("import apex",), "NVIDIA apex", "torch.amp and fused optimizers (`fused=True`)",
+    "report", "apex's kernels are CUDA-only", "from apex import amp"),
+
+  # capability and telemetry
+  R("NRN090", "capability", ("torch.cuda.get_device_capability",), "CUDA compute capability",
+    'torch.accelerator.get_device_capability()["supported_dtypes"] (a dtype set, not (major, minor))', "report",
+    "SM versions have no meaning on other devices; the feature being probed needs its own check",
+    "if torch.cuda.get_device_capability() >= (8, 0):\n    pass"),
+  R("NRN091", "capability", ("torch.cuda.get_device_properties",), "CUDA device properties",
+    "torch.accelerator.get_memory_info()[1] for total memory", "suggest",
+    "only total memory has a portable counterpart", "p = torch.cuda.get_device_properties(0)"),
+  R("NRN092", "capability", ("torch.cuda.get_device_name",), "CUDA device name",
+    "torch.get_device_module(device).get_device_name() where the backend provides it", "suggest",
+    "names often feed NVIDIA peak-FLOPs tables", "name = torch.cuda.get_device_name()"),
+  R("NRN093", "capability", ("torch.version.cuda", "torch.version.hip", "torch.backends.cuda.is_built",
+                             "torch.backends.cudnn.is_available", "torch.backends.cudnn.version"),
+    "CUDA toolkit/library version query", "torch.accelerator.is_available() / device.type", "report",
+    "build facts about NVIDIA libraries have no portable counterpart", "v = torch.version.cuda"),
+  R("NRN094", "capability", ("import pynvml", "import nvidia_smi", "import py3nvml", "<str>"),
+    "NVIDIA telemetry (NVML / nvidia-smi)", "torch.accelerator.device_count() / memory APIs, or the backend's "
+    "monitoring tool", "report", "talks to the NVIDIA driver", 'subprocess.run(["nvidia-smi"])',
+    value=r"nvidia-smi(\s.*)?"),
+  R("NRN095", "capability", ("torch.cuda.utilization", "torch.cuda.temperature", "torch.cuda.power_draw",
+                             "torch.cuda.clock_rate", "torch.cuda.list_gpu_processes", "torch.cuda.device_memory_used",
+                             "torch.cuda.memory_usage", "torch.cuda.get_arch_list", "torch.cuda.get_gencode_flags"),
+    "CUDA telemetry/build query", "the backend's monitoring tool", "report", "NVML and nvcc facts",
+    "u = torch.cuda.utilization()"),
+
+  # profiling
+  R("NRN096", "profiling", ("torch.profiler.ProfilerActivity.CUDA", "torch.autograd.ProfilerActivity.CUDA",
+                            "torch._C._profiler.ProfilerActivity.CUDA"),
+    "profiles CUDA kernels only", "torch.profiler.supported_activities()  (or ProfilerActivity.PrivateUse1)",
+    "suggest", "which activities to record is a choice; supported_activities() adapts to the host",
+    "acts = [ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]"),
+  R("NRN097", "profiling", ("torch.cuda.nvtx", "torch.cuda.nvtx.*"), "NVTX ranges (Nsight only)",
+    "with torch.profiler.record_function(name):", "suggest",
+    "record_function feeds the PyTorch profiler instead of Nsight: a different tool chain",
+    'torch.cuda.nvtx.range_push("step")'),
+  R("NRN098", "profiling", ("torch.cuda.profiler", "torch.cuda.profiler.*", "torch.cuda.cudart"),
+    "CUDA profiler control", "torch.profiler.profile", "report", "drives the CUDA runtime profiler",
+    "torch.cuda.profiler.start()"),
+  R("NRN099", "profiling", ("torch.autograd.profiler.profile(use_cuda=)", "torch.profiler.profile(use_cuda=)"),
+    "`use_cuda=` profiles CUDA only", "activities=torch.profiler.supported_activities()", "suggest",
+    "the activity set is a choice", "with torch.autograd.profiler.profile(use_cuda=True):\n    pass"),
+
+  # data loading and vendor ladders
+  R("NRN100", "data", ("torch.utils.data.DataLoader(pin_memory_device=)",
+                       "torch.utils.data.dataloader.DataLoader(pin_memory_device=)"),
+    "`pin_memory_device` is deprecated and ignored", "", "auto",
+    "DataLoader pins for the current accelerator; the argument only warns (removed)",
+    'dl = torch.utils.data.DataLoader(ds, pin_memory=True, pin_memory_device="cuda")'),
+  R("NRN101", "ladder", ("<ladder>",), "vendor if/elif ladder over availability checks",
+    "torch.accelerator.current_accelerator() / torch.get_device_module(device)", "suggest",
+    "collapsing branches is right only when they do the same thing for each vendor",
+    'if torch.cuda.is_available():\n    d = "cuda"\nelif torch.backends.mps.is_available():\n    d = "mps"'),
+  R("NRN102", "device", ("torch.cuda.*",), "other `torch.cuda` API", "torch.accelerator.* or "
+    "torch.get_device_module(device).*", "suggest", "no rule knows a portable equivalent for this name",
+    "torch.cuda.ipc_collect()"),
+]
+
+BY_CODE: dict[str, Rule] = {r.code: r for r in RULES}
+assert len(BY_CODE) == len(RULES), "duplicate rule code"
