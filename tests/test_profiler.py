@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import torchneuron
+from torchneuron.costmodel.ops import target
 from torchneuron.profiler import profile
+from torchneuron.profiler.trace import kernel_cost
 
 TRACE_KEYS = {"name", "ph", "ts", "dur", "pid", "tid"}
 
@@ -72,3 +74,27 @@ def test_all_devices():
     with profile(device=None, target="trn2") as prof:
         torch.ones(4) + 1
     assert [e.name for e in prof.events] == ["aten::ones", "aten::add"]
+
+
+def test_compiled_kernels_are_recorded_without_the_op_mode():
+    f = torch.compile(lambda x, w: torch.relu(x @ w) * 2, backend="neuron")
+    x, w = torch.randn(128, 128, device="neuron"), torch.randn(128, 128, device="neuron")
+    f(x, w)
+    with profile(ops=False, target="trn2") as prof:
+        y = f(x, w)
+    assert y.device.type == "neuron"
+    assert [e.name for e in prof.events] == ["neuron::compiled_kernel"]
+    assert prof.events[0].device == "neuron:0" and prof.events[0].device_s >= 30e-6  # at least one launch
+    _check_trace(prof.chrome_trace())
+
+
+def test_a_kernel_graph_is_costed_as_one_launch_of_fused_kernels():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = make_fx(lambda x, w: torch.relu(x @ w) * 2)(torch.randn(256, 256), torch.randn(256, 256))
+    t = target("trn2")
+    c = kernel_cost(gm, t)
+    assert c.flops == 2 * 256**3 + 2 * 256 * 256  # the matmul; relu and mul sweep 256x256 once each
+    assert c.engine == "tensor" and c.overhead_s == t.launch_s
+    # one fused kernel: reads x and w, writes the result; relu's output stays on chip
+    assert c.bytes == pytest.approx(3 * 256 * 256 * 4)

@@ -3,7 +3,7 @@ Trainium instance, how well it would use the chip, and what it would cost, compa
 
 The model runs on meta tensors (costmodel.trace), so nothing is computed and a 70B model needs no memory.
 Every recorded op is costed on one logical core with costmodel.ops; a compiled step groups ops into fused
-kernels (see _Coster.groups; intermediates that fit in SBUF stay there). Tensor parallelism divides each op
+kernels (see Coster.groups; intermediates that fit in SBUF stay there). Tensor parallelism divides each op
 as the trace's layout says and adds its collectives; data parallelism adds the gradient all-reduce. All the
 assumptions are listed in docs/costmodel.md.
 """
@@ -157,7 +157,7 @@ def _shapes(r: Rec) -> str:
     return " ".join("x".join(map(str, t.shape)) or "scalar" for t in r.ins[:3])
 
 
-class _Coster:
+class Coster:
     """Costs a trace on one layout: per-core shapes under tensor parallelism, fused kernels or eager ops."""
 
     def __init__(self, tr: Trace, lay: Layout, tp: int, sp: bool, compiled: bool):
@@ -284,7 +284,7 @@ def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float) -> list[
     return ops
 
 
-def _memory(tr: Trace, co: _Coster, plan: Plan, itemsize: float) -> dict[str, float]:
+def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float) -> dict[str, float]:
     """Bytes per core: weights, inputs (a KV cache), and for training gradients, optimizer state (fp32
     moments, plus fp32 master weights under mixed precision) and the activations saved for backward."""
     tp = plan.tp
@@ -303,7 +303,7 @@ def _memory(tr: Trace, co: _Coster, plan: Plan, itemsize: float) -> dict[str, fl
 
 def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = None) -> EstimateResult:
     """Cost a recorded step on `layout` under `plan`."""
-    co = _Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled")
+    co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled")
     micro = max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
     ops = [OpTime(c.op if c.engine == "collective" else r.op, r.phase, c.engine, c.flops, nbytes, t, c.bound,
                   c.achieved, micro, _shapes(r)) for r, c, t, nbytes in co.times(tr.recs)]

@@ -258,6 +258,29 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, train: bool = True,
                  sum(p.numel() for p in params.values()), nbytes(input_leaves), items, unit)
 
 
+def fx_trace(gm: torch.fx.GraphModule) -> Trace:
+    """The records of an FX graph whose nodes carry `meta["val"]` (a compiled kernel's graph), replicated. A
+    view node stands for the node it views."""
+    recs, specs, alias = [], {}, {}
+    val = lambda a: a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+    for n in gm.graph.nodes:
+        outs = [t for t in pytree.tree_leaves(val(n)) if isinstance(t, torch.Tensor)]
+        nodes = [alias.get(id(a), id(a)) for a in pytree.tree_leaves((n.args, n.kwargs))
+                 if isinstance(a, torch.fx.Node) and alias.get(id(a), id(a)) in specs]
+        op = n.target if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) else None
+        if op is not None and (op.is_view or base_name(op._overloadpacket.__name__) in FREE_OPS) and nodes:
+            alias[id(n)] = nodes[0]
+            continue
+        if outs:
+            specs[id(n)] = _spec(outs[0])
+        if op is not None:
+            args, kwargs = pytree.tree_map(val, (n.args, n.kwargs))
+            name = base_name(op._overloadpacket.__name__)
+            recs.append(Rec(name, "forward", [specs[i] for i in nodes], [_spec(t) for t in outs], nodes,
+                            [id(n)] if outs else [], _attrs(op, args, kwargs)))
+    return Trace(recs, dict.fromkeys(specs, "R"), specs, 0, 0, 0, 0, "samples")
+
+
 def _cache_leaves(inputs: Any) -> list[torch.Tensor]:
     """Tensors held by a Hugging Face cache object among the inputs (its KV tensors)."""
     found: list[torch.Tensor] = []

@@ -1,8 +1,13 @@
-"""Record the ops that run on `neuron` tensors: host time per op (measured) and device time (modelled by the
-cost model for the configured chip), exported as a Chrome / Perfetto trace and summarised as a table.
+"""Record the ops and compiled kernels that run on `neuron` tensors: host time (measured) and device time
+(modelled by the cost model for the configured chip), exported as a Chrome / Perfetto trace and summarised as
+a table.
 
-The modelled device runs ops in order on one queue per device: an op starts when the host has issued it and
-the previous op has finished, and occupies the engine the cost model assigns it (one trace row per engine).
+The modelled device runs work in order on one queue per device: an op starts when the host has issued it and
+the previous one has finished, and occupies the engine the cost model assigns it (one trace row per engine).
+Eager ops are seen through a TorchDispatchMode. While such a mode is active Dynamo runs compiled functions
+eagerly (op by op), so to see torch.compile kernels instead profile with `ops=False`: the compiler's kernel
+call is then wrapped to record each kernel as one event, costed from its FX graph when the kernel carries one
+(`kernel.graph`), else as a launch only.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..costmodel.ops import OpCost, T, Target, op_cost, target
+from ..costmodel.trace import fx_trace
 from ..runtime.native_ops import base_name
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma", "collective", "none")
@@ -39,6 +45,23 @@ class Event:
     @property
     def device_s(self) -> float:
         return self.cost.time_s
+
+
+def kernel_cost(graph: torch.fx.GraphModule | None, t: Target) -> OpCost:
+    """A compiled kernel: one launch running its graph as fused kernels (the estimator's compiled rules)."""
+    from ..costmodel.estimate import Coster, Layout
+
+    if graph is None:
+        return OpCost("compiled_kernel", "none", 0.0, 0.0, 0.0, 0.0, 0.0, t.launch_s, 0.0, t.hbm_bw)
+    tr = fx_trace(graph)
+    rows = Coster(tr, Layout(t, "", 1, None, "", 0.0), 1, False, True).times(tr.recs)
+    busy: dict[str, float] = {}
+    for _, c, secs, _ in rows:
+        busy[c.engine] = busy.get(c.engine, 0.0) + secs
+    nbytes, flops = sum(b for *_, b in rows), sum(c.flops for _, c, *_ in rows)
+    engine = max(busy, key=busy.get, default="none")
+    return OpCost("compiled_kernel", engine, flops, nbytes, nbytes, sum(busy.values()), 0.0, t.launch_s,
+                  t.matmul_flops("bfloat16"), t.hbm_bw)
 
 
 def _default_target() -> Target:
@@ -65,7 +88,8 @@ class _Mode(TorchDispatchMode):
 
 
 class profile:
-    """Context manager recording every op on `device` tensors ("neuron"; "cpu" or None for any device).
+    """Context manager recording every op on `device` tensors ("neuron"; "cpu" or None for any device), or
+    with `ops=False` every torch.compile kernel (see the module docstring).
 
     with torchneuron.profiler.profile() as prof:
         model(x)
@@ -73,8 +97,8 @@ class profile:
     print(prof.summary())
     """
 
-    def __init__(self, device: str | None = "neuron", target: str | Target | None = None):
-        self.device_type = device
+    def __init__(self, device: str | None = "neuron", target: str | Target | None = None, ops: bool = True):
+        self.device_type, self.ops = device, ops
         self._target = target
         self.events: list[Event] = []
         self._queue_end: dict[str, float] = {}
@@ -87,32 +111,55 @@ class profile:
 
     def __enter__(self) -> profile:
         self._t0: int | None = None  # the first op's start: the trace's time zero
-        self._mode = _Mode(self)
-        self._mode.__enter__()
+        self._unwrap = self._wrap_compiled_kernels()
+        self._mode = _Mode(self) if self.ops else None
+        if self._mode:
+            self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._mode.__exit__(*exc)
+        if self._mode:
+            self._mode.__exit__(*exc)
+        self._unwrap()
+
+    def _wrap_compiled_kernels(self):
+        from ..compiler.kernel import Kernel
+
+        call, prof = Kernel.__call__, self
+
+        def profiled(kernel, args: list) -> list:
+            ins = [args[i] for i in kernel.device_inputs]  # the call consumes `args`
+            start = time.perf_counter_ns()
+            out = call(kernel, args)
+            host = time.perf_counter_ns() - start
+            prof._add("neuron::compiled_kernel", ins, out, start, host,
+                      lambda: kernel_cost(getattr(kernel, "graph", None), prof.target))
+            return out
+
+        Kernel.__call__ = profiled
+        return lambda: setattr(Kernel, "__call__", call)
 
     def _record(self, func, args, kwargs, out, start: int, host: int) -> None:
         ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        devices = [t.device for t in (*ins, *outs)]
-        if self.device_type is not None:
-            devices = [d for d in devices if d.type == self.device_type]
-            if not devices:
-                return
-        dev = str(devices[0]) if devices else "cpu"
-        self._t0 = start if self._t0 is None else self._t0
         spec = lambda t: T(tuple(t.shape), str(t.dtype).removeprefix("torch."))
         op = base_name(func._overloadpacket.__name__)
-        cost = op_cost(op, [spec(t) for t in ins], [spec(t) for t in outs], self.target, mode="eager")
-        if func.is_view:
-            cost = op_cost("view", [], [], self.target)
-        issued = (start - self._t0) / 1e9
-        begin = max(issued, self._queue_end.get(dev, 0.0))
-        self._queue_end[dev] = begin + cost.time_s
-        self.events.append(Event(f"aten::{op}", dev, start - self._t0, host, begin, cost,
+        cost = lambda: op_cost("view" if func.is_view else op, [spec(t) for t in ins],
+                               [spec(t) for t in outs], self.target, mode="eager")
+        self._add(f"aten::{op}", ins, outs, start, host, cost)
+
+    def _add(self, name: str, ins: list, outs: Any, start: int, host: int, cost) -> None:
+        """An event for work touching the profiled device (cost: computed only then)."""
+        tensors = [*ins, *(o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor))]
+        devices = [t.device for t in tensors if self.device_type is None or t.device.type == self.device_type]
+        if self.device_type is not None and not devices:
+            return
+        dev = str(devices[0]) if devices else "cpu"
+        self._t0 = start if self._t0 is None else self._t0
+        c = cost()
+        begin = max((start - self._t0) / 1e9, self._queue_end.get(dev, 0.0))
+        self._queue_end[dev] = begin + c.time_s
+        self.events.append(Event(name, dev, start - self._t0, host, begin, c,
                                  tuple(tuple(t.shape) for t in ins), tuple(str(t.dtype) for t in ins)))
 
     # ------------------------------------------------------------------------------------------ outputs
@@ -132,7 +179,7 @@ class profile:
             shapes = ["x".join(map(str, s)) for s in e.shapes]
             evs.append({"name": e.name, "ph": "X", "ts": e.host_start_ns / 1e3, "dur": e.host_ns / 1e3,
                         "pid": 1, "tid": 1, "cat": "host", "args": {"device": e.device, "shapes": shapes}})
-            if e.cost.engine == "none":
+            if not e.device_s:
                 continue
             c = e.cost
             evs.append({"name": e.name, "ph": "X", "ts": e.device_start_s * 1e6, "dur": c.time_s * 1e6,
