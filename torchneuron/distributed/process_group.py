@@ -85,51 +85,62 @@ def _future(work: dist.Work) -> torch.futures.Future:
 
 
 class Work(dist._Work):
-    """A collective in flight. Its future resolves to the caller's tensors (keeping their memory alive until
-    gloo is done) after any finishing step (AVG's division); wait() and the future raise an error naming the
-    collective. It holds its group weakly: were gloo's own thread to drop the last reference, the group's
-    destructor would join that thread from itself."""
+    """A collective in flight: gloo's works plus a finishing step (AVG's division, unpacking) that runs once,
+    in wait() or in the future's callback. wait() raises an error naming the collective; the future (made on
+    request, by DDP and comm hooks) resolves to the caller's tensors. The group is held weakly: were gloo's
+    thread to drop the last reference, the group's destructor would join that thread from itself."""
 
-    def __init__(self, pg: ProcessGroupNeuron, name: str, futs: Sequence[torch.futures.Future], result: Any,
-                 finish: Callable[[], None] | None = None, source: dist.Work | None = None):
+    def __init__(self, pg: ProcessGroupNeuron, name: str, works: Sequence[dist.Work], result: Any,
+                 finish: Callable[[], None] | None = None):
         super().__init__()
-        self._result, self._source, self._error = result, source, []
-        group, error = weakref.ref(pg), self._error
+        self._group, self._name, self._works, self._result = weakref.ref(pg), name, list(works), result
+        self._finish, self._lock, self._fut = finish, threading.Lock(), None
 
-        def done(_: torch.futures.Future) -> Any:
-            try:
-                for f in futs:
-                    f.wait()
-            except Exception as e:
-                pg = group()
-                error.append(pg._failure(name, e) if pg else dist.DistBackendError(f"neuron: {name}: {e}"))
-                raise error[0] from e
-            if finish is not None:
-                finish()
-            return result
-        self._fut = torch.futures.collect_all(list(futs)).then(done)
+    def _failure(self, err: BaseException) -> dist.DistBackendError:
+        pg = self._group()
+        return pg._failure(self._name, err) if pg else dist.DistBackendError(f"neuron: {self._name}: {err}")
+
+    def _complete(self) -> None:
+        with self._lock:
+            finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
-            self._fut.wait()
-        except RuntimeError as e:  # the future wraps our error; raise it as itself
-            raise (self._error[0] if self._error else e) from None
+            for w in self._works:
+                w.wait()
+        except Exception as e:
+            raise self._failure(e) from e
+        self._complete()
         return True
 
     def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            futs = [_future(w) for w in self._works]
+
+            def done(_: torch.futures.Future) -> Any:
+                try:
+                    for f in futs:
+                        f.wait()
+                except Exception as e:
+                    raise self._failure(e) from e
+                self._complete()
+                return self._result
+            self._fut = torch.futures.collect_all(futs).then(done)
         return self._fut
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        return all(w.is_completed() for w in self._works)
 
     def is_success(self) -> bool:
-        if not self._fut.done():
-            raise RuntimeError("neuron: is_success() called on a collective that has not completed")
-        return self.exception() is None
+        return self.is_completed() and self.exception() is None
 
     def exception(self) -> BaseException | None:
+        if not self.is_completed():
+            return None
         try:
-            self._fut.value()
+            self.wait()
             return None
         except Exception as e:  # noqa: BLE001
             return e
@@ -139,8 +150,7 @@ class Work(dist._Work):
 
     def _source_rank(self) -> int:
         """The sender of a `recv` from any source (c10d reads it after wait())."""
-        assert self._source is not None, "neuron: only a recv from any source has a source rank"
-        return self._source._source_rank()
+        return self._works[0]._source_rank()
 
 
 def _options(opts: Any, cls: type) -> Any:
@@ -168,6 +178,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._timeout, self._global_ranks, self._seq = timeout, list(global_ranks) or list(range(size)), 0
         self._coalescing: list[Work] | None = None
+        self._inflight: list[Work] = []
         for device in ("neuron", "cpu"):
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
@@ -223,10 +234,11 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def _run(self, name: str, launch: Callable[[], dist.Work | list[dist.Work]], result: Any,
              finish: Callable[[], None] | None = None) -> Work:
-        """Start the gloo op(s) on host views; gloo's own argument errors propagate as raised."""
+        """Start the gloo op(s) on host views; gloo's own argument errors propagate as raised. The group keeps
+        each Work (so the caller's tensors, whose memory gloo is using) until its transfer is done."""
         works = launch()
-        works = works if isinstance(works, list) else [works]
-        work = Work(self, name, [_future(w) for w in works], result, finish, source=works[0])
+        work = Work(self, name, works if isinstance(works, list) else [works], result, finish)
+        self._inflight = [w for w in self._inflight if not w.is_completed()] + [work]
         if self._coalescing is not None:
             self._coalescing.append(work)
         return work
@@ -376,8 +388,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def _end_coalescing(self, device: torch.device) -> Work:
         works, self._coalescing = self._coalescing or [], None
-        return Work(self, "coalesced collectives", [w.get_future() for w in works],
-                    [t for w in works for t in w.result()])
+        return Work(self, "coalesced collectives", [g for w in works for g in w._works],
+                    [t for w in works for t in w.result()], lambda: [w._complete() for w in works])
 
     # aliases under the older c10d method names
     _allgather_base = all_gather_single
