@@ -133,3 +133,48 @@ def test_bad_arguments_are_errors(gpt):
         estimate(model, inputs, mode="serve")
     with pytest.raises(ValueError):
         estimate(model, inputs, target="trn2", instance="trn1.32xlarge")
+
+
+def test_cli_estimate_from_a_file_function_writes_a_report(tmp_path, capsys):
+    import argparse
+
+    from torchneuron.costmodel import cli
+
+    (tmp_path / "mymodel.py").write_text(
+        "import torch\n"
+        "from torchneuron.models import GPTConfig, TinyGPT\n"
+        "def build(batch, seq, mode):\n"
+        "    ids = torch.zeros(batch, seq, dtype=torch.long)\n"
+        "    return TinyGPT(GPTConfig(block_size=seq)), (ids, ids)\n")
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    report = tmp_path / "out.md"
+    args = p.parse_args(["--model", f"{tmp_path / 'mymodel.py'}:build", "--batch", "4", "--seq", "64",
+                         "--target", "trn1", "--report", str(report)])
+    assert cli.run_estimate(args) == 0
+    out = capsys.readouterr().out
+    assert "training step on 1 x trn1 core" in out and "h100 GPU" in out and "top ops" in out
+    text = report.read_text()
+    assert "| tokens / s |" in text and "![roofline](out.roofline.png)" in text
+    assert (tmp_path / "out.time.png").stat().st_size > 10_000
+    assert (tmp_path / "out.roofline.png").stat().st_size > 10_000
+
+
+def test_demo_text_compares_trn2_with_an_h100(gpt):
+    from torchneuron.costmodel.cli import demo_estimate_text
+
+    model, inputs = gpt
+    text = demo_estimate_text(model, inputs)
+    assert "trn2 NeuronCore" in text and "h100 GPU" in text and "per million tokens" in text
+
+
+def test_html_report_embeds_both_charts(gpt, tmp_path):
+    from torchneuron.costmodel import report
+
+    model, inputs = gpt
+    r = estimate(model, inputs, target="trn2")
+    (page,) = report.write(r, tmp_path / "gpt.html", "TinyGPT")
+    html = page.read_text()
+    assert html.count('src="data:image/png;base64,') == 2
+    assert "TinyGPT: training step" in html and "p5.48xlarge" in html
+    assert list(tmp_path.iterdir()) == [page]  # nothing left beside it

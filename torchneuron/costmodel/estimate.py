@@ -194,12 +194,15 @@ class Coster:
             return out
         costs = [self.op(r, "fused") for r in recs]
         groups = self.groups(recs, costs)
+        launch = OpCost("launch", "none", 0.0, 0.0, 0.0, 0.0, 0.0, self.t.launch_s, 0.0, self.t.hbm_bw)
+        out: list[tuple[Rec, OpCost, float, float]] = [  # one launch per compiled graph (forward, backward)
+            (Rec("launch", phase, [], [], [], []), launch, launch.time_s, 0.0)
+            for phase in dict.fromkeys(r.phase for r in recs)]
         owner = {i: g for g, idx in enumerate(groups) for i in idx}
         consumers: dict[int, set[int]] = {}
         for i, r in enumerate(recs):
             for t in r.in_ids:
                 consumers.setdefault(t, set()).add(owner[i])
-        out: list[tuple[Rec, OpCost, float, float]] = []
         for g, idx in enumerate(groups):
             if costs[idx[0]].engine == "collective":
                 c = costs[idx[0]]
