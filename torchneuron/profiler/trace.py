@@ -54,7 +54,8 @@ def kernel_cost(graph: torch.fx.GraphModule | None, t: Target) -> OpCost:
     if graph is None:
         return OpCost("compiled_kernel", "none", 0.0, 0.0, 0.0, 0.0, 0.0, t.launch_s, 0.0, t.hbm_bw)
     tr = fx_trace(graph)
-    rows = Coster(tr, Layout(t, "", 1, None, "", 0.0), 1, False, True).times(tr.recs)
+    rows = [row for row in Coster(tr, Layout(t, "", 1, None, "", 0.0), 1, False, True).times(tr.recs)
+            if row[0].op != "launch"]  # the launch is the event's overhead
     busy: dict[str, float] = {}
     for _, c, secs, _ in rows:
         busy[c.engine] = busy.get(c.engine, 0.0) + secs
