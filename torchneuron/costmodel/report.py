@@ -54,7 +54,8 @@ def _memory(e: EstimateResult) -> str:
 
 def _note(r: EstimateResult) -> str:
     runs = [r] + ([r.comparison] if r.comparison else [])
-    prices = "; ".join(f"{e.instance} at {_money(e.price_per_hour)}/h ({e.price_source})" for e in runs)
+    prices = "; ".join(f"{e.instance} at {_money(e.price_per_hour)}/h ({e.price_source})" if e.price_per_hour
+                       else f"{e.instance}: {e.price_source} (pass price_per_hour)" for e in runs)
     return (f"Prices: {prices}. Costs are pro rata for the cores used. All figures are modelled by "
             "torchneuron.costmodel (docs/costmodel.md lists the assumptions), not measured.")
 
