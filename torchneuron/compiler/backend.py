@@ -26,7 +26,6 @@ from . import metrics
 from .cache import Cache
 
 FALLBACKS = ("error", "eager")
-_COMPILES: Counter = Counter()  # graph name -> compiles so far in this process
 
 
 class CompileError(RuntimeError):
@@ -39,7 +38,7 @@ class DynamicShapesError(RuntimeError):
 
 @dataclasses.dataclass
 class Options:
-    model_name: str = "graph"
+    model_name: str | None = None
     fallback: str = "error"
     ignored: tuple[str, ...] = ()
 
@@ -56,7 +55,7 @@ class Options:
             warnings.warn(f"torch.compile(backend='neuron') ignores {', '.join(ignored)}: the neuron "
                           "compiler has one mode (no CUDA graphs, no autotuning) and compiles with it",
                           stacklevel=3)
-        return cls(str(options.get("model_name", "graph")), fallback, ignored)
+        return cls(options.get("model_name"), fallback, ignored)
 
 
 @dataclasses.dataclass
@@ -99,11 +98,18 @@ def neuron_backend(gm: fx.GraphModule, example_inputs: list, *, mode: str | None
     return _compile(gm, example_inputs, opts, name)
 
 
-def _graph_name(model_name: str) -> str:
+def _graph_name(model_name: str | None) -> str:
+    """`<model_name or the compiled function's name>_<Dynamo frame id>`: the same for every recompile."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
     from torch._guards import CompileContext
 
+    try:
+        code = InstructionTranslator.current_tx().f_code
+    except AttributeError:  # called outside a Dynamo trace
+        code = None
+    base = model_name or re.sub(r"\W", "", code.co_name if code else "") or "graph"
     cid = CompileContext.current_compile_id()
-    return f"{model_name}_{cid.frame_id}" if cid is not None and cid.frame_id is not None else model_name
+    return f"{base}_{cid.frame_id}" if cid is not None and cid.frame_id is not None else base
 
 
 def _symbolic(inputs: list) -> bool:
@@ -133,8 +139,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str)
 
     from .passes import decompositions
 
-    _COMPILES[name] += 1
-    recompiles = _COMPILES[name] - 1
+    recompiles = metrics.next_compile(name)
     debug_root = os.environ.get("TORCHNEURON_DEBUG_DIR", "").strip()
     session = Session(name, Cache(), Path(debug_root) / f"{name}_{recompiles}" if debug_root else None)
     session.write("dynamo.fx.txt", gm.print_readable(print_output=False, include_stride=True,
@@ -152,18 +157,24 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str)
     except Exception as e:  # every failure is reported, then raised or run eagerly
         msg = _failure_message(session, e)
         session.write("error.txt", msg)
+        row["error"] = msg
         if opts.fallback == "error":
+            metrics.record(_finish(row, session, start))
             raise CompileError(msg) from e
         warnings.warn(f"{msg}\nTORCHNEURON_COMPILE_FALLBACK=eager: graph {name} runs eagerly on neuron",
                       stacklevel=2)
-        row.update(fallback="eager", error=msg)
+        row["fallback"] = "eager"
         compiled = gm.forward
+    metrics.record(_finish(row, session, start))
+    return compiled
+
+
+def _finish(row: dict, session: Session, start: float) -> dict:
     row.update(compile_time_s=time.perf_counter() - start, kernels=session.kernels,
                cache_hit=0 < session.kernels == session.cached, cached_kernels=session.cached,
                host_ops=dict(session.host_ops), eager_nodes=session.eager_nodes, rng_draws=session.rng_draws,
                float64_rounded=session.float64_rounded)
-    metrics.record(row)
-    return compiled
+    return row
 
 
 def _failure_message(session: Session, e: BaseException | None) -> str:
@@ -175,7 +186,7 @@ def _failure_message(session: Session, e: BaseException | None) -> str:
         if m:
             graph = session.kernel_graph.graph.nodes if session.kernel_graph is not None else []
             found = next((n for n in graph if str(n.target) == m.group(1)), None)
-            node = found.format_node() if found is not None else m.group(1)
+            node = f"{found.name} ({found.target})" if found is not None else m.group(1)
             break
         e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
     e = e or first

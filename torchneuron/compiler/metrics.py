@@ -12,6 +12,14 @@ import threading
 
 _LOCK = threading.Lock()
 _ROWS: list[dict] = []
+_COMPILES: dict[str, int] = {}  # graph name -> compiles since the last reset
+
+
+def next_compile(name: str) -> int:
+    """Count a compile of `name`; returns how many compiles of it came before (its recompile number)."""
+    with _LOCK:
+        _COMPILES[name] = _COMPILES.get(name, 0) + 1
+        return _COMPILES[name] - 1
 
 
 def record(row: dict) -> None:
@@ -28,3 +36,4 @@ def get() -> list[dict]:
 def reset() -> None:
     with _LOCK:
         _ROWS.clear()
+        _COMPILES.clear()

@@ -1,0 +1,247 @@
+"""`torch.compile(backend="neuron")`: registration, results on the device, static shapes and recompiles,
+dynamic, mode, graph breaks, compile failures and fallback, RNG, the float64 rule, default-backend routing,
+debug files."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from conftest import run_py
+
+from torchneuron.compiler import backend
+
+N = "neuron"
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "neuron-cache"))
+    monkeypatch.delenv("TORCHNEURON_COMPILE_FALLBACK", raising=False)
+    torch._dynamo.reset()
+    torch.neuron.reset_dynamo_metrics()
+    yield
+    torch._dynamo.reset()
+
+
+def rows() -> list[dict]:
+    return torch.neuron.get_dynamo_metrics()
+
+
+def test_entry_point_names_the_backend():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert "neuron" in torch._dynamo.list_backends()
+    assert lookup_backend("neuron") is backend.neuron_backend
+
+
+def test_import_torch_stays_light():
+    out = run_py("""
+        import sys, torch
+        print(sorted(m for m in ('torch._dynamo', 'torch._inductor', 'torchneuron.compiler.backend')
+                     if m in sys.modules))
+    """).stdout
+    assert out.strip() == "[]"
+
+
+def test_forward_and_grads_match_eager_on_neuron_memory():
+    torch.manual_seed(0)
+    w = torch.randn(16, 8, device=N, requires_grad=True)
+
+    def f(x):
+        return F.gelu(x @ w).softmax(-1).sum(0)
+
+    x = torch.randn(4, 16, device=N)
+    eager = f(x)
+    eager.sum().backward()
+    g_eager, w.grad = w.grad, None
+    before = torch.neuron.memory_allocated()
+    out = torch.compile(f, backend=N)(x)
+    assert out.device == torch.device("neuron", 0)
+    assert torch.neuron.memory_allocated() - before >= out.numel() * 4  # result and saved activations
+    torch.testing.assert_close(out, eager)
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, g_eager)
+    ref = F.gelu(x.cpu() @ w.detach().cpu()).softmax(-1).sum(0)
+    torch.testing.assert_close(out.cpu(), ref)
+    (row,) = rows()
+    assert row["kernels"] == 2 and row["fallback"] is None and row["nodes"] > 0 and row["compile_time_s"] > 0
+
+
+def test_outputs_are_adopted_without_leaks():
+    f = torch.compile(lambda x: (x * 2 + 1, x[1:]), backend=N)
+    x = torch.randn(1000, device=N)
+    base = torch.neuron.memory_allocated()
+    y, view = f(x)
+    assert torch.neuron.memory_allocated() - base == 4000  # the fresh result; the view shares x's memory
+    assert view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    del y, view
+    assert torch.neuron.memory_allocated() == base
+
+
+def test_input_mutation_reaches_device_memory():
+    def f(x, buf):
+        buf.add_(1)
+        return x * buf
+
+    x, buf = torch.randn(4, device=N), torch.zeros(4, device=N)
+    with torch.no_grad():
+        out = torch.compile(f, backend=N)(x, buf)
+    assert torch.equal(buf.cpu(), torch.ones(4)) and torch.equal(out, x)
+
+
+def test_static_shapes_recompile_per_signature():
+    f = torch.compile(lambda x: (x.sin() * 2).sum(-1), backend=N)
+    for n in (4, 5, 6, 5):
+        x = torch.randn(3, n, device=N)
+        torch.testing.assert_close(f(x), (x.sin() * 2).sum(-1))
+    assert [r["recompiles"] for r in rows()] == [0, 1, 2]  # the repeated shape reuses its executable
+    assert len({r["name"] for r in rows()}) == 1
+
+
+def test_dynamic_true_is_a_clear_error():
+    with pytest.raises(Exception, match=r"(?s)dynamic=True\) is not supported.*static shapes.*dynamic=False"):
+        torch.compile(lambda x: x * 3, backend=N, dynamic=True)(torch.randn(5, device=N))
+
+
+def test_mode_warns_and_compiles_default():
+    with pytest.warns(UserWarning, match="ignores mode=max-autotune"):
+        out = torch.compile(lambda x: x - 1, backend=N, mode="max-autotune")(torch.ones(3, device=N))
+    assert torch.equal(out.cpu(), torch.zeros(3))
+    assert rows()[0]["ignored_options"] == ["mode=max-autotune"]
+
+
+def test_fullgraph_and_graph_breaks():
+    def f(x):
+        y = x.cos()
+        torch._dynamo.graph_break()
+        return y + 1
+
+    x = torch.randn(4, device=N)
+    torch.testing.assert_close(torch.compile(f, backend=N)(x), x.cos() + 1)
+    first, second = rows()
+    assert "graph_break" in first["graph_break"] and second["graph_break"] is None
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(f, backend=N, fullgraph=True)(x)
+    torch._dynamo.reset()
+    g = torch.compile(lambda x: x.cos() + 1, backend=N, fullgraph=True)
+    torch.testing.assert_close(g(x), x.cos() + 1)
+
+
+@pytest.fixture
+def broken_sin(monkeypatch):
+    """Inductor cannot lower aten.sin (a stand-in for any host-compiler failure)."""
+    from torch._inductor import lowering
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no lowering (test)")
+
+    monkeypatch.setitem(lowering.lowerings, torch.ops.aten.sin.default, fail)
+
+
+def test_compile_failure_names_graph_and_node(broken_sin):
+    msg = r"(?s)could not compile graph lambda_\d+ .*node sin \(aten.sin.default\).*FALLBACK=eager"
+    with pytest.raises(Exception, match=msg):
+        torch.compile(lambda x: x.sin() + 1, backend=N)(torch.randn(3, device=N))
+    assert rows()[0]["fallback"] is None and "sin" in rows()[0]["error"]
+
+
+def test_compile_failure_eager_fallback(broken_sin, monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_COMPILE_FALLBACK", "eager")
+    x = torch.randn(3, device=N)
+    with pytest.warns(UserWarning, match="runs eagerly on neuron"):
+        out = torch.compile(lambda x: x.sin() + 1, backend=N)(x)
+    torch.testing.assert_close(out, x.sin() + 1)
+    assert rows()[0]["fallback"] == "eager" and "sin" in rows()[0]["error"]
+
+
+def test_dropout_reproduces_eager_draws():
+    def f(x):
+        return F.dropout(x, 0.3, True) * 2
+
+    x = torch.randn(16, 16, device=N, requires_grad=True)
+    torch.manual_seed(1)
+    eager = f(x)
+    eager.sum().backward()
+    g_eager, x.grad = x.grad, None
+    cf = torch.compile(f, backend=N)
+    torch.manual_seed(1)
+    out = cf(x)
+    out.sum().backward()
+    assert torch.equal(out, eager) and torch.equal(x.grad, g_eager)
+    assert not torch.equal(cf(x), out)  # fresh draws on the next call
+    assert rows()[0]["rng_draws"] == 1 and rows()[0]["eager_nodes"] == 0
+
+
+def test_value_dependent_random_op_runs_between_kernels():
+    def f(x):
+        p = x.sigmoid()
+        return torch.bernoulli(p) * p + 1
+
+    x = torch.randn(64, device=N)
+    torch.manual_seed(3)
+    eager = f(x)
+    torch.manual_seed(3)
+    assert torch.equal(torch.compile(f, backend=N)(x), eager)
+    assert rows()[0]["eager_nodes"] == 1 and rows()[0]["kernels"] == 2
+
+
+def test_float64_follows_the_dtype_policy():
+    import torchneuron
+
+    def f(x):
+        return (x * 1.1).exp() / 3
+
+    x = torch.randn(5, dtype=torch.float64, device=N)
+    with pytest.warns(UserWarning, match="float64"):
+        out = torch.compile(f, backend=N)(x)
+    assert torch.equal(out, f(x))  # rounded to float32 precision after each op, like eager
+    assert rows()[0]["float64_rounded"] == 3
+    torchneuron.set_policies(dtype_policy="host")
+    torch._dynamo.reset()
+    out = torch.compile(f, backend=N)(x)
+    torch.testing.assert_close(out.cpu(), f(x.cpu()), rtol=1e-15, atol=0)
+
+
+def test_plain_torch_compile_routes_neuron_graphs():
+    x = torch.randn(8, device=N)
+    torch.testing.assert_close(torch.compile(lambda x: x.tanh() * 2)(x), x.tanh() * 2)
+    assert len(rows()) == 1
+    torch.compile(lambda x: x.tanh() * 3)(torch.randn(8))  # CPU graphs still go to Inductor
+    assert len(rows()) == 1
+
+
+def test_debug_dir_keeps_artifacts(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_DEBUG_DIR", str(tmp_path))
+    w = torch.randn(4, 4, device=N, requires_grad=True)
+    torch.compile(lambda x: (x @ w).relu().sum(), backend=N, options={"model_name": "tiny"})(
+        torch.randn(2, 4, device=N)).backward()
+    (d,) = tmp_path.iterdir()
+    assert d.name.startswith("tiny_")
+    files = {p.name for p in d.iterdir()}
+    for stage in ("forward", "backward"):
+        assert {f"{stage}.before.fx.txt", f"{stage}.after.fx.txt", f"{stage}.partition.json",
+                f"{stage}.kernel0.py"} <= files
+    assert "dynamo.fx.txt" in files
+    report = json.loads((d / "forward.partition.json").read_text())
+    assert report["engines"]["tensor"] >= 1 and report["kernels"][0]["index"] == 0
+    assert "def call(" in (d / "forward.kernel0.py").read_text()
+
+
+def test_bad_fallback_value_is_rejected(monkeypatch):
+    monkeypatch.setenv("TORCHNEURON_COMPILE_FALLBACK", "sometimes")
+    with pytest.raises(Exception, match="choose error or eager"):
+        torch.compile(lambda x: x + 1, backend=N)(torch.ones(2, device=N))
+
+
+def test_metrics_reset():
+    torch.compile(lambda x: x * 5, backend=N)(torch.ones(2, device=N))
+    assert len(rows()) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.neuron.reset_dynamo_metrics()
+    assert rows() == []
