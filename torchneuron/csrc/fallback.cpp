@@ -130,11 +130,23 @@ void round_to_fp32(const at::Tensor& host) {
     host.copy_(host.to(host.scalar_type() == at::kDouble ? at::kFloat : at::kComplexFloat));
 }
 
+// A few entries per op call: a linear scan over inline storage beats hashing and allocates nothing.
+template <class K, class V>
+struct SmallMap {
+  c10::SmallVector<std::pair<K, V>, 6> items;
+  V* find(K k) {
+    for (auto& [key, v] : items)
+      if (key == k) return &v;
+    return nullptr;
+  }
+  V& add(K k, V v) { return items.emplace_back(k, std::move(v)).second; }
+};
+
 // Everything a call learns while preparing the CPU arguments, used to map the results back.
 struct Call {
   c10::DeviceIndex device = -1;
-  std::unordered_map<const c10::StorageImpl*, c10::Storage> alias_to_device;  // CPU alias storage -> device storage
-  std::unordered_map<const c10::TensorImpl*, at::Tensor> alias_to_tensor;    // CPU alias tensor -> device tensor
+  SmallMap<const c10::StorageImpl*, c10::Storage> alias_to_device;  // CPU alias storage -> device storage
+  SmallMap<const c10::TensorImpl*, at::Tensor> alias_to_tensor;    // CPU alias tensor -> device tensor
 };
 
 void check_same_device(Call& c, const at::Tensor& t, const OpEntry& e) {
@@ -160,8 +172,8 @@ void check_host_operand(const Call& c, const at::Tensor& t, const OpEntry& e) {
 at::Tensor to_host(Call& c, const at::Tensor& t) {
   if (!is_neuron(t)) return t;
   at::Tensor a = host_alias(t);
-  c.alias_to_device.emplace(a.storage().unsafeGetStorageImpl(), t.storage());
-  c.alias_to_tensor.emplace(a.unsafeGetTensorImpl(), t);
+  c.alias_to_device.add(a.storage().unsafeGetStorageImpl(), t.storage());
+  c.alias_to_tensor.add(a.unsafeGetTensorImpl(), t);
   return a;
 }
 
@@ -253,8 +265,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   std::vector<std::pair<at::Tensor, at::Tensor>> written;  // (device tensor, its CPU alias)
   for (size_t i : e->writes)
     for_each_tensor(args[i], [&](const at::Tensor& a) {
-      if (auto it = c.alias_to_tensor.find(a.unsafeGetTensorImpl()); it != c.alias_to_tensor.end())
-        written.emplace_back(it->second, a);
+      if (at::Tensor* dev = c.alias_to_tensor.find(a.unsafeGetTensorImpl())) written.emplace_back(*dev, a);
     });
 
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
@@ -272,23 +283,30 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   // Map the results back onto the device: written arguments, views of inputs, or fresh (adopted) memory.
   const size_t nret = schema.returns().size();
-  std::unordered_map<const c10::StorageImpl*, int> fresh_uses;
+  SmallMap<const c10::StorageImpl*, int> fresh_uses;  // how many results share each storage the kernel made
   for (size_t i = stack->size() - nret; i < stack->size(); ++i)
     for_each_tensor((*stack)[i], [&](const at::Tensor& t) {
-      if (t.defined() && !c.alias_to_device.count(t.storage().unsafeGetStorageImpl()))
-        fresh_uses[t.storage().unsafeGetStorageImpl()]++;
+      if (!t.defined() || t.layout() != at::kStrided) return;
+      auto* simpl = t.storage().unsafeGetStorageImpl();
+      if (c.alias_to_device.find(simpl)) return;
+      if (int* n = fresh_uses.find(simpl)) ++*n;
+      else fresh_uses.add(simpl, 1);
     });
-  std::unordered_map<const c10::StorageImpl*, c10::Storage> adopted;
+  SmallMap<const c10::StorageImpl*, c10::Storage> adopted;
   auto to_device = [&](const at::Tensor& t) -> at::Tensor {
     if (!t.defined() || is_neuron(t)) return t;
-    if (auto it = c.alias_to_tensor.find(t.unsafeGetTensorImpl()); it != c.alias_to_tensor.end()) return it->second;
+    TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided, "neuron: ", e->name, " would return a ", t.layout(),
+                                " tensor; the neuron device supports only strided (dense) tensors");
+    if (at::Tensor* dev = c.alias_to_tensor.find(t.unsafeGetTensorImpl())) return *dev;
     auto* simpl = t.storage().unsafeGetStorageImpl();
-    if (auto it = c.alias_to_device.find(simpl); it != c.alias_to_device.end()) return device_tensor_like(it->second, t);
+    if (c10::Storage* s = c.alias_to_device.find(simpl)) return device_tensor_like(*s, t);  // a view of an input
     apply_rules(t);
-    if (t.storage().use_count() > fresh_uses[simpl]) return adopt_host_tensor(t.clone(), c.device);  // shared: copy
-    auto it = adopted.find(simpl);
-    if (it == adopted.end()) it = adopted.emplace(simpl, adopt_host_tensor(t, c.device).storage()).first;
-    return device_tensor_like(it->second, t);
+    if (c10::Storage* s = adopted.find(simpl)) return device_tensor_like(*s, t);  // shares a result's storage
+    int uses = *fresh_uses.find(simpl);
+    if (static_cast<int>(t.storage().use_count()) > uses) return adopt_host_tensor(t.clone(), c.device);  // held elsewhere
+    at::Tensor dev = adopt_host_tensor(t, c.device);
+    if (uses > 1) adopted.add(simpl, dev.storage());
+    return dev;
   };
   for (size_t i = stack->size() - nret; i < stack->size(); ++i) (*stack)[i] = map_tensors((*stack)[i], to_device);
 
