@@ -4,6 +4,7 @@ tensors, and a small-GPT DDP training step with 1 and 2 processes, neuron agains
 `run(quick)` launches the worker processes itself (this file, run as a script with torchrun's variables) and
 returns rows {name, neuron, cpu, ratio, unit, threads}. Bandwidth rows are GB/s (ratio = neuron / cpu, higher
 is better); step rows are milliseconds (ratio = neuron / cpu, lower is better). Each rank uses one thread.
+Rows named *_unchecked run without the per-collective agreement check (TORCHNEURON_DIST_CHECKS=0).
 """
 from __future__ import annotations
 
@@ -19,28 +20,30 @@ from pathlib import Path
 MIB = 1 << 20
 
 
-def _allreduce_worker(sizes_mib: list[int], rounds: int) -> list[dict]:
+def _allreduce_worker(sizes_mib: list[int], rounds: int, unchecked: bool) -> list[dict]:
+    """Bus bandwidth of all_reduce on float32 tensors; `unchecked` adds rows without the agreement check."""
     import torch
     import torch.distributed as dist
 
-    n = dist.get_world_size()
-    groups = {"neuron": dist.group.WORLD, "cpu": dist.new_group(backend="gloo")}
+    n, rank = dist.get_world_size(), dist.get_rank()
+    kinds = {"neuron": dist.group.WORLD, "cpu": dist.new_group(backend="gloo")}
+    kinds.update({"unchecked": dist.group.WORLD} if unchecked else {})
     rows = []
     for mib in sizes_mib:
-        tensors = {"neuron": torch.zeros(mib * MIB // 4, device=torch.device("neuron", dist.get_rank())),
-                   "cpu": torch.zeros(mib * MIB // 4)}
-        best = {kind: float("inf") for kind in groups}
-        for kind in groups:  # warm up: connections, buffers, page faults
-            dist.all_reduce(tensors[kind], group=groups[kind])
-        for _ in range(rounds):  # alternate single runs so that machine noise hits both alike; keep the best
-            for kind, group in groups.items():
+        devices = {k: torch.device("cpu") if k == "cpu" else torch.device("neuron", rank) for k in kinds}
+        tensors = {k: torch.zeros(mib * MIB // 4, device=devices[k]) for k in kinds}
+        best = {k: float("inf") for k in kinds}
+        for r in range(rounds + 1):  # alternate single runs so that machine noise hits all alike; 0 warms up
+            for kind, group in kinds.items():
+                os.environ["TORCHNEURON_DIST_CHECKS"] = "0" if kind == "unchecked" else "1"
                 dist.barrier(group)
                 t0 = time.perf_counter()
                 dist.all_reduce(tensors[kind], group=group)
-                best[kind] = min(best[kind], time.perf_counter() - t0)
+                best[kind] = min(best[kind], time.perf_counter() - t0) if r else best[kind]
         busbw = {k: mib * MIB * 2 * (n - 1) / n / t / 1e9 for k, t in best.items()}
-        rows.append({"name": f"all_reduce_busbw_{mib}MiB_{n}proc", "neuron": busbw["neuron"], "cpu": busbw["cpu"],
-                     "ratio": busbw["neuron"] / busbw["cpu"], "unit": "GB/s"})
+        rows += [{"name": f"all_reduce_busbw_{mib}MiB_{n}proc" + ("_unchecked" if k == "unchecked" else ""),
+                  "neuron": busbw[k], "cpu": busbw["cpu"], "ratio": busbw[k] / busbw["cpu"], "unit": "GB/s"}
+                 for k in kinds if k != "cpu"]
     return rows
 
 
@@ -65,35 +68,38 @@ def _gpt(device: str):
     return GPT().to(device)
 
 
-def _ddp_worker(steps: int, rounds: int) -> list[dict]:
+def _step_ms(model, x, group, steps: int, rounds: int) -> float:
+    """Best time of an AdamW training step (loss read back each step) over `rounds` timed runs of `steps`."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
-    n, groups = dist.get_world_size(), {"neuron": dist.group.WORLD, "cpu": dist.new_group(backend="gloo")}
-    devices = {"neuron": f"neuron:{dist.get_rank()}", "cpu": "cpu"}
-    best = {}
-    for kind, group in groups.items():
-        model = DDP(_gpt(devices[kind]), process_group=group)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        x = torch.randint(128, (8, 64), device=devices[kind])  # 8 sequences per rank
-
-        def step() -> None:
-            loss = F.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten())
-            loss.backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    best = float("inf")
+    for r in range(rounds + 1):  # run 0 warms up
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            F.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten()).backward()
             opt.step()
             opt.zero_grad()
-            loss.item()
-        step()
-        for _ in range(rounds):
-            dist.barrier(group)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            best[kind] = min(best.get(kind, float("inf")), (time.perf_counter() - t0) / steps * 1e3)
-    return [{"name": f"ddp_gpt_step_{n}proc", "neuron": best["neuron"], "cpu": best["cpu"],
-             "ratio": best["neuron"] / best["cpu"], "unit": "ms"}]
+        best = min(best, (time.perf_counter() - t0) / steps * 1e3) if r else best
+    return best
+
+
+def _ddp_worker(steps: int, rounds: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    ms = {}
+    for kind, group, device in (("neuron", dist.group.WORLD, f"neuron:{rank}"),
+                                ("cpu", dist.new_group(backend="gloo"), "cpu")):
+        x = torch.randint(128, (8, 64), device=device)  # 8 sequences of 64 tokens per rank
+        ms[kind] = _step_ms(DDP(_gpt(device), process_group=group), x, group, steps, rounds)
+    return [{"name": f"ddp_gpt_step_{n}proc", "neuron": ms["neuron"], "cpu": ms["cpu"],
+             "ratio": ms["neuron"] / ms["cpu"], "unit": "ms"}]
 
 
 def _launch(nprocs: int, kind: str, args: dict, timeout: float = 900) -> list[dict]:
@@ -103,9 +109,8 @@ def _launch(nprocs: int, kind: str, args: dict, timeout: float = 900) -> list[di
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        base = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_", "LOCAL_"))}
-        base.update(OMP_NUM_THREADS="1", TORCHNEURON_FALLBACK="silent", MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port), WORLD_SIZE=str(nprocs))
+        base = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHNEURON_FALLBACK": "silent",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs)}
         procs = [subprocess.Popen([sys.executable, __file__, kind, json.dumps(args), str(out)],
                                   env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nprocs)]
         try:
@@ -120,7 +125,7 @@ def _launch(nprocs: int, kind: str, args: dict, timeout: float = 900) -> list[di
 
 def run(quick: bool = False) -> list[dict]:
     sizes = [1, 16, 64] if quick else [1, 4, 16, 64, 256]
-    rows = _launch(2, "allreduce", {"sizes_mib": sizes, "rounds": 8 if quick else 20})
+    rows = _launch(2, "allreduce", {"sizes_mib": sizes, "rounds": 8 if quick else 20, "unchecked": not quick})
     for nprocs in (1, 2):
         rows += _launch(nprocs, "ddp", {"steps": 3 if quick else 10, "rounds": 2 if quick else 3})
     return [{**row, "threads": 1} for row in rows]
