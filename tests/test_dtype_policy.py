@@ -1,9 +1,9 @@
 """Trainium dtype rules: float64 carries float32 precision, int64 outside int32 warns; `host` is exact."""
 import pytest
 import torch
+from conftest import run_py
 
 import torchneuron
-from conftest import run_py
 
 THIRD = 1 / 3
 THIRD_F32 = float(torch.tensor(THIRD, dtype=torch.float32))

@@ -3,9 +3,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import run_py
 
 import torchneuron
-from conftest import run_py
 
 
 def test_native_ops_are_counted():

@@ -1,7 +1,6 @@
 """The device allocator: CUDA-style statistics, caching, capacity and out-of-memory."""
 import pytest
 import torch
-
 from conftest import run_py
 
 MiB = 1 << 20

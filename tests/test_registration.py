@@ -1,7 +1,6 @@
 """Registration and autoload: `neuron` exists after a bare `import torch`, with torch.cuda-like APIs."""
 import torch
 import torch.nn as nn
-
 from conftest import run_py
 
 

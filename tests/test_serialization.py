@@ -19,8 +19,9 @@ def test_default_load_restores_the_device():
     assert back.device == torch.device("neuron:1") and torch.equal(back.cpu(), t.cpu())
 
 
-@pytest.mark.parametrize("loc,expected", [("cpu", "cpu"), ("neuron", "neuron:0"), ("neuron:1", "neuron:1"),
-                                          (torch.device("neuron:2"), "neuron:2"), ({"neuron:1": "neuron:3"}, "neuron:3")])
+@pytest.mark.parametrize("loc,expected", [
+    ("cpu", "cpu"), ("neuron", "neuron:0"), ("neuron:1", "neuron:1"), (torch.device("neuron:2"), "neuron:2"),
+    ({"neuron:1": "neuron:3"}, "neuron:3")])
 def test_map_location(loc, expected):
     sd = nn.Linear(4, 3).to("neuron:1").state_dict()
     back = roundtrip(sd, map_location=loc)

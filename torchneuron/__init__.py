@@ -10,18 +10,17 @@ import importlib
 from typing import Any
 
 
-
 def _autoload() -> None:
     """Entry point of the `torch.backends` group: importing the package registers the device. Defined before
     `import torch` so that `import torchneuron` first (torch then autoloads this package mid-import) works too."""
 
 
-import torch  # noqa: E402  (loads libtorch before the C++ core links against it)
+import torch  # noqa: E402,F401  (loads libtorch before the C++ core links against it)
 
 from . import _C  # noqa: E402,F401  (the C++ core: allocator, guard, hooks, fallback, kernels, autocast)
-from .device import module as _module
-from .runtime.policy import set_policies
-from .runtime.tracking import clear_op_tracking, get_dtype_events, get_executed_ops, get_fallback_ops
+from .device import module as _module  # noqa: E402
+from .runtime.policy import set_policies  # noqa: E402
+from .runtime.tracking import clear_op_tracking, get_dtype_events, get_executed_ops, get_fallback_ops  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["clear_op_tracking", "get_dtype_events", "get_executed_ops", "get_fallback_ops", "set_policies",

@@ -29,20 +29,87 @@ def _fix(a: argparse.Namespace) -> int:
     return fix.run(a.paths, a.write)
 
 
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _info(a: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from .device.module import config
+
+    cfg = config()
+    facts = {
+        "torch": torch.__version__, "instance": cfg.instance.name, "chip": cfg.chip.name,
+        "core": cfg.chip.core_version, "chips": cfg.instance.chips, "lnc": cfg.lnc,
+        "logical_cores_per_chip": cfg.cores_per_chip, "visible_cores": list(cfg.visible_cores),
+        "core_capacity_bytes": cfg.core_capacity, "memory_limit_override": cfg.memory_limit_override,
+        "dtype_policy": cfg.dtype_policy, "fallback_policy": cfg.fallback_policy,
+        "hbm_per_chip_bytes": cfg.chip.hbm_bytes, "supported_dtypes": list(cfg.chip.dtypes),
+    }
+    if a.json:
+        print(json.dumps(facts, indent=1))
+        return 0
+    print(f"torchneuron on torch {facts['torch']}: a modelled {cfg.instance.name} ({cfg.instance.chips} x "
+          f"{cfg.chip.name}, {cfg.chip.core_version})")
+    print(f"  logical cores  {torch.neuron.device_count()} visible {list(cfg.visible_cores)} of "
+          f"{cfg.cores_per_chip * cfg.instance.chips} (NEURON_LOGICAL_NC_CONFIG={cfg.lnc}: {cfg.lnc} physical per "
+          f"logical core)")
+    print(f"  memory         {cfg.core_capacity / 2**30:.2f} GiB per core"
+          f"{' (TORCHNEURON_MEMORY_LIMIT)' if cfg.memory_limit_override else ''}, "
+          f"{cfg.chip.hbm_bytes >> 30} GiB HBM per chip")
+    print(f"  dtypes         {', '.join(cfg.chip.dtypes)} (no float64; int64 computes as 32-bit)")
+    print(f"  policies       TORCHNEURON_DTYPE_POLICY={cfg.dtype_policy} TORCHNEURON_FALLBACK={cfg.fallback_policy}")
+    for i in range(torch.neuron.device_count()):
+        free, total = torch.neuron.mem_get_info(i)
+        print(f"  neuron:{i:<3}     {torch.neuron.get_device_name(i)}, logical core {cfg.visible_cores[i]}, "
+              f"{(total - free) / 2**20:.1f} MiB of {total / 2**30:.1f} GiB in use")
+    return 0
+
+
+def _estimate_args(p: argparse.ArgumentParser) -> None:
+    from .costmodel.cli import add_estimate_arguments
+    add_estimate_arguments(p)
+
+
+def _estimate(a: argparse.Namespace) -> int:
+    from .costmodel.cli import run_estimate
+    return run_estimate(a)
+
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    from .costmodel.cli import add_profile_arguments
+    add_profile_arguments(p)
+
+
+def _profile(a: argparse.Namespace) -> int:
+    from .costmodel.cli import run_profile
+    return run_profile(a)
+
+
 # name -> (help, add_arguments, run). Other subcommands plug in here with one row each:
 #   "info" (device and runtime facts), "run" (a CUDA script under compatibility mode, with a porting report),
 #   "estimate" (the Trainium cost model), "profile" (the profiler).
 COMMANDS: dict[str, Command] = {
     "check": ("find CUDA lock-in (exit 1 when something is found)", _check_args, _check),
     "fix": ("rewrite CUDA lock-in to device-agnostic PyTorch (diff, or --write)", _fix_args, _fix),
+    "info": ("show the modelled Trainium machine and the device configuration", _info_args, _info),
+    "estimate": ("model a step's time, utilisation and cost on trn1/trn2/trn3 vs an H100", _estimate_args, _estimate),
+    "profile": ("profile a model on `neuron`: modelled device time per op, Chrome trace", _profile_args, _profile),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchneuron", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (help_, add_args, run) in COMMANDS.items():
-        add_args(p := sub.add_parser(name, help=help_, description=help_))
+        p = sub.add_parser(name, help=help_, description=help_)
+        if name == chosen:  # only the chosen command builds its arguments (and imports what they need)
+            add_args(p)
         p.set_defaults(run=run)
     args = parser.parse_args(argv)
     return args.run(args)

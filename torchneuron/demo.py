@@ -20,7 +20,8 @@ STEPS = 20
 def _bar(label: str, step: int, total: int, loss: float, width: int = 28) -> None:
     if sys.stdout.isatty() or step + 1 == total:  # redraw in a terminal; one line per run in a log
         done = int(width * (step + 1) / total)
-        sys.stdout.write(f"\r  {label:<17} [{'#' * done}{'.' * (width - done)}] {step + 1:>2}/{total}  loss {loss:7.4f}")
+        bar = "#" * done + "." * (width - done)
+        sys.stdout.write(f"\r  {label:<17} [{bar}] {step + 1:>2}/{total}  loss {loss:7.4f}")
         sys.stdout.flush()
 
 
