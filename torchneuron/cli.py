@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
 
-def _check_args(p: argparse.ArgumentParser) -> None:
+def _paths(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories (searched recursively)")
+
+
+def _check_args(p: argparse.ArgumentParser) -> None:
+    _paths(p)
     p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
 
 
@@ -20,7 +25,7 @@ def _check(a: argparse.Namespace) -> int:
 
 
 def _fix_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("paths", nargs="+", metavar="PATH", help="files or directories (searched recursively)")
+    _paths(p)
     p.add_argument("--write", action="store_true", help="rewrite the files in place (default: print a diff)")
 
 
@@ -110,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_, description=help_)
         if name == chosen:  # only the chosen command builds its arguments (and imports what they need)
             add_args(p)
-        p.set_defaults(run=run)
+        p.set_defaults(run=run, parser=p)
     args = parser.parse_args(argv)
+    if missing := [x for x in getattr(args, "paths", ()) if not os.path.exists(x)]:
+        args.parser.error(f"no such file or directory: {', '.join(missing)}")
     return args.run(args)
 
 

@@ -4,6 +4,8 @@ Static only: nothing here imports torch, so it runs fast, anywhere, and never ne
 """
 from __future__ import annotations
 
+import ast
+import dataclasses
 import functools
 import json
 import os
@@ -15,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import libcst as cst
+from libcst._nodes.internal import CodegenState
 from libcst.helpers import get_full_name_for_node
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
 from .rules import BENIGN, RULES, SEEDERS, TRIGGER, VENDORS, Rule
 
@@ -63,7 +65,6 @@ class Analysis:
     path: str
     findings: list[Finding]
     module: cst.Module | None = None
-    wrapper: MetadataWrapper | None = None
 
 
 # ---- the rule table, compiled into lookups --------------------------------------------------------------------
@@ -91,6 +92,7 @@ class Matcher:
             for pat in rule.match:
                 self._add(rule, pat)
         self.prefixes.sort(key=lambda p: -len(p[0]))
+        self.roots = tuple({n.split(".")[0] + "." for n in [*self.names, *(p for p, _ in self.prefixes)]})
 
     def _add(self, rule: Rule, pat: str, guarded: bool = False) -> None:
         if pat.startswith("if torch.cuda.is_available(): "):
@@ -121,7 +123,7 @@ class Matcher:
 
     def name(self, qnames: Iterable[str]) -> Rule | None:
         """The rule for a reference to any of `qnames`: exact names first, then the longest prefix."""
-        qnames = [n for q in qnames for n in (q, *_cuda_alias(q))]
+        qnames = [n for q in qnames if q.startswith(self.roots) for n in (q, *_cuda_alias(q))]
         for q in qnames:
             if q in self.names:
                 return self.names[q]
@@ -147,7 +149,7 @@ def _cuda_alias(q: str) -> list[str]:
 MATCHER = Matcher(RULES)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def template(rule: Rule) -> cst.CSTNode | None:
     """The parsed replacement of an auto rule: an `if` statement, an expression, or None (delete the argument)."""
     if rule.fix != "auto" or not rule.replacement:
@@ -170,9 +172,29 @@ def _dotted(node: cst.CSTNode) -> str | None:
     return f"{base}.{node.attr.value}" if isinstance(node, cst.Attribute) and (base := _dotted(node.value)) else None
 
 
+# whitespace and punctuation: never part of a match, and most of the nodes
+_SKIP = {"lpar", "rpar", "comma", "semicolon", "leading_lines", "trailing_whitespace", "header", "footer", "equal",
+         "colon", "dot", "star", "lines_after_decorators", "leading_whitespace", "operator", "newline", "indent"}
+
+
+@functools.cache
+def _fields(t: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(t) if f.name not in _SKIP and not f.name.startswith("whitespace"))
+
+
+def _kids(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
+    """The child nodes that can hold code, without libcst's visitor (it rebuilds every node: 10x slower)."""
+    for name in _fields(type(node)):
+        v = getattr(node, name)
+        if isinstance(v, cst.CSTNode):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (c for c in v if isinstance(c, cst.CSTNode))
+
+
 def _walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
     yield node
-    for c in node.children:
+    for c in _kids(node):
         yield from _walk(c)
 
 
@@ -221,12 +243,49 @@ def _is_str(node: cst.CSTNode | None) -> bool:
 
 # ---- the visitor ------------------------------------------------------------------------------------------------
 
-class _Visitor(cst.CSTVisitor):
-    METADATA_DEPENDENCIES = (QualifiedNameProvider, PositionProvider)
+class Imports:
+    """Qualified names from the file's import bindings, wherever they are (`import torch.cuda as tc` makes
+    `tc.synchronize` read `torch.cuda.synchronize`). Like libcst's QualifiedNameProvider for these names,
+    without its full scope analysis, which took 60% of the run time: a local variable that shadows an
+    import is the only difference, and a name imported in several places gets all of them."""
 
-    def __init__(self, m: Matcher):
-        super().__init__()
-        self.m = m
+    def __init__(self, module: cst.Module):
+        self.names: dict[str, set[str]] = {}
+        self.modules: set[str] = set()  # names bound by a plain `import x`: modules, not objects
+        self._collect(module)
+
+    def _collect(self, node: cst.CSTNode) -> None:
+        for c in _kids(node):
+            if isinstance(c, cst.Import):
+                for al in c.names:
+                    full = _dotted(al.name)
+                    name, target = (_dotted(al.asname.name), full) if al.asname else (full.split(".")[0],) * 2
+                    self.names.setdefault(name, set()).add(target)
+                    self.modules.add(name)
+            elif isinstance(c, cst.ImportFrom):
+                if c.module is not None and not c.relative and not isinstance(c.names, cst.ImportStar):
+                    for al in c.names:
+                        name = _dotted(al.asname.name if al.asname else al.name)
+                        self.names.setdefault(name, set()).add(f"{_dotted(c.module)}.{_dotted(al.name)}")
+            elif isinstance(c, STATEMENTS) and not isinstance(c, cst.BaseExpression):
+                self._collect(c)
+
+    def qualify(self, node: cst.CSTNode) -> set[str]:
+        if (dotted := _dotted(node)) is None:
+            return set()
+        head, dot, rest = dotted.partition(".")
+        return {q + dot + rest for q in self.names[head]} if head in self.names else {dotted}
+
+
+STATEMENTS = (cst.BaseStatement, cst.BaseSuite, cst.Else, cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally,
+              cst.MatchCase)
+
+
+class _Visitor:
+    """Pre-order walk calling `visit_<Node>` (False prunes); the body of an availability guard counts as guarded."""
+
+    def __init__(self, m: Matcher, imports: Imports):
+        self.m, self.imports = m, imports
         self.hits: list[tuple[Rule, cst.CSTNode, Site | None, str | None]] = []  # rule, node, site, why not
         self.claimed: set[int] = set()  # literals already matched by an argument pattern
         self.guard_depth = 0
@@ -239,12 +298,25 @@ class _Visitor(cst.CSTVisitor):
         self.elifs: set[int] = set()
         self.module: cst.Module | None = None
 
+    def walk(self, node: cst.CSTNode) -> None:
+        visit = getattr(self, f"visit_{type(node).__name__}", None)
+        if visit is not None and visit(node) is False:
+            return
+        if isinstance(node, (cst.If, cst.IfExp)):
+            self.walk(node.test)
+            guard = self.guard_calls(node.test) is not None
+            self.guard_depth += guard
+            self.walk(node.body)
+            self.guard_depth -= guard
+            if node.orelse is not None:
+                self.walk(node.orelse)
+            return
+        for c in _kids(node):
+            self.walk(c)
+
     # -- helpers
     def qnames(self, node: cst.CSTNode) -> set[str]:
-        names = {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}
-        if not names and (dotted := _dotted(node)):
-            names = {dotted}  # unresolved (star import, snippet): read the dotted text
-        return names
+        return self.imports.qualify(node)
 
     def guard_calls(self, test: cst.BaseExpression) -> list[cst.Call] | None:
         """The availability calls that make `test` an accelerator guard (`g()` or `... and g() and ...`)."""
@@ -258,7 +330,8 @@ class _Visitor(cst.CSTVisitor):
     def hit(self, rule: Rule, node: cst.CSTNode, site: Site | None = None, why_not: str | None = None) -> None:
         self.hits.append((rule, node, site, why_not))
 
-    def site(self, rule: Rule, target: cst.CSTNode, call: cst.Call | None = None, **kw: Any) -> tuple[Site | None, str | None]:
+    def site(self, rule: Rule, target: cst.CSTNode, call: cst.Call | None = None,
+             **kw: Any) -> tuple[Site | None, str | None]:
         """Build the rewrite of an auto rule, or say why it is not safe here."""
         if rule.fix != "auto":
             return None, None
@@ -368,18 +441,6 @@ class _Visitor(cst.CSTVisitor):
         if self.m.ladder and "cuda" in vendors and len(set(vendors)) > 1:
             self.hit(self.m.ladder, tests[0])
 
-    def visit_If_body(self, node: cst.If) -> None:
-        self.guard_depth += self.guard_calls(node.test) is not None
-
-    def leave_If_body(self, node: cst.If) -> None:
-        self.guard_depth -= self.guard_calls(node.test) is not None
-
-    def visit_IfExp_body(self, node: cst.IfExp) -> None:
-        self.guard_depth += self.guard_calls(node.test) is not None
-
-    def leave_IfExp_body(self, node: cst.IfExp) -> None:
-        self.guard_depth -= self.guard_calls(node.test) is not None
-
     # -- imports
     def visit_Import(self, node: cst.Import) -> bool:
         for alias in node.names:
@@ -442,8 +503,7 @@ class _Visitor(cst.CSTVisitor):
 
     def _module_receiver(self, node: cst.BaseExpression) -> bool:
         """`tvm.cuda()` or `cupy.cuda` are other libraries' modules, not tensors."""
-        return any(q.source == QualifiedNameSource.IMPORT and isinstance(node, cst.Name) and q.name == node.value
-                   for q in self.get_metadata(QualifiedNameProvider, node, set()))
+        return isinstance(node, cst.Name) and node.value in self.imports.modules
 
     def _arg_match(self, call: cst.Call, pat: ArgPattern) -> list[cst.BaseExpression | None]:
         """The subject values of `call` that satisfy `pat` ([None] for an absent-parameter match)."""
@@ -530,36 +590,89 @@ ONLY = {
 # ---- analysis of one source -------------------------------------------------------------------------------------
 
 def analyze(source: bytes | str, path: str = "<string>", noqa: bool = True, keep_tree: bool = False) -> Analysis:
-    """Parse `source` and return its findings (sorted); `keep_tree` keeps the tree for `fix`."""
+    """Parse `source` and return its findings, sorted; `keep_tree` keeps the tree and rewrite sites for `fix`."""
     text = source if isinstance(source, str) else source.decode("utf-8", "replace")
-    if not re.search(TRIGGER, text) and not keep_tree:
+    if not re.search(TRIGGER, text) and _compiles(source):  # nothing to find: the C parser's word is enough
         return Analysis(path, [])
     try:
         module = cst.parse_module(source)
     except cst.ParserSyntaxError as e:
-        return Analysis(path, [Finding(path, e.raw_line, e.raw_column + 1, "NRN000", f"syntax error: {e.message}",
-                                       "report")])
+        line, col, msg = e.raw_line, e.raw_column + 1, f"libcst cannot parse this: {e.message}"
+        try:
+            ast.parse(source)
+        except SyntaxError as se:  # Python's own parser locates and explains syntax errors better
+            line, col, msg = se.lineno or line, se.offset or col, f"syntax error: {se.msg}"
+        except Exception:
+            pass
+        return Analysis(path, [Finding(path, line, col, "NRN000", msg, "report")])
     except Exception as e:  # undecodable bytes, odd encodings: report, never crash
-        return Analysis(path, [Finding(path, 1, 1, "NRN000", f"could not parse: {type(e).__name__}: {e}", "report")])
-    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-    v = _Visitor(MATCHER)
-    wrapper.visit(v)
-    pos = wrapper.resolve(PositionProvider)
+        msg = f"could not parse: {type(e).__name__}: {e}"
+        return Analysis(path, [Finding(path, 1, 1, "NRN000", msg, "report")])
+    v = _Visitor(MATCHER, Imports(module))
+    v.walk(module)
+    pos = _Positions(module, [n for _, n, _, _ in v.hits] + list(v.guard_bodies.values())) if v.hits else None
     findings = []
     for rule, node, site, why in v.hits:
-        start = pos[node].start
+        line, col = pos.start[id(node)]
         fix = "auto" if site else "suggest" if rule.fix != "report" else "report"
-        msg = f"{rule.message}; use `{rule.replacement}`" if rule.replacement else f"{rule.message}; remove it"
+        msg = rule.message + (f"; use `{rule.replacement}`" if rule.fix == "auto" and rule.replacement else
+                              f"; {rule.replacement}" if rule.replacement else "; remove it")
         msg += f" [not rewritten: {why}]" if why else ""
-        findings.append(Finding(path, start.line, start.column + 1, rule.code, msg, fix, site))
+        findings.append(Finding(path, line, col + 1, rule.code, msg, fix, site))
     _downgrade_guards(findings, v, pos)
     if noqa:
         findings = suppress(findings, re.split(r"\r\n|\r|\n", text))
     findings.sort(key=lambda f: (f.line, f.col, f.code))
-    return Analysis(path, findings, module, wrapper) if keep_tree else Analysis(path, findings)
+    if not keep_tree:  # sites hold the tree: let it go
+        for f in findings:
+            f.site = None
+        return Analysis(path, findings)
+    return Analysis(path, findings, module)
 
 
-def _downgrade_guards(findings: list[Finding], v: _Visitor, pos: Any) -> None:
+class _Positions(CodegenState):
+    """Where given nodes start and end (line, column): one code generation pass that only counts, instead of
+    PositionProvider's, which records every node and took half of the run time."""
+
+    def __init__(self, module: cst.Module, nodes: list[cst.CSTNode]):
+        super().__init__(default_indent=module.default_indent, default_newline=module.default_newline)
+        self.wanted = {id(n) for n in nodes}
+        self.line, self.col = 1, 0
+        self.start: dict[int, tuple[int, int]] = {}
+        self.end: dict[int, tuple[int, int]] = {}
+        module._codegen(self)
+
+    def add_token(self, value: str) -> None:
+        if (i := value.rfind("\n")) >= 0:
+            self.line, self.col = self.line + value.count("\n"), len(value) - i - 1
+        else:
+            self.col += len(value)
+
+    def add_indent_tokens(self) -> None:
+        for t in self.indent_tokens:
+            self.add_token(t)
+
+    def before_codegen(self, node: cst.CSTNode) -> None:
+        if id(node) in self.wanted:
+            self.start[id(node)] = (self.line, self.col)
+
+    def after_codegen(self, node: cst.CSTNode) -> None:
+        if id(node) in self.wanted:
+            self.end[id(node)] = (self.line, self.col)
+
+    def pop_trailing_newline(self) -> None:
+        pass
+
+
+def _compiles(source: bytes | str) -> bool:
+    try:
+        ast.parse(source)
+        return True
+    except Exception:  # SyntaxError, or a grammar newer than this Python: let libcst decide
+        return False
+
+
+def _downgrade_guards(findings: list[Finding], v: _Visitor, pos: _Positions | None) -> None:
     """`if torch.cuda.is_available():` guarding code that stays CUDA-only must stay a CUDA check."""
     changed = True
     while changed:
@@ -569,9 +682,9 @@ def _downgrade_guards(findings: list[Finding], v: _Visitor, pos: Any) -> None:
                 isinstance(f.site.target, cst.Call) else None
             if body is None:
                 continue
-            r = pos[body]
+            start, end = pos.start[id(body)], pos.end[id(body)]
             inside = [g for g in findings if g.fix != "auto" and g.code not in BENIGN and
-                      (r.start.line, r.start.column) <= (g.line, g.col - 1) <= (r.end.line, r.end.column)]
+                      start <= (g.line, g.col - 1) <= end]
             if inside:
                 f.fix, f.site, changed = "suggest", None, True
                 f.message += f" [not rewritten: guards CUDA-only code ({inside[0].code})]"
@@ -698,8 +811,9 @@ def format_sarif(rep: Report) -> str:
 FORMATS = {"text": format_text, "json": format_json, "sarif": format_sarif}
 
 
-def run(paths: list[str], fmt: str = "text", out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def run(paths: list[str], fmt: str = "text", out: TextIO | None = None, err: TextIO | None = None) -> int:
     """`torchneuron check`: 1 when something is found, 0 when clean."""
+    out, err = out or sys.stdout, err or sys.stderr
     rep = check_paths(paths)
     for n in rep.notes:
         print(f"note: {n}", file=err)

@@ -13,6 +13,7 @@ import re
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import TextIO
@@ -20,9 +21,9 @@ from typing import TextIO
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import RemoveImportsVisitor
-from libcst.metadata import ParentNodeProvider, ScopeProvider
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, ScopeProvider
 
-from .check import Analysis, Finding, Site, _dotted, _walk, analyze, iter_files, read_source
+from .check import GUARDS, Analysis, Finding, Imports, Site, _dotted, _walk, analyze, iter_files, literal, read_source
 
 HOIST = '{d} = {t}.accelerator.current_accelerator() if {t}.accelerator.is_available() else {t}.device("cpu")'
 DEVICE_NAMES = ("device", "accel_device", "default_device", "torch_device")
@@ -48,6 +49,7 @@ class Names:
     torch: str = "torch"
     dist: str | None = None
     device: str = "device"
+    hoist: bool = False  # the device line is still to be inserted
 
     def fill(self, text: str, index: bool) -> str:
         if index:  # the matched code named an index: keep it
@@ -60,24 +62,33 @@ class Names:
 
 # ---- module facts -----------------------------------------------------------------------------------------------
 
-def _bindings(a: Analysis) -> tuple[dict[str, set[str]], set[str], dict[str, str]]:
-    """(name -> modules it is imported as, anywhere), names bound otherwise or read anywhere, and the
-    module-level aliases {module: name}."""
-    imports: dict[str, set[str]] = {}
-    other: set[str] = set()
-    aliases: dict[str, str] = {}
-    scopes = {id(s): s for s in a.wrapper.resolve(ScopeProvider).values() if s is not None}
-    for s in scopes.values():
-        for asg in s.assignments:
-            mod = _imported_module(asg.node, asg.name)
-            if mod is None:
-                other.add(asg.name)
-                continue
-            imports.setdefault(asg.name, set()).add(mod)
-            if s is s.globals:
-                aliases.setdefault(mod, asg.name)
-        other |= {n.split(".")[0] for acc in s.accesses if (n := _dotted(acc.node))}
-    return imports, other, aliases
+@dataclass
+class _Facts:
+    """Who binds and reads which names, in every scope of the module."""
+    imports: dict[str, set[str]]  # name -> the modules it is imported as
+    bound: Counter[str]  # name -> bindings that are not imports
+    reads: set[str]
+    aliases: dict[str, str]  # module -> its module-level name
+
+    @classmethod
+    def of(cls, wrapper: MetadataWrapper) -> _Facts:
+        f = cls({}, Counter(), set(), {})
+        for s in {id(s): s for s in wrapper.resolve(ScopeProvider).values() if s is not None}.values():
+            for asg in s.assignments:
+                if (mod := _imported_module(asg.node, asg.name)) is None:
+                    f.bound[asg.name] += 1
+                    continue
+                f.imports.setdefault(asg.name, set()).add(mod)
+                if s is s.globals:
+                    f.aliases.setdefault(mod, asg.name)
+            f.reads |= {n.split(".")[0] for acc in s.accesses if (n := _dotted(acc.node))}
+        return f
+
+    def only_imports(self, name: str, mod: str) -> bool:
+        return self.imports.get(name, {mod}) == {mod} and not self.bound[name]
+
+    def free(self, name: str) -> bool:
+        return name not in self.imports and not self.bound[name] and name not in self.reads
 
 
 def _imported_module(node: cst.CSTNode, name: str) -> str | None:
@@ -89,31 +100,64 @@ def _imported_module(node: cst.CSTNode, name: str) -> str | None:
                 return full
             if not al.asname and full.split(".")[0] == name:
                 return name
-    if isinstance(node, cst.ImportFrom) and node.module and not node.relative and not isinstance(node.names, cst.ImportStar):
+    if isinstance(node, cst.ImportFrom) and node.module and not node.relative and \
+            not isinstance(node.names, cst.ImportStar):
         for al in node.names:
             if _dotted(al.asname.name if al.asname else al.name) == name:
                 return f"{_dotted(node.module)}.{_dotted(al.name)}"
     return None
 
 
-def _names(a: Analysis, need_device: bool) -> tuple[Names, bool] | None:
+def _names(a: Analysis, facts: _Facts, sites: list[Site]) -> tuple[Names, bool] | None:
     """The spelling to use, and whether `import torch` must be added; None when `torch` means something else."""
-    imports, other, aliases = _bindings(a)
-    clean = lambda name, mod: imports.get(name, {mod}) == {mod} and (name not in other or name in imports)
     names = Names()
-    torch = aliases.get("torch")
-    add_torch = torch is None or not clean(torch, "torch")
-    if add_torch and not clean("torch", "torch"):
+    torch = facts.aliases.get("torch")
+    add_torch = torch is None or not facts.only_imports(torch, "torch")
+    if add_torch and not facts.only_imports("torch", "torch"):
         return None
     names.torch = "torch" if add_torch else torch
-    if (dist := aliases.get("torch.distributed")) and clean(dist, "torch.distributed"):
+    if (dist := facts.aliases.get("torch.distributed")) and facts.only_imports(dist, "torch.distributed"):
         names.dist = dist
-    if need_device:
-        hoisted = {_code(s.body[0].targets[0].target) for s in a.module.body if _is_hoist(s, names.torch)}
-        taken = set(imports) | other
-        names.device = next(iter(hoisted), None) or next(
-            (n for n in (*DEVICE_NAMES, *(f"device_{i}" for i in range(1, 100))) if n not in taken))
+    if not any(_uses_device(s.rule.replacement) for s in sites):
+        return names, add_torch
+    hoisted = [_code(s.body[0].targets[0].target) for s in a.module.body if _is_hoist(s, names.torch)]
+    names.device = next(iter(hoisted), None) or _own_device(a.module, facts, sites) or ""
+    if not names.device:
+        names.hoist = True
+        names.device = next(n for n in (*DEVICE_NAMES, *(f"device_{i}" for i in range(1, 100))) if facts.free(n))
     return names, add_torch
+
+
+def _own_device(module: cst.Module, facts: _Facts, sites: list[Site]) -> str | None:
+    """The script's own `device = torch.device("cuda" if torch.cuda.is_available() else "cpu")` (or the
+    conditional of two `torch.device`s): after the rewrite it equals the hoisted device, so reuse it when it
+    is bound once, at module level, before any code that runs at import time uses it."""
+    q = Imports(module).qualify
+    call = lambda n, name: isinstance(n, cst.Call) and q(n.func) == {name}
+    dev = lambda n, t: call(n, "torch.device") and len(n.args) == 1 and literal(n.args[0].value) == (t, None)
+    guard = lambda n: isinstance(n, cst.Call) and not n.args and bool(q(n.func) & GUARDS)
+    pick = lambda e: isinstance(e, cst.IfExp) and guard(e.test) and literal(e.body) == ("cuda", None) and \
+        literal(e.orelse) == ("cpu", None)
+    idiom = lambda v: (isinstance(v, cst.IfExp) and guard(v.test) and dev(v.body, "cuda") and dev(v.orelse, "cpu")) \
+        or (call(v, "torch.device") and len(v.args) == 1 and pick(v.args[0].value))
+    uses = {id(s.target) for s in sites if _uses_device(s.rule.replacement)}
+    for stmt in module.body:
+        if (isinstance(stmt, cst.SimpleStatementLine) and isinstance(asg := stmt.body[0], cst.Assign)
+                and len(asg.targets) == 1 and isinstance(name := asg.targets[0].target, cst.Name)
+                and idiom(asg.value) and facts.bound[name.value] == 1 and name.value not in facts.imports):
+            return name.value
+        if any(id(n) in uses for p in _executed(stmt) for n in _walk(p)):
+            return None
+    return None
+
+
+def _uses_device(replacement: str) -> bool:
+    return re.search(r"(?<![.\w])device(?!\w)", replacement) is not None
+
+
+def _executed(stmt: cst.CSTNode) -> list[cst.CSTNode]:
+    """The parts of a top-level statement that run at import time (a function's body runs later)."""
+    return [*stmt.decorators, stmt.params] if isinstance(stmt, cst.FunctionDef) else [stmt]
 
 
 def _code(node: cst.CSTNode) -> str:
@@ -184,7 +228,8 @@ class _Fixer(cst.CSTTransformer):
         if isinstance(upd, cst.SimpleStatementLine):  # `if available: call(...)` replaces the statement line
             call = upd.body[0].value
             new = self.expression(site, call, call)
-            inner = cst.SimpleStatementLine([cst.Expr(new.body.body[0].value)], trailing_whitespace=upd.trailing_whitespace)
+            ws = upd.trailing_whitespace
+            inner = cst.SimpleStatementLine([cst.Expr(new.body.body[0].value)], trailing_whitespace=ws)
             return new.with_changes(body=cst.IndentedBlock([inner]), leading_lines=upd.leading_lines)
         if site.rule.replacement == "":  # delete the argument
             return upd.with_changes(args=_drop(upd.args, site.drop))
@@ -234,14 +279,14 @@ def fix_source(source: bytes | str, path: str = "<string>") -> FixResult:
     a = analyze(source, path, keep_tree=True)
     old = a.module.code if a.module else (source if isinstance(source, str) else source.decode("utf-8", "replace"))
     res = FixResult(path, old, old, remaining=list(a.findings))
-    if a.module is None:
-        res.error = a.findings[0].message if a.findings else "could not parse"
+    if a.module is None:  # unparsable (reported), or nothing to find
+        res.error = a.findings[0].message if a.findings else None
         return res
     todo = [f for f in a.findings if f.fix == "auto"]
     if not todo:
         return res
-    need_device = any(re.search(r"(?<![.\w])device(?!\w)", f.site.rule.replacement) for f in todo)
-    picked = _names(a, need_device)
+    wrapper = MetadataWrapper(a.module, unsafe_skip_copy=True)
+    picked = _names(a, _Facts.of(wrapper), [f.site for f in todo])
     if picked is None:
         res.error = "`torch` names something other than the torch module here; not rewritten"
         return res
@@ -249,12 +294,11 @@ def fix_source(source: bytes | str, path: str = "<string>") -> FixResult:
     sites = {}
     for f in todo:
         sites.setdefault(id(f.site.target), f.site)
-    parents = a.wrapper.resolve(ParentNodeProvider)
-    fixer = _Fixer(sites, names, parents)
-    used_imports = _cuda_imports(a)
+    fixer = _Fixer(sites, names, wrapper.resolve(ParentNodeProvider))
+    used_imports = _cuda_imports(wrapper)
     module = a.module.visit(fixer)
     module = _remove_unused(module, used_imports)
-    module = _hoist(module, names, add_torch, need_device)
+    module = _hoist(module, names, add_torch)
     cst.parse_module(module.code)  # what we write must parse
     res.applied = [f for f in todo if id(f.site.target) in fixer.applied]
     res.remaining = [f for f in a.findings if f not in res.applied]
@@ -262,11 +306,11 @@ def fix_source(source: bytes | str, path: str = "<string>") -> FixResult:
     return res
 
 
-def _cuda_imports(a: Analysis) -> list[tuple[str, str | None, str | None]]:
+def _cuda_imports(wrapper: MetadataWrapper) -> list[tuple[str, str | None, str | None]]:
     """Module-level `from torch.cuda... import x [as y]` and `import torch.cuda... as y` bindings in use before
     the rewrite: removed after it when the rewrite left them unused."""
     found = []
-    g = next(s for s in a.wrapper.resolve(ScopeProvider).values() if s is not None).globals
+    g = next(s for s in wrapper.resolve(ScopeProvider).values() if s is not None).globals
     for asg in g.assignments:
         mod = _imported_module(asg.node, asg.name)
         if not asg.references or mod is None or not mod.startswith("torch.cuda"):
@@ -288,30 +332,24 @@ def _remove_unused(module: cst.Module, imports: list[tuple[str, str | None, str 
     return RemoveImportsVisitor(ctx).transform_module(module)
 
 
-def _hoist(module: cst.Module, names: Names, add_torch: bool, need_device: bool) -> cst.Module:
-    """Insert `import torch` and the device line once: after the imports that precede their first use."""
-    body = list(module.body)
-    has_hoist = any(_is_hoist(s, names.torch) for s in body)
-    if (not need_device or has_hoist) and not add_torch:
+def _hoist(module: cst.Module, names: Names, add_torch: bool) -> cst.Module:
+    """Insert `import torch` and the device line once: after the imports, or before the first statement that
+    runs at import time and uses the device."""
+    if not names.hoist and not add_torch:
         return module
-    imports = [i for i, s in enumerate(body) if isinstance(s, cst.SimpleStatementLine)
-               and all(isinstance(b, (cst.Import, cst.ImportFrom)) for b in s.body)]
-    binds = [i for i in imports if not add_torch and names.torch in _bound(body[i])]
-    pos = binds[0] + 1 if binds else 0
-    lead = 1 if body and _is_docstring(body[0]) else 0
-    pos = max(pos, lead)
-    while pos in imports or (pos < len(body) and not binds and pos == lead and _is_future(body[pos])):
+    body = list(module.body)
+    imports = {i for i, s in enumerate(body) if isinstance(s, cst.SimpleStatementLine)
+               and all(isinstance(b, (cst.Import, cst.ImportFrom)) for b in s.body)}
+    binds = [i for i in sorted(imports) if not add_torch and names.torch in _bound(body[i])]
+    pos = binds[0] + 1 if binds else int(bool(body) and _is_docstring(body[0]))
+    while pos in imports:
         pos += 1
-    if not binds:  # our own `import torch`: after the leading imports
-        while pos in imports:
-            pos += 1
-    first = next((i for i, s in enumerate(body) if _executes_name(s, names.device)), len(body)) \
-        if need_device and not has_hoist else len(body)
-    pos = min(pos, first)
+    if names.hoist:
+        pos = min(pos, next((i for i, s in enumerate(body) if _executes_name(s, names.device)), pos))
     new: list[cst.BaseStatement] = []
     if add_torch or (binds and binds[0] >= pos):
         new.append(cst.parse_statement(f"import {names.torch}\n"))
-    if need_device and not has_hoist:
+    if names.hoist:
         new.append(cst.parse_statement(HOIST.format(d=names.device, t=names.torch) + "\n"))
     if pos > 0 and isinstance(body[pos - 1], cst.SimpleStatementLine):
         new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine()])
@@ -339,9 +377,8 @@ def _is_future(stmt: cst.CSTNode) -> bool:
 
 
 def _executes_name(stmt: cst.CSTNode, name: str) -> bool:
-    """Does running this top-level statement read `name` (function bodies run later)?"""
-    parts = [*stmt.decorators, stmt.params] if isinstance(stmt, cst.FunctionDef) else [stmt]
-    return any(isinstance(n, cst.Name) and n.value == name for p in parts for n in _walk(p))
+    """Does running this top-level statement read `name`?"""
+    return any(isinstance(n, cst.Name) and n.value == name for p in _executed(stmt) for n in _walk(p))
 
 
 # ---- files ------------------------------------------------------------------------------------------------------
@@ -377,9 +414,10 @@ def diff(res: FixResult) -> str:
                                         f"a/{res.path}", f"b/{res.path}"))
 
 
-def run(paths: list[str], write: bool = False, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def run(paths: list[str], write: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """`torchneuron fix`: print the diff (or write with `write`). 1 if a file failed or, without `write`, if
     anything would change; 0 otherwise."""
+    out, err = out or sys.stdout, err or sys.stderr
     notes: list[str] = []
     changed = failed = applied = left = 0
     for p in iter_files(paths, notes):
@@ -392,15 +430,16 @@ def run(paths: list[str], write: bool = False, out: TextIO = sys.stdout, err: Te
         left += sum(f.fix != "auto" for f in res.remaining)
         if res.new == res.old:
             continue
-        changed, applied = changed + 1, applied + len(res.applied)
         if write:
             try:
                 atomic_write(p, res.data)
             except OSError as e:
                 failed += 1
                 print(f"{p}: not written: {e}", file=err)
+                continue
         else:
             out.write(diff(res))
+        changed, applied = changed + 1, applied + len(res.applied)
     for n in notes:
         print(f"note: {n}", file=err)
     verb = "rewrote" if write else "would rewrite"

@@ -1,0 +1,218 @@
+"""`torchneuron check`: the rule table, findings on fixtures, suppression, bad input, output formats, flake8."""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from torchneuron.migrate import check
+from torchneuron.migrate.flake8_plugin import Plugin
+from torchneuron.migrate.rules import BY_CODE, FIX_KINDS, RULES, TRIGGER
+
+FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
+CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "input.py").exists())
+HEADER = ("import os, subprocess\nimport torch\nimport torch.distributed as dist\nimport triton\n"
+          "from torch.distributed.device_mesh import init_device_mesh\n"
+          "from torch.nn.parallel import DistributedDataParallel as DDP\nfrom torch.profiler import ProfilerActivity\n")
+
+
+def findings(src: str) -> list[tuple[int, int, str, str]]:
+    return [(f.line, f.col, f.code, f.fix) for f in check.analyze(src).findings]
+
+
+# ---- the table --------------------------------------------------------------------------------------------------
+
+def test_table_is_complete_and_consistent():
+    assert len(RULES) - 1 >= 40  # NRN000 is the parse-error code
+    assert [r.code for r in RULES] == sorted(BY_CODE) and all(re.fullmatch(r"NRN\d{3}", c) for c in BY_CODE)
+    cats = {r.category for r in RULES}
+    assert {"device", "amp", "backend", "sync", "memory", "rng", "distributed", "compile", "extensions",
+            "capability", "profiling", "data", "ladder"} <= cats
+    for r in RULES:
+        assert r.fix in FIX_KINDS and r.message and r.why and r.example, r.code
+        if r.fix == "auto":
+            assert check.template(r) is not None or r.replacement == "", r.code
+
+
+@pytest.mark.parametrize("rule", RULES, ids=[r.code for r in RULES])
+def test_each_rule_fires_on_its_example(rule):
+    """The table's examples are the smallest code each rule must catch, with the declared fix kind."""
+    offset = HEADER.count("\n")
+    got = {(code, fix) for line, _, code, fix in findings(HEADER + rule.example) if line > offset}
+    assert (rule.code, rule.fix) in got, got
+    assert rule.code == "NRN000" or re.search(TRIGGER, rule.example), "the prefilter would skip this example"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fixture_findings(case):
+    expected = json.loads((FIXTURES / case / "expected_findings.json").read_text())
+    got = [{"line": f.line, "col": f.col, "code": f.code, "fix": f.fix}
+           for f in check.analyze((FIXTURES / case / "input.py").read_bytes()).findings]
+    assert got == expected
+
+
+# ---- resolution ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("src, code", [
+    ("import torch.cuda as tc\ntc.synchronize()\n", "NRN040"),
+    ("from torch.cuda.amp import autocast\nwith autocast():\n    pass\n", "NRN020"),
+    ("from torch.cuda.amp import autocast as ac\n@ac()\ndef f():\n    pass\n", "NRN020"),
+    ("from torch import cuda\ncuda.empty_cache()\n", "NRN050"),
+    ("import torch as th\nth.cuda.is_available()\n", "NRN010"),
+    ("from torch.cuda.memory import memory_allocated\nmemory_allocated()\n", "NRN051"),
+    ("def f():\n    from torch.cuda import synchronize\n    synchronize()\n", "NRN040"),
+    ("from torch.nn.parallel import DistributedDataParallel as D\nD(m, device_ids=[0])\n", "NRN074"),
+])
+def test_aliases_resolve(src, code):
+    assert code in [c for _, _, c, _ in findings(src)]
+
+
+@pytest.mark.parametrize("src", [
+    "import cupy\ncupy.cuda.Device(0).use()\n",  # another library's cuda module
+    "import tvm\ndev = tvm.cuda()\n",  # a module function named cuda
+    "import numba.cuda\n@numba.cuda.jit\ndef k():\n    pass\n",
+    "x = 'cudas'\ny = 'my cuda notes'\n",
+    "import torch\nx = torch.zeros(2, device='cpu').to('cpu')\n",
+])
+def test_not_lock_in(src):
+    assert findings(src) == []
+
+
+def test_guard_keeps_cuda_only_code_on_cuda():
+    src = "import torch\nif torch.cuda.is_available():\n    n = torch.cuda.get_device_name()\n"
+    assert findings(src) == [(2, 4, "NRN010", "suggest"), (3, 9, "NRN092", "suggest")]
+    benign = "import torch\nif torch.cuda.is_available():\n    torch.backends.cudnn.benchmark = True\n"
+    assert findings(benign)[0] == (2, 4, "NRN010", "auto")
+
+
+def test_rewrite_conditions_downgrade_to_suggest():
+    src = ("import torch\n"
+           "s = torch.cuda.Stream(device='cuda:1')\n"  # names a device: no torch.Stream equivalent
+           "with torch.cuda.stream(None):\n    pass\n"  # a None stream is not a context manager
+           "torch.cuda.set_device('cuda:1')\n"  # the accelerator API wants an index
+           "f = torch.cuda.synchronize\n"  # not called
+           "x = y.cuda('cuda:1')\n")  # a string device
+    got = {(line, code): fix for line, _, code, fix in findings(src)}
+    assert got[(2, "NRN042")] == got[(3, "NRN043")] == got[(5, "NRN013")] == got[(6, "NRN040")] == "suggest"
+    assert got[(7, "NRN001")] == "suggest"
+
+
+# ---- suppression --------------------------------------------------------------------------------------------------
+
+def test_noqa():
+    src = (FIXTURES / "noqa" / "input.py").read_text()
+    assert [(line, code) for line, _, code, _ in findings(src)] == [(5, "NRN004"), (6, "NRN001"), (8, "NRN040")]
+    assert len(check.analyze(src, noqa=False).findings) == 7
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+def test_syntax_error_is_reported(tmp_path):
+    (tmp_path / "bad.py").write_text("import torch\ndef f(:\n    torch.cuda.synchronize()\n")
+    (tmp_path / "plain_bad.py").write_text("def g(:\n")  # nothing CUDA in it: still reported
+    rep = check.check_paths([str(tmp_path)])
+    assert [(Path(f.path).name, f.line, f.col, f.code, f.fix, f.message) for f in rep.findings] == [
+        ("bad.py", 2, 7, "NRN000", "report", "syntax error: invalid syntax"),
+        ("plain_bad.py", 1, 7, "NRN000", "report", "syntax error: invalid syntax")]
+
+
+def test_binary_huge_and_odd_files(tmp_path):
+    (tmp_path / "blob.py").write_bytes(b"\x00\x01torch.cuda\x00" * 100)
+    (tmp_path / "huge.py").write_text("x = 'cuda'\n" * (check.MAX_BYTES // 10))
+    (tmp_path / "latin1.py").write_bytes(b"# -*- coding: latin-1 -*-\nimport torch\ns = '\xe9'\n"
+                                         b"torch.cuda.synchronize()\n")
+    (tmp_path / "crlf.py").write_bytes(b"import torch\r\n\r\nx.cuda()  # noqa\r\ny.cuda()\r\n")
+    (tmp_path / "empty.py").write_text("")
+    (tmp_path / "notes.txt").write_text("torch.cuda.synchronize()\n")
+    rep = check.check_paths([str(tmp_path)])
+    assert [(Path(f.path).name, f.line, f.code) for f in rep.findings] == [("crlf.py", 4, "NRN001"),
+                                                                            ("latin1.py", 4, "NRN040")]
+    assert rep.files == 5 and any("blob.py: skipped, binary" in n for n in rep.notes)
+    assert any("huge.py: skipped" in n and "limit" in n for n in rep.notes)
+
+
+def test_symlinks_outside_the_tree_are_not_followed(tmp_path):
+    outside, tree = tmp_path / "outside", tmp_path / "tree"
+    outside.mkdir()
+    (tree / "pkg").mkdir(parents=True)
+    (outside / "secret.py").write_text("x.cuda()\n")
+    (tree / "pkg" / "real.py").write_text("y.cuda()\n")
+    os.symlink(outside / "secret.py", tree / "escape.py")
+    os.symlink(outside, tree / "escape_dir")
+    os.symlink(tree / "pkg" / "real.py", tree / "inside.py")
+    rep = check.check_paths([str(tree)])
+    assert sorted(Path(f.path).name for f in rep.findings) == ["inside.py", "real.py"]
+    assert any("escape.py: symlink outside the tree" in n for n in rep.notes)
+    assert any("escape_dir: symlinked directory not followed" in n for n in rep.notes)
+
+
+def test_internal_errors_are_reported_not_raised(tmp_path, monkeypatch):
+    (tmp_path / "a.py").write_text("x.cuda()\n")
+
+    def boom(*a, **k):
+        raise RecursionError("deep")
+    monkeypatch.setattr(check, "analyze", boom)
+    rep = check.check_paths([str(tmp_path)])
+    assert [(f.code, f.message) for f in rep.findings] == [("NRN000", "internal error: RecursionError: deep")]
+
+
+# ---- output -------------------------------------------------------------------------------------------------------
+
+def test_formats(tmp_path):
+    (tmp_path / "t.py").write_text("import torch\ntorch.cuda.synchronize()\nimport triton\n")
+    rep = check.check_paths([str(tmp_path)])
+    text = check.format_text(rep)
+    assert f"{tmp_path}/t.py:2:1: NRN040 [auto]" in text
+    assert re.search(r"2 findings \(1 auto, 0 suggest, 1 report\) in 1 files, [\d.]+s \(\d+ files/s\)", text)
+    data = json.loads(check.format_json(rep))
+    assert [{k: d[k] for k in ("line", "col", "code", "fix")} for d in data] == [
+        {"line": 2, "col": 1, "code": "NRN040", "fix": "auto"},
+        {"line": 3, "col": 8, "code": "NRN082", "fix": "report"}]
+    assert set(data[0]) == {"path", "line", "col", "code", "message", "fix"}
+    sarif = json.loads(check.format_sarif(rep))
+    assert sarif["version"] == "2.1.0" and "sarif-2.1.0" in sarif["$schema"]
+    run = sarif["runs"][0]
+    rules = run["tool"]["driver"]["rules"]
+    assert [r["id"] for r in rules] == [r.code for r in RULES]
+    res = run["results"]
+    assert [(r["ruleId"], r["level"], rules[r["ruleIndex"]]["id"]) for r in res] == [
+        ("NRN040", "warning", "NRN040"), ("NRN082", "note", "NRN082")]
+    assert res[0]["locations"][0]["physicalLocation"]["region"] == {"startLine": 2, "startColumn": 1}
+
+
+# ---- flake8 -------------------------------------------------------------------------------------------------------
+
+def test_flake8_plugin_class():
+    lines = ["import torch\n", "x = torch.zeros(1).cuda()  # noqa: NRN001\n", "torch.cuda.synchronize()\n"]
+    got = [(line, col, msg.split()[0]) for line, col, msg, _ in Plugin(None, lines, "t.py").run()]
+    assert got == [(2, 19, "NRN001"), (3, 0, "NRN040")]  # flake8 columns are 0-based; flake8 applies noqa
+
+
+def test_flake8_runs_the_plugin(tmp_path):
+    pytest.importorskip("flake8")
+    (tmp_path / "t.py").write_text("import torch\n\nx = torch.zeros(1).cuda()  # noqa: NRN001\n"
+                                   "torch.cuda.synchronize()\n")
+    r = subprocess.run([sys.executable, "-m", "flake8", "--select=NRN", str(tmp_path / "t.py")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.stdout.splitlines() == [f"{tmp_path / 't.py'}:4:1: NRN040 " + BY_CODE["NRN040"].message
+                                     + "; use `" + BY_CODE["NRN040"].replacement + "`"], r.stderr
+
+
+# ---- a large real tree --------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_check_the_installed_torch_package():
+    """The acceptance run: every file of the installed torch, no crash, throughput reported."""
+    import importlib.util
+    root = os.path.dirname(importlib.util.find_spec("torch").origin)
+    t0 = time.perf_counter()
+    rep = check.check_paths([root])
+    secs = time.perf_counter() - t0
+    print(f"\ncheck over {root}: {rep.files} files in {secs:.0f}s = {rep.files / secs:.1f} files/s, "
+          f"{len(rep.findings)} findings, {len(rep.notes)} notes")
+    assert rep.files > 2000 and len(rep.findings) > 1000
+    assert not [f for f in rep.findings if f.message.startswith("internal error")]

@@ -1,0 +1,231 @@
+"""`torchneuron fix`: exact rewrites, idempotence, scripts that still run on CPU, safe writes, a large tree."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import libcst as cst
+import pytest
+
+from torchneuron.migrate import check, fix
+from torchneuron.migrate.rules import RULES
+
+FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
+CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "input.py").exists())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fixture_rewrite(case):
+    """Exact expected output; a second run changes nothing; what is left has no auto finding."""
+    res = fix.fix_source((FIXTURES / case / "input.py").read_bytes(), case)
+    assert res.error is None
+    assert res.new == (FIXTURES / case / "expected_fix.py").read_text()
+    cst.parse_module(res.new)
+    again = fix.fix_source(res.new)
+    assert again.new == res.new and again.applied == []
+    assert [f.code for f in check.analyze(res.new).findings if f.fix == "auto"] == []
+
+
+def test_report_only_code_is_left_alone():
+    src = (FIXTURES / "report_only" / "input.py").read_text()
+    assert fix.fix_source(src).new == src
+
+
+# ---- the rewritten scripts still run on CPU, with plain PyTorch --------------------------------------------------
+
+DRIVER = """
+import contextlib, functools, io, json, os, runpy, sys, traceback
+import torch, torch.distributed
+out, (jobs, names) = {}, map(json.loads, sys.argv[1:])
+for name, path, args, env in jobs:
+    os.environ.update(env)
+    sys.argv, buf = [path, *args], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_path(path, run_name="__main__")
+        out[name] = [0, buf.getvalue(), ""]
+    except BaseException:
+        out[name] = [1, buf.getvalue(), traceback.format_exc()]
+missing = [n for n in names if not hasattr(functools.reduce(
+    lambda m, a: getattr(m, a, None), n.split(".")[1:], torch), "__call__")]
+print(json.dumps({"runs": out, "missing": missing}))
+"""
+REFERENCE = """
+import torch, torch.nn as nn
+torch.manual_seed(0); a = torch.randn(64, 64); print(f"{(a @ a).sum().item():.3f}")
+torch.manual_seed(0); m = nn.Linear(4, 1); opt = torch.optim.SGD(m.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(0)
+for step in range(3):
+    loss = m(torch.randn(16, 4, generator=g)).pow(2).mean(); opt.zero_grad(); loss.backward(); opt.step()
+    print(f"step {step} loss {loss.item():.6f}")
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Run the original and the fixed realistic scripts, plus a CPU reference, in ONE plain-PyTorch process
+    (torch without the neuron package); also look up every `torch.*` name the replacements emit."""
+    d = tmp_path_factory.mktemp("fixed")
+    dist_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000), "RANK": "0",
+                "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    jobs = []
+    for case in ("amp_train", "gpu_only_train", "benchmark", "checkpoint", "dataloader", "ddp_nccl"):
+        src = (FIXTURES / case / "input.py").read_bytes()
+        (d / f"{case}_orig.py").write_bytes(src)
+        (d / f"{case}.py").write_bytes(fix.fix_source(src).data)
+        args, env = ([str(d / "ck.pt")] if case == "checkpoint" else []), dist_env if case == "ddp_nccl" else {}
+        jobs += [(f"{case}_orig", str(d / f"{case}_orig.py"), args, env), (case, str(d / f"{case}.py"), args, env)]
+    (d / "reference.py").write_text(REFERENCE)
+    jobs.append(("reference", str(d / "reference.py"), [], {}))
+    names = sorted({m for r in RULES if r.fix == "auto" for m in re.findall(r"torch(?:\.\w+)+", r.replacement)}
+                   | {"torch.accelerator.current_accelerator", "torch.accelerator.is_available", "torch.device"})
+    r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs), json.dumps(names)], capture_output=True,
+                       text=True, env={**os.environ, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "PYTHONWARNINGS": "ignore"},
+                       cwd=d, timeout=900)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.splitlines()[-1])
+    return res["runs"], res["missing"], names
+
+
+def test_emitted_apis_exist_in_plain_torch(runs):
+    """Every `torch.*` callable a replacement emits exists in the installed PyTorch (2.13, CPU build)."""
+    _, missing, names = runs
+    assert missing == [] and "torch.distributed.get_default_backend_for_device" in names
+    assert {"torch.accelerator.synchronize", "torch.accelerator.memory_stats", "torch.Event", "torch.Stream",
+            "torch.amp.GradScaler", "torch.amp.autocast", "torch.accelerator.set_device_index"} <= set(names)
+
+
+@pytest.mark.parametrize("case", ["amp_train", "checkpoint", "dataloader"])
+def test_fixed_script_matches_original_on_cpu(runs, case):
+    out = runs[0]
+    assert out[f"{case}_orig"][0] == 0 and out[case][0] == 0, out[case][2]
+    assert out[case][1] == out[f"{case}_orig"][1] and out[case][1].strip()
+
+
+def test_gpu_only_script_runs_after_fix(runs):
+    """Unconditional CUDA code fails on CPU; after `fix` it runs and trains exactly like the portable script."""
+    out = runs[0]
+    assert out["gpu_only_train_orig"][0] == 1 and "_cuda_setDevice" in out["gpu_only_train_orig"][2]
+    assert out["gpu_only_train"][0] == 0, out["gpu_only_train"][2]
+    assert out["gpu_only_train"][1] == out["amp_train_orig"][1]
+
+
+def test_benchmark_runs_after_fix(runs):
+    out = runs[0]
+    assert out["benchmark_orig"][0] == 1 and out["benchmark"][0] == 0, out["benchmark"][2]
+    checksum = out["reference"][1].splitlines()[0]
+    assert out["benchmark"][1] == f"checksum {checksum} timed True mem 0 stats True\ndevices 0\n"
+
+
+def test_ddp_nccl_runs_on_gloo_after_fix(runs):
+    """`init_process_group("nccl")` becomes the device's default backend (gloo on CPU); one rank trains like
+    the plain single-process loop."""
+    out = runs[0]
+    assert out["ddp_nccl_orig"][0] == 1 and "NCCL" in out["ddp_nccl_orig"][2]
+    assert out["ddp_nccl"][0] == 0, out["ddp_nccl"][2]
+    assert out["ddp_nccl"][1].splitlines() == out["reference"][1].splitlines()[1:]
+
+
+# ---- safety -------------------------------------------------------------------------------------------------------
+
+def test_unparsable_file_is_never_rewritten(tmp_path, capsys):
+    p = tmp_path / "bad.py"
+    p.write_text("import torch\nx = torch.zeros(1).cuda(\n")
+    assert fix.run([str(p)], write=True) == 1
+    assert p.read_text() == "import torch\nx = torch.zeros(1).cuda(\n"
+    assert "bad.py: not rewritten: syntax error" in capsys.readouterr().err
+
+
+def test_diff_by_default_write_on_request(tmp_path, capsys):
+    p = tmp_path / "t.py"
+    p.write_text("import torch\ntorch.cuda.synchronize()\n")
+    os.chmod(p, 0o750)
+    assert fix.run([str(p)]) == 1
+    out = capsys.readouterr()
+    assert "-torch.cuda.synchronize()\n+if torch.accelerator.is_available():\n" in out.out
+    assert "would rewrite 1 files (1 fixes)" in out.err
+    assert p.read_text() == "import torch\ntorch.cuda.synchronize()\n"
+    assert fix.run([str(p)], write=True) == 0
+    assert p.read_text() == "import torch\nif torch.accelerator.is_available():\n    torch.accelerator.synchronize()\n"
+    assert os.stat(p).st_mode & 0o777 == 0o750 and os.listdir(tmp_path) == ["t.py"]
+    assert fix.run([str(p)], write=True) == 0 and "rewrote 0 files" in capsys.readouterr().err
+
+
+class _HalfWrite:
+    """A file whose write stops half-way with a full disk."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(data[: len(data) // 2])
+        raise OSError("disk full")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def _boom(*args):
+    raise OSError("disk full")
+
+
+@pytest.mark.parametrize("where", ["write", "replace"])
+def test_write_is_atomic(tmp_path, monkeypatch, capsys, where):
+    """A failure while writing leaves the original file intact and no temporary file behind."""
+    p = tmp_path / "t.py"
+    p.write_text("import torch\nx.cuda()\n")
+    real_fdopen = os.fdopen
+    if where == "write":
+        monkeypatch.setattr(fix.os, "fdopen", lambda fd, mode: _HalfWrite(real_fdopen(fd, mode)))
+    else:
+        monkeypatch.setattr(fix.os, "replace", _boom)
+    assert fix.run([str(p)], write=True) == 1
+    assert p.read_text() == "import torch\nx.cuda()\n" and os.listdir(tmp_path) == ["t.py"]
+    assert "t.py: not written: disk full" in capsys.readouterr().err
+
+
+def test_symlink_inside_the_tree_is_written_through(tmp_path):
+    (tmp_path / "real.py").write_text("import torch\nx.cuda()\n")
+    os.symlink(tmp_path / "real.py", tmp_path / "link.py")
+    fix.atomic_write(str(tmp_path / "link.py"), b"import torch\n")
+    assert os.path.islink(tmp_path / "link.py") and (tmp_path / "real.py").read_text() == "import torch\n"
+
+
+def test_keeps_encoding_and_newlines():
+    src = b"# -*- coding: latin-1 -*-\r\nimport torch\r\ns = '\xe9'\r\ny = x.cuda()  # \xe9\r\n"
+    res = fix.fix_source(src)
+    assert res.data.startswith(b"# -*- coding: latin-1 -*-\r\nimport torch\r\n\r\ndevice = ")
+    assert res.data.endswith(b"s = '\xe9'\r\ny = x.to(device)  # \xe9\r\n")
+
+
+def test_torch_meaning_something_else_is_not_touched():
+    src = "torch = object()\nx.cuda()\n"
+    res = fix.fix_source(src)
+    assert res.new == src and "not rewritten" in res.error
+
+
+# ---- a large real tree --------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_fix_a_copy_of_torch_nn_and_optim(tmp_path):
+    """Every rewritten file parses and compiles, and fixing twice equals fixing once."""
+    import importlib.util
+    root = Path(importlib.util.find_spec("torch").origin).parent
+    for sub in ("nn", "optim"):
+        shutil.copytree(root / sub, tmp_path / sub, ignore=shutil.ignore_patterns("__pycache__"))
+    assert fix.run([str(tmp_path)], write=True) == 0
+    files = sorted(tmp_path.rglob("*.py"))
+    changed = [p for p in files if p.read_bytes() != (root / p.relative_to(tmp_path)).read_bytes()]
+    for p in files:
+        compile(p.read_bytes(), str(p), "exec")
+    snapshot = {p: p.read_bytes() for p in files}
+    assert fix.run([str(tmp_path)], write=True) == 0
+    assert {p: p.read_bytes() for p in files} == snapshot
+    print(f"\nfix over torch/nn + torch/optim: {len(files)} files, {len(changed)} rewritten, idempotent")
+    assert len(files) > 100 and changed
