@@ -318,9 +318,7 @@ def _patches() -> list[tuple[Any, str, Callable[[Any], Any]]]:
                  (c10d, "init_process_group", lambda f: _map_args(f, "init_process_group(device_id=cuda)",
                                                                   ("device_id",))),
                  (dist, "init_process_group", lambda f: getattr(c10d, "init_process_group"))]
-    cuda_amp = torch.cuda.amp
     rows += [(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **_compat_classes()}.items()]
-    rows += [(cuda_amp, "autocast", lambda f: f), (cuda_amp, "GradScaler", lambda f: f)]  # covered by __init__s
     return rows
 
 
@@ -335,9 +333,7 @@ def enable() -> None:
         return
     _enabled = True
     for owner, attr, make in _patches():
-        setattr(owner, attr, make(owner.__dict__.get(attr) if attr == "__new__" and isinstance(owner, type)
-                                  and isinstance(owner.__dict__.get(attr), staticmethod)
-                                  and False else getattr(owner, attr)))
+        setattr(owner, attr, make(getattr(owner, attr)))
     _DeviceMode().__enter__()  # stays on the (thread-local) mode stack for the life of the process
 
 
