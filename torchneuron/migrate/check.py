@@ -18,7 +18,6 @@ from typing import Any, TextIO
 
 import libcst as cst
 from libcst._nodes.internal import CodegenState
-from libcst.helpers import get_full_name_for_node
 
 from .rules import BENIGN, RULES, SEEDERS, TRIGGER, VENDORS, Rule
 
@@ -73,8 +72,7 @@ class Analysis:
 class ArgPattern:
     rule: Rule
     specs: tuple[tuple[bool, str, int | None], ...]  # (absent?, parameter, position)
-    kind: str  # exact | method | prefix | any
-    guarded: bool
+    kind: str  # guarded | exact | method | prefix | any: the first is the most specific
 
 
 class Matcher:
@@ -93,6 +91,7 @@ class Matcher:
                 self._add(rule, pat)
         self.prefixes.sort(key=lambda p: -len(p[0]))
         self.roots = tuple({n.split(".")[0] + "." for n in [*self.names, *(p for p, _ in self.prefixes)]})
+        self.arg_prefixes = [k[:-1] for k in self.args if k.endswith(".*")]
 
     def _add(self, rule: Rule, pat: str, guarded: bool = False) -> None:
         if pat.startswith("if torch.cuda.is_available(): "):
@@ -107,7 +106,7 @@ class Matcher:
             specs = tuple((neg, name, None if pos is None else int(pos)) for neg, name, pos in specs)
             kind = "any" if callee == "*" else "method" if callee.startswith(".") else \
                 "prefix" if callee.endswith(".*") else "exact"
-            self.args.setdefault(callee, []).append(ArgPattern(rule, specs, "guarded" if guarded else kind, guarded))
+            self.args.setdefault(callee, []).append(ArgPattern(rule, specs, "guarded" if guarded else kind))
         elif pat == "<str>":
             (self.guarded_strings if guarded else self.strings).append(rule)
         elif pat == "<ladder>":
@@ -129,13 +128,11 @@ class Matcher:
                 return self.names[q]
         return next((r for p, r in self.prefixes for q in qnames if q.startswith(p)), None)
 
-    def arg_patterns(self, qnames: Iterable[str], method: str | None) -> list[ArgPattern]:
-        keys = [*qnames, *(q.rsplit(".", 1)[0] + ".*" for q in qnames if "." in q), "*"]
-        keys += [f".{method}"] if method else []
-        pats = [p for k in dict.fromkeys(keys) for p in self.args.get(k, ())]
-        pats += [p for k, ps in self.args.items() if k.endswith(".*") and k not in keys
-                 for p in ps if any(q.startswith(k[:-1]) for q in qnames)]
-        return sorted(pats, key=lambda p: SPECIFICITY[p.kind])
+    def arg_patterns(self, qnames: set[str], method: str | None) -> list[ArgPattern]:
+        """The argument patterns for a call of `qnames` (or of `.method`), most specific first."""
+        keys = [*qnames, "*", *([f".{method}"] if method else [])]
+        keys += [k + "*" for k in self.arg_prefixes if any(q.startswith(k) for q in qnames)]
+        return sorted((p for k in keys for p in self.args.get(k, ())), key=lambda p: SPECIFICITY[p.kind])
 
     def import_rule(self, module: str) -> Rule | None:
         return next((r for m, r in self.imports.items() if module == m or module.startswith(m + ".")), None)
@@ -160,10 +157,6 @@ def template(rule: Rule) -> cst.CSTNode | None:
 
 def _names_in(node: cst.CSTNode) -> set[str]:
     return {n.value for n in _walk(node) if isinstance(n, cst.Name)}
-
-
-def _has_ellipsis(node: cst.CSTNode) -> bool:
-    return any(isinstance(n, cst.Arg) and isinstance(n.value, cst.Ellipsis) for n in _walk(node))
 
 
 def _dotted(node: cst.CSTNode) -> str | None:
@@ -277,6 +270,11 @@ class Imports:
         return {q + dot + rest for q in self.names[head]} if head in self.names else {dotted}
 
 
+@functools.cache
+def _visit_fn(cls: type, t: type) -> Any:
+    return getattr(cls, f"visit_{t.__name__}", None)
+
+
 STATEMENTS = (cst.BaseStatement, cst.BaseSuite, cst.Else, cst.ExceptHandler, cst.ExceptStarHandler, cst.Finally,
               cst.MatchCase)
 
@@ -299,8 +297,8 @@ class _Visitor:
         self.module: cst.Module | None = None
 
     def walk(self, node: cst.CSTNode) -> None:
-        visit = getattr(self, f"visit_{type(node).__name__}", None)
-        if visit is not None and visit(node) is False:
+        visit = _visit_fn(type(self), type(node))
+        if visit is not None and visit(self, node) is False:
             return
         if isinstance(node, (cst.If, cst.IfExp)):
             self.walk(node.test)
@@ -361,8 +359,8 @@ class _Visitor:
         if tpl is not None and "x" in _names_in(tpl) and s.subject == "arg0" and (
                 call is None or not call.args or call.args[0].keyword or _is_none(call.args[0].value)):
             return None, "no argument"
-        if rule.only and not ONLY[rule.only](self, s):
-            return None, f"not safe here ({rule.only.replace('_', ' ')})"
+        if rule.only and not ONLY[rule.only][0](self, s):
+            return None, ONLY[rule.only][1]
         return s, None
 
     # -- structure
@@ -444,12 +442,12 @@ class _Visitor:
     # -- imports
     def visit_Import(self, node: cst.Import) -> bool:
         for alias in node.names:
-            if rule := self.m.import_rule(get_full_name_for_node(alias.name) or ""):
+            if rule := self.m.import_rule(_dotted(alias.name)):
                 self.hit(rule, alias)
         return False
 
     def visit_ImportFrom(self, node: cst.ImportFrom) -> bool:
-        if node.module and not node.relative and (rule := self.m.import_rule(get_full_name_for_node(node.module))):
+        if node.module and not node.relative and (rule := self.m.import_rule(_dotted(node.module))):
             self.hit(rule, node.module)
         return False
 
@@ -487,12 +485,12 @@ class _Visitor:
             site, why = self.site(rule, node, node, subject="receiver")
             self.hit(rule, node.func.attr, site, why)
         qnames = self.qnames(node.func) if isinstance(node.func, (cst.Name, cst.Attribute)) else set()
-        if method and (lit := literal(node)):  # "cuda:{}".format(i) is a string literal too
+        if method and id(node) not in self.claimed and (lit := literal(node)):  # "cuda:{}".format(i) too
             self.claimed.add(id(node.func.value))
             self._string(node, lit)
         done: set[int] = set()
         for pat in self.m.arg_patterns(qnames, method):
-            if pat.guarded and not self.guard_depth:
+            if pat.kind == "guarded" and not self.guard_depth:
                 continue
             for value in self._arg_match(node, pat):
                 key = id(value if value is not None else node)
@@ -551,8 +549,6 @@ class _Visitor:
             self._string(node, lit)
 
     def _string(self, node: cst.BaseExpression, lit: tuple[str, cst.BaseExpression | None]) -> None:
-        if id(node) in self.claimed:
-            return
         rules = (self.m.guarded_strings if self.guard_depth else []) + self.m.strings
         if rule := next((r for r in rules if re.fullmatch(r.value, lit[0])), None):
             self.claimed.add(id(node))
@@ -576,14 +572,15 @@ def _branches(node: cst.BaseExpression, v: _Visitor) -> list[cst.BaseExpression]
     return [node]
 
 
-# named conditions for `Rule.only`: when the rewrite keeps the program's meaning
-ONLY = {
-    "int_arg": lambda v, s: bool(s.call.args) and not _is_str(a := s.call.args[0].value) and not (
-        isinstance(a, cst.Call) and v.qnames(a.func) & {"torch.device"}),
-    "no_device": lambda v, s: all(_is_none(a.value) for k, a in zip(s.kw, s.call.args)
-                                  if (k or (a.keyword and a.keyword.value)) == "device"),
-    "with_item": lambda v, s: id(s.call) in v.with_items and len(s.call.args) == 1,
-    "seeded": lambda v, s: id(s.call) in v.seeded,
+# named conditions for `Rule.only`: when the rewrite keeps the program's meaning, and what to say otherwise
+ONLY: dict[str, tuple[Any, str]] = {
+    "int_arg": (lambda v, s: bool(s.call.args) and not _is_str(a := s.call.args[0].value) and not (
+        isinstance(a, cst.Call) and v.qnames(a.func) & {"torch.device"}), "the device is not an integer index"),
+    "no_device": (lambda v, s: all(_is_none(a.value) for k, a in zip(s.kw, s.call.args)
+                                   if (k or (a.keyword and a.keyword.value)) == "device"), "it names a CUDA device"),
+    "with_item": (lambda v, s: id(s.call) in v.with_items and len(s.call.args) == 1,
+                  "not a `with torch.cuda.stream(s):` item"),
+    "seeded": (lambda v, s: id(s.call) in v.seeded, "no `torch.manual_seed` with the same seed next to it"),
 }
 
 
@@ -705,7 +702,8 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # skipped paths, with why
     files: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # wall clock
+    cpu: float = 0.0  # this process's CPU time: the rate that does not depend on the machine's load
 
 
 def iter_files(paths: Iterable[str], notes: list[str]) -> Iterator[str]:
@@ -765,11 +763,11 @@ def check_file(path: str, notes: list[str]) -> list[Finding]:
 
 
 def check_paths(paths: Iterable[str]) -> Report:
-    rep, t0 = Report(), time.perf_counter()
+    rep, t0, c0 = Report(), time.perf_counter(), time.process_time()
     for p in iter_files(paths, rep.notes):
         rep.files += 1
         rep.findings += check_file(p, rep.notes)
-    rep.seconds = time.perf_counter() - t0
+    rep.seconds, rep.cpu = time.perf_counter() - t0, time.process_time() - c0
     return rep
 
 
@@ -778,9 +776,10 @@ def check_paths(paths: Iterable[str]) -> Report:
 def format_text(rep: Report) -> str:
     lines = [f"{f.path}:{f.line}:{f.col}: {f.code} [{f.fix}] {f.message}" for f in rep.findings]
     kinds = {k: sum(f.fix == k for f in rep.findings) for k in ("auto", "suggest", "report")}
-    rate = rep.files / rep.seconds if rep.seconds else 0.0
+    rate = lambda t: f"{rep.files / t:.1f}" if t else "-"
     lines.append(f"{len(rep.findings)} findings ({', '.join(f'{n} {k}' for k, n in kinds.items())}) in "
-                 f"{rep.files} files, {rep.seconds:.2f}s ({rate:.0f} files/s)")
+                 f"{rep.files} files, {rep.seconds:.2f}s ({rate(rep.seconds)} files/s; "
+                 f"CPU {rep.cpu:.2f}s, {rate(rep.cpu)} files/s)")
     return "\n".join(lines) + "\n"
 
 
