@@ -11,7 +11,7 @@ import pytest
 
 from torchneuron.migrate import check
 from torchneuron.migrate.flake8_plugin import Plugin
-from torchneuron.migrate.rules import BY_CODE, FIX_KINDS, RULES, TRIGGER
+from torchneuron.migrate.rules import BY_CODE, DOC_BEGIN, DOC_END, FIX_KINDS, RULES, TRIGGER, markdown
 
 FIXTURES = Path(__file__).parent / "fixtures" / "migrate"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if (p / "input.py").exists())
@@ -36,6 +36,13 @@ def test_table_is_complete_and_consistent():
         assert r.fix in FIX_KINDS and r.message and r.why and r.example, r.code
         if r.fix == "auto":
             assert check.template(r) is not None or r.replacement == "", r.code
+
+
+def test_docs_show_the_current_table():
+    doc = (Path(__file__).parents[1] / "docs" / "migration.md").read_text()
+    assert doc.split(DOC_BEGIN)[1].split(DOC_END)[0] == markdown(), \
+        "regenerate: python -m torchneuron.migrate.rules docs/migration.md"
+    assert all(f"| {r.code} |" in doc for r in RULES)
 
 
 @pytest.mark.parametrize("rule", RULES, ids=[r.code for r in RULES])
