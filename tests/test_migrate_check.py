@@ -157,6 +157,14 @@ def test_symlinks_outside_the_tree_are_not_followed(tmp_path):
     assert any("escape_dir: symlinked directory not followed" in n for n in rep.notes)
 
 
+def test_jobs_give_the_same_report(tmp_path):
+    for i in range(6):
+        (tmp_path / f"m{i}.py").write_text(f"import torch\nx = torch.zeros({i}).cuda()\n" + "y = 'cuda'\n" * i)
+    (tmp_path / "bad.py").write_text("def f(:\n")
+    one, two = check.check_paths([str(tmp_path)]), check.check_paths([str(tmp_path)], jobs=2)
+    assert one.findings == two.findings and one.files == two.files == 7 and len(one.findings) == 22
+
+
 def test_internal_errors_are_reported_not_raised(tmp_path, monkeypatch):
     (tmp_path / "a.py").write_text("x.cuda()\n")
 
