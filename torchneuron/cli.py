@@ -17,11 +17,12 @@ def _paths(p: argparse.ArgumentParser) -> None:
 def _check_args(p: argparse.ArgumentParser) -> None:
     _paths(p)
     p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
+    p.add_argument("-j", "--jobs", type=int, default=1, metavar="N", help="worker processes (0: one per CPU)")
 
 
 def _check(a: argparse.Namespace) -> int:
     from .migrate import check
-    return check.run(a.paths, a.format)
+    return check.run(a.paths, a.format, a.jobs)
 
 
 def _fix_args(p: argparse.ArgumentParser) -> None:
