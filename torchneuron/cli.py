@@ -35,6 +35,29 @@ def _fix(a: argparse.Namespace) -> int:
     return fix.run(a.paths, a.write)
 
 
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report", metavar="OUT", help="save the porting report (.json, .md, else text) instead of printing")
+    p.add_argument("script", help="a CUDA Python script, run unmodified on neuron")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def _run(a: argparse.Namespace) -> int:
+    import runpy
+
+    from .migrate import compat, report
+
+    compat.enable()
+    sys.argv = [a.script, *a.args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
+    try:
+        runpy.run_path(a.script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    report.write(a.report or "-")
+    return code
+
+
 def _info_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -101,6 +124,8 @@ def _profile(a: argparse.Namespace) -> int:
 COMMANDS: dict[str, Command] = {
     "check": ("find CUDA lock-in (exit 1 when something is found)", _check_args, _check),
     "fix": ("rewrite CUDA lock-in to device-agnostic PyTorch (diff, or --write)", _fix_args, _fix),
+    "run": ("run a CUDA script unmodified on neuron (compatibility mode), then print a porting report",
+            _run_args, _run),
     "info": ("show the modelled Trainium machine and the device configuration", _info_args, _info),
     "estimate": ("model a step's time, utilisation and cost on trn1/trn2/trn3 vs an H100", _estimate_args, _estimate),
     "profile": ("profile a model on `neuron`: modelled device time per op, Chrome trace", _profile_args, _profile),

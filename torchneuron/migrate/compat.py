@@ -1,0 +1,351 @@
+"""CUDA compatibility mode: run an unmodified CUDA script on `neuron`, counting every redirected call.
+
+Two layers, so that names a script imported before `enable()` are covered too:
+- a global `TorchFunctionMode` maps device arguments ("cuda", "cuda:1", `torch.device("cuda", i)`) to `neuron`
+  in every torch function and Tensor method (factories, `to`, `new_*`, `.cuda()`, `.is_cuda`). It sees calls
+  however the function was named, and Dynamo traces through it, so compiled code keeps working.
+  `torch.device("cuda")` objects are left as they are: every consumer maps them.
+- `_PATCHES` (one table) wraps what a mode cannot see: class `__init__`s (autocast, GradScaler, DDP, DataLoader,
+  DeviceMesh, profiler, compile wrappers), `Backend.__new__` ("nccl" -> "neuron"), checkpoint restore locations,
+  storage `.cuda()`, `Module.to/.cuda()`, and the `torch.cuda` module's functions (-> `torch.neuron`).
+
+`torch.cuda.is_available()` returns True (and `device_count()` the neuron count): scripts pick their device with
+it (`"cuda" if torch.cuda.is_available() else "cpu"`), and answering False would send them silently to the CPU
+with AMP disabled. Everything a True answer leads to ("cuda" strings, nccl, `torch.cuda.*`) is redirected.
+See docs/compat.md.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import inspect
+import os
+import sys
+import sysconfig
+import threading
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode, resolve_name
+
+_COUNTS: Counter[tuple[str, str]] = Counter()  # (api, "file:line" of the user frame) -> calls
+_QUIET = threading.local()  # inside one counted call (e.g. Module.cuda), its per-tensor redirects are not counted
+_INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["torchneuron"]))
+_INTERNAL += (sysconfig.get_paths()["stdlib"] + os.sep, sys.modules["typing_extensions"].__file__)
+_enabled = False
+
+
+def _site() -> str:
+    """file:line of the innermost frame outside torch, torchneuron and the standard library."""
+    f = sys._getframe(2)
+    while f is not None and (f.f_code.co_filename.startswith(_INTERNAL) or f.f_code.co_filename.startswith("<")):
+        f = f.f_back
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "<unknown>"
+
+
+def _record(api: str | Callable[[], str], direct: bool = False) -> None:
+    """Count one redirect. Skipped while Dynamo traces (the redirect is then baked into the graph), inside an
+    already counted call, and for `direct` APIs when torch itself made the call (torch.manual_seed seeding cuda)."""
+    if torch.compiler.is_compiling() or getattr(_QUIET, "on", False):
+        return
+    if direct and sys._getframe(2).f_code.co_filename.startswith(_INTERNAL):
+        return
+    _COUNTS[(api if isinstance(api, str) else api(), _site())] += 1
+
+
+def redirects() -> dict[str, dict[str, int]]:
+    """{api: {call site: count}} of the calls redirected so far."""
+    out: dict[str, dict[str, int]] = {}
+    for (api, site), n in sorted(_COUNTS.items()):
+        out.setdefault(api, {})[site] = n
+    return out
+
+
+def clear_redirects() -> None:
+    _COUNTS.clear()
+
+
+def is_enabled() -> bool:
+    return _enabled
+
+
+def _dev(d: Any, api: str | Callable[[], str]) -> Any:
+    """A device-like value with "cuda" mapped to "neuron" (str, torch.device; ints are already the accelerator)."""
+    if isinstance(d, str) and (d == "cuda" or d.startswith("cuda:")):
+        _record(api)
+        return "neuron" + d[4:]
+    if isinstance(d, torch.device) and d.type == "cuda":
+        _record(api)
+        return torch.device("neuron", d.index)
+    return d
+
+
+_IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
+
+
+class _DeviceMode(TorchFunctionMode):
+    """Maps device arguments of torch functions and Tensor methods from cuda to neuron."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _IS_CUDA:  # the `Tensor.is_cuda` getter
+            _record("Tensor.is_cuda")
+            return args[0].device.type in ("cuda", "neuron")
+        if func is torch.Tensor.cuda:
+            _record("Tensor.cuda")
+            func = torch.Tensor.neuron
+            if len(args) > 1:
+                args = (args[0], _dev(args[1], "Tensor.cuda"), *args[2:])
+        elif func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _dev(args[1], lambda: "Tensor.to(cuda)"), *args[2:])
+        if "device" in kwargs:
+            kwargs["device"] = _dev(kwargs["device"], lambda: f"{resolve_name(func) or func}(device=cuda)")
+        return func(*args, **kwargs)
+
+
+def _quietly(api: str, fn: Callable) -> Callable:
+    """`fn` counted once as `api`, with the redirects it makes internally not counted."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        _record(api)
+        _QUIET.on, was = True, getattr(_QUIET, "on", False)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _QUIET.on = was
+    return wrapper
+
+
+def _map_args(fn: Callable, api: str, names: tuple[str, ...], defaults: dict[str, Any] | None = None) -> Callable:
+    """Wrap `fn` so the arguments `names` (by keyword or position) have cuda devices mapped to neuron.
+    `defaults` gives arguments whose omitted default means CUDA (GradScaler's device="cuda")."""
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = sig.bind_partial(*args, **kwargs)
+        for k, v in (defaults or {}).items():
+            bound.arguments.setdefault(k, v)
+        for n in names:
+            if n in bound.arguments:
+                bound.arguments[n] = _map_value(bound.arguments[n], api)
+        return fn(*bound.args, **bound.kwargs)
+    return wrapper
+
+
+def _map_value(v: Any, api: str) -> Any:
+    if isinstance(v, (list, tuple)):
+        return type(v)(_map_value(x, api) for x in v)
+    return _dev(v, api)
+
+
+def _autocast_init(orig: Callable) -> Callable:
+    """autocast("cuda") -> "neuron", keeping CUDA's default dtype (fp16) so the script's numerics hold."""
+    @functools.wraps(orig)
+    def __init__(self, device_type: str, dtype: torch.dtype | None = None, *args, **kwargs):
+        if device_type == "cuda":
+            _record(_public_name(type(self)) + ("" if type(self).__module__.startswith("torch.cuda") else "(cuda)"))
+            device_type, dtype = "neuron", dtype or torch.get_autocast_dtype("cuda")
+        orig(self, device_type, dtype, *args, **kwargs)
+    return __init__
+
+
+def _scaler_init(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def __init__(self, device: str = "cuda", *args, **kwargs):
+        if device == "cuda":
+            _record(_public_name(type(self)) + ("" if type(self).__module__.startswith("torch.cuda") else "(cuda)"))
+            device = "neuron"
+        orig(self, device, *args, **kwargs)
+    return __init__
+
+
+def _public_name(cls: type) -> str:
+    parts = [p for p in cls.__module__.split(".") if p not in ("grad_scaler", "autocast_mode")]
+    return ".".join([*parts, cls.__qualname__])
+
+
+def _compile_mode(orig: Callable) -> Callable:
+    """CUDA-graph compile modes -> the default mode (the neuron backend has no CUDA graphs)."""
+    @functools.wraps(orig)
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(orig).bind(self, *args, **kwargs)
+        if bound.arguments.get("mode") in ("reduce-overhead", "max-autotune"):
+            _record(f"torch.compile(mode={bound.arguments['mode']!r})")
+            bound.arguments["mode"] = None
+        orig(*bound.args, **bound.kwargs)
+    return __init__
+
+
+def _profiler_init(orig: Callable) -> Callable:
+    act = torch.profiler.ProfilerActivity
+
+    @functools.wraps(orig)
+    def __init__(self, *args, activities=None, **kwargs):
+        if activities is not None and act.CUDA in activities:
+            _record("torch.profiler.ProfilerActivity.CUDA")
+            activities = [act.PrivateUse1 if a == act.CUDA else a for a in activities]
+        orig(self, *args, activities=activities, **kwargs)
+    return __init__
+
+
+def _loader_init(orig: Callable) -> Callable:
+    @functools.wraps(orig)
+    def __init__(self, *args, pin_memory_device: str = "", **kwargs):
+        if pin_memory_device.startswith("cuda"):  # deprecated and ignored: pinning targets the current accelerator
+            _record("DataLoader(pin_memory_device=cuda)")
+            pin_memory_device = ""
+        orig(self, *args, pin_memory_device=pin_memory_device, **kwargs)
+    return __init__
+
+
+def _backend_new(orig: Callable) -> Callable:
+    """Backend("nccl") -> "neuron" (also in "cuda:nccl,cpu:gloo" forms): init_process_group and new_group
+    construct a Backend from the user's string."""
+    def __new__(cls, name: str):
+        if isinstance(name, str) and "nccl" in name.lower():
+            _record(f"torch.distributed backend {name!r}")
+            name = name.lower().replace("cuda:", "neuron:").replace("nccl", "neuron")
+        return orig(cls, name)
+    return staticmethod(__new__)
+
+
+def _restore_location(orig: Callable) -> Callable:
+    """Checkpoint storages saved on, or mapped to, cuda are restored on neuron."""
+    @functools.wraps(orig)
+    def restore(storage, location):
+        return orig(storage, _dev(location, "torch.load(cuda location)"))
+    return restore
+
+
+class _CompatMeta(type(torch._C.Generator)):
+    """isinstance(x, replacement) also holds for instances of the class it replaces (C-created Generators)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, cls.__mro__[1])
+
+
+class _Generator(torch._C.Generator, metaclass=_CompatMeta):
+    def __new__(cls, device: Any = "cpu"):
+        return torch._C.Generator(_dev(device, "torch.Generator(device=cuda)"))
+
+
+def _compat_classes() -> dict[str, type]:
+    """torch.cuda.Stream/Event replacements: neuron streams/events that also subclass the originals, so
+    isinstance(s, torch.cuda.Stream) holds whichever name the script kept."""
+    import torch.cuda.streams as cs
+    from torch.neuron import Event, Stream
+
+    class CudaStream(Stream, cs.Stream):
+        def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any):
+            _record("torch.cuda.Stream")
+            return Stream.__new__(cls, _dev(device, "torch.cuda.Stream"), priority, **kwargs)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:  # the dummy CUDA base's __init__ raises
+            pass
+
+    class CudaEvent(Event, cs.Event):
+        def __new__(cls, *args: Any, **kwargs: Any):
+            _record("torch.cuda.Event")
+            return object.__new__(cls)
+
+    for orig, new in ((cs.Stream, CudaStream), (cs.Event, CudaEvent)):  # names imported before enable()
+        orig.__new__ = staticmethod(functools.partial(lambda new, cls, *a, **k: new.__new__(new, *a, **k), new))
+    return {"Stream": CudaStream, "Event": CudaEvent}
+
+
+def _cuda_functions() -> dict[str, Callable]:
+    """torch.cuda.<name> -> its torch.neuron counterpart (device arguments mapped, call counted)."""
+    n = torch.neuron
+    same = ("device_count current_device set_device synchronize current_stream default_stream set_stream stream "
+            "device device_of StreamContext memory_allocated memory_reserved max_memory_allocated "
+            "max_memory_reserved reset_peak_memory_stats reset_max_memory_allocated reset_accumulated_memory_stats "
+            "memory_stats memory_summary empty_cache mem_get_info manual_seed manual_seed_all seed seed_all "
+            "initial_seed get_rng_state get_rng_state_all set_rng_state set_rng_state_all get_device_name "
+            "get_device_properties get_device_capability is_initialized init").split()
+    table: dict[str, Callable] = {name: getattr(n, name) for name in same}
+    table |= {"is_available": lambda: n.device_count() > 0, "is_bf16_supported": lambda *a, **k: True,
+              "memory_cached": n.memory_reserved, "max_memory_cached": n.max_memory_reserved,
+              "reset_max_memory_cached": n.reset_peak_memory_stats}
+    out = {}
+    for name, target in table.items():
+        if isinstance(target, type):  # context managers (device, device_of, StreamContext): counted, not wrapped
+            out[name] = target
+            continue
+
+        def fn(*args, _name=name, _target=target, **kwargs):
+            api = f"torch.cuda.{_name}"
+            _record(api, direct=True)
+            return _target(*(_map_value(a, api) for a in args), **{k: _map_value(v, api) for k, v in kwargs.items()})
+        out[name] = functools.update_wrapper(fn, target) if callable(target) and hasattr(target, "__name__") else fn
+    return out
+
+
+def _patches() -> list[tuple[Any, str, Callable[[Any], Any]]]:
+    """(owner, attribute, make replacement from the original). The redirect list as data."""
+    import torch.distributed as dist
+    import torch.serialization as ser
+    import torch.utils.data
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mod, stor = torch.nn.Module, torch.storage
+    rows: list[tuple[Any, str, Callable[[Any], Any]]] = [
+        (torch.amp.autocast_mode.autocast, "__init__", _autocast_init),  # torch.autocast, amp.autocast, cuda.amp
+        (torch.amp.GradScaler, "__init__", _scaler_init),  # also torch.cuda.amp.GradScaler (a subclass)
+        (torch, "Generator", lambda _: _Generator),
+        (torch.utils.data.DataLoader, "__init__", _loader_init),
+        (torch._TorchCompileInductorWrapper, "__init__", _compile_mode),
+        (torch._TorchCompileWrapper, "__init__", _compile_mode),
+        (torch.profiler.profiler._KinetoProfile, "__init__", _profiler_init),
+        (ser, "default_restore_location", _restore_location),  # every map_location form ends here
+        (torch.UntypedStorage, "cuda", lambda f: _quietly("Storage.cuda", lambda s, *a, **k: s.neuron(*a, **k))),
+        (stor.TypedStorage, "cuda", lambda f: _quietly("Storage.cuda", lambda s, *a, **k: s.neuron(*a, **k))),
+        (stor.TypedStorage, "is_cuda", lambda f: property(lambda s: s.device.type in ("cuda", "neuron"))),
+        (mod, "cuda", lambda f: _quietly("Module.cuda", lambda m, device=None: m.neuron(device))),
+        (mod, "to", lambda f: functools.wraps(f)(
+            lambda m, *a, **k: (_quietly("Module.to(cuda)", f) if _mentions_cuda(a, k) else f)(m, *a, **k))),
+        (DDP, "__init__", lambda f: _map_args(f, "DistributedDataParallel(device_ids=cuda)",
+                                               ("device_ids", "output_device"))),
+        (dist.Backend, "__new__", _backend_new),
+        (dist, "is_nccl_available", lambda f: lambda: True),
+    ]
+    if dist.is_available():
+        import torch.distributed.device_mesh as dm
+        c10d = dist.distributed_c10d
+        rows += [(dm.DeviceMesh, "__init__", lambda f: _map_args(f, "DeviceMesh(cuda)", ("device_type",))),
+                 (dm, "init_device_mesh", lambda f: _map_args(f, "init_device_mesh(cuda)", ("device_type",))),
+                 (dist, "init_device_mesh", lambda f: getattr(dm, "init_device_mesh")),
+                 (c10d, "init_process_group", lambda f: _map_args(f, "init_process_group(device_id=cuda)",
+                                                                  ("device_id",))),
+                 (dist, "init_process_group", lambda f: getattr(c10d, "init_process_group"))]
+    rows += [(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **_compat_classes()}.items()]
+    return rows
+
+
+def _mentions_cuda(args: tuple, kwargs: dict) -> bool:
+    return any(_dev(v, "") is not v for v in (*args, *kwargs.values()) if isinstance(v, (str, torch.device)))
+
+
+def enable() -> None:
+    """Turn compatibility mode on for this process (idempotent; there is no off: patches are process-wide)."""
+    global _enabled
+    if _enabled:
+        return
+    _enabled = True
+    for owner, attr, make in _patches():
+        setattr(owner, attr, make(getattr(owner, attr)))
+    _DeviceMode().__enter__()  # stays on the (thread-local) mode stack for the life of the process
+
+
+def maybe_enable_from_env() -> None:
+    """Autoload hook: TORCHNEURON_CUDA_COMPAT=1 enables the mode; TORCHNEURON_PORTING_REPORT=path.json|path.md|-
+    writes the porting report at exit."""
+    if os.environ.get("TORCHNEURON_CUDA_COMPAT", "").lower() not in ("1", "true", "yes", "on"):
+        return
+    enable()
+    dest = os.environ.get("TORCHNEURON_PORTING_REPORT")
+    if dest:
+        from . import report
+        atexit.register(report.write, dest)

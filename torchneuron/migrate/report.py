@@ -1,0 +1,82 @@
+"""The porting report of a run under CUDA compatibility mode: what was redirected (by API, with call sites),
+what ran on `neuron` and what fell back to the host, dtype-policy events, and graph breaks and recompiles.
+Text by default; `write(path)` picks JSON or Markdown by the suffix ("-" prints text)."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+
+import torchneuron
+
+from . import compat
+
+
+def collect() -> dict[str, Any]:
+    """The report as data."""
+    graphs = torch.neuron.get_dynamo_metrics()
+    return {
+        "compat_enabled": compat.is_enabled(),
+        "redirects": compat.redirects(),
+        "executed_ops": torchneuron.get_executed_ops(),
+        "fallback_ops": torchneuron.get_fallback_ops(),
+        "dtype_events": torchneuron.get_dtype_events(),
+        "memory": {f"neuron:{i}": {"max_allocated": torch.neuron.max_memory_allocated(i),
+                                   "max_reserved": torch.neuron.max_memory_reserved(i)}
+                   for i in range(torch.neuron.device_count())},
+        "compiled_graphs": [{k: g.get(k) for k in ("name", "nodes", "recompiles", "graph_break", "fallback", "error")}
+                            for g in graphs],
+    }
+
+
+def _top(d: dict[str, int], n: int = 10) -> str:
+    items = sorted(d.items(), key=lambda kv: -kv[1])
+    more = f", ... {len(items) - n} more" if len(items) > n else ""
+    return ", ".join(f"{k} x{v}" for k, v in items[:n]) + more
+
+
+def _sections(r: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(title, lines) shared by the text and Markdown renderings."""
+    red = [f"{api}: {sum(sites.values())}  " + ", ".join(f"{site} x{n}" for site, n in sites.items())
+           for api, sites in r["redirects"].items()] or ["none"]
+    ops = [f"executed on neuron: {sum(r['executed_ops'].values())} calls of {len(r['executed_ops'])} ops"
+           + (f" ({_top(r['executed_ops'])})" if r["executed_ops"] else ""),
+           f"host fallbacks: {sum(r['fallback_ops'].values())}"
+           + (f" ({_top(r['fallback_ops'])})" if r["fallback_ops"] else "")]
+    mem = [f"{d}: peak {m['max_allocated'] / 2**20:.2f} MiB allocated" for d, m in r["memory"].items()
+           if m["max_allocated"]] or ["no device memory used"]
+    graphs = [f"{g['name']}: {g['nodes']} nodes, {g['recompiles']} recompiles"
+              + (f", graph break: {g['graph_break']}" if g["graph_break"] else "")
+              + (f", fallback: {g['fallback']}" if g["fallback"] else "") for g in r["compiled_graphs"]] or ["none"]
+    return [(f"CUDA calls redirected ({sum(sum(s.values()) for s in r['redirects'].values())})", red),
+            ("Ops", ops), ("Dtype-policy events", [_top(r["dtype_events"]) or "none"]), ("Memory", mem),
+            ("Compiled graphs", graphs)]
+
+
+def render_text(r: dict[str, Any]) -> str:
+    lines = ["torchneuron porting report" + ("" if r["compat_enabled"] else " (compatibility mode was off)")]
+    for title, body in _sections(r):
+        lines += [f"  {title}", *(f"    {b}" for b in body)]
+    return "\n".join(lines) + "\n"
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    out = ["# torchneuron porting report", ""]
+    for title, body in _sections(r):
+        out += [f"## {title}", "", *(f"- {b}" for b in body), ""]
+    return "\n".join(out)
+
+
+def write(dest: str, r: dict[str, Any] | None = None) -> None:
+    """Write the report to `dest`: *.json, *.md, any other path as text, "-" to stdout."""
+    r = collect() if r is None else r
+    if dest == "-":
+        sys.stdout.write(render_text(r))
+        sys.stdout.flush()
+        return
+    body = (json.dumps(r, indent=1) if dest.endswith(".json") else
+            render_markdown(r) if dest.endswith(".md") else render_text(r))
+    with open(dest, "w") as f:
+        f.write(body)
