@@ -134,8 +134,6 @@ def run(quick: bool = False) -> list[dict]:
 def _main() -> None:
     import torch.distributed as dist
 
-    import torchneuron.distributed  # noqa: F401  (registers the backend until autoload does)
-
     kind, args, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
     dist.init_process_group("neuron")
     rows = {"allreduce": _allreduce_worker, "ddp": _ddp_worker}[kind](**args)

@@ -110,8 +110,6 @@ def init(timeout: float = 60, **kwargs: Any) -> tuple[int, int]:
     """init_process_group(backend="neuron") from torchrun's variables; returns (rank, world size)."""
     import torch.distributed as dist
 
-    import torchneuron.distributed  # noqa: F401  (registers the backend; autoload will do it once wired)
-
     kwargs.setdefault("backend", "neuron")
     dist.init_process_group(timeout=datetime.timedelta(seconds=timeout), **kwargs)
     return dist.get_rank(), dist.get_world_size()
