@@ -2,8 +2,9 @@
 tensors, and a small-GPT DDP training step with 1 and 2 processes, neuron against CPU.
 
 `run(quick)` launches the worker processes itself (this file, run as a script with torchrun's variables) and
-returns rows {name, neuron, cpu, ratio, unit, threads}. Bandwidth rows are GB/s (ratio = neuron / cpu, higher
-is better); step rows are milliseconds (ratio = neuron / cpu, lower is better). Each rank uses one thread.
+returns rows {name, neuron, cpu, ratio, unit, threads}: medians over rounds that time neuron and CPU in turn,
+and the median of the per-round ratios. Bandwidth rows are GB/s (ratio = neuron / cpu, higher is better);
+step rows are milliseconds (ratio = neuron / cpu, lower is better). Each rank uses one thread.
 Rows named *_unchecked run without the per-collective agreement check (TORCHNEURON_DIST_CHECKS=0).
 """
 from __future__ import annotations
@@ -11,44 +12,65 @@ from __future__ import annotations
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 MIB = 1 << 20
 
 
-def _allreduce_worker(sizes_mib: list[int], rounds: int, unchecked: bool) -> list[dict]:
+def _paired(runs: dict[str, Callable[[], None]], rounds: int, group_of: dict[str, Any]) -> dict[str, float]:
+    """Median time of each run, timed once per round in turn (after a barrier, so that every rank starts
+    together), plus "ratio:<kind>": the median over rounds of cpu's time / kind's time. Pairing runs within a
+    round makes the ratio robust to the load of a shared machine; round 0 warms up and is dropped."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for r in range(rounds + 1):
+        for kind, run in runs.items():
+            dist.barrier(group_of[kind])
+            t0 = time.perf_counter()
+            run()
+            if r:
+                times[kind].append(time.perf_counter() - t0)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    out.update({f"ratio:{k}": statistics.median(c / t for c, t in zip(times["cpu"], v)) for k, v in times.items()})
+    return out
+
+
+def _allreduce_worker(sizes_mib: list[int], max_rounds: int, unchecked: bool) -> list[dict]:
     """Bus bandwidth of all_reduce on float32 tensors; `unchecked` adds rows without the agreement check."""
     import torch
     import torch.distributed as dist
 
     n, rank = dist.get_world_size(), dist.get_rank()
-    kinds = {"neuron": dist.group.WORLD, "cpu": dist.new_group(backend="gloo")}
-    kinds.update({"unchecked": dist.group.WORLD} if unchecked else {})
+    groups = {"neuron": dist.group.WORLD, "cpu": dist.new_group(backend="gloo")}
+    groups.update({"unchecked": dist.group.WORLD} if unchecked else {})
     rows = []
     for mib in sizes_mib:
-        devices = {k: torch.device("cpu") if k == "cpu" else torch.device("neuron", rank) for k in kinds}
-        tensors = {k: torch.zeros(mib * MIB // 4, device=devices[k]) for k in kinds}
-        best = {k: float("inf") for k in kinds}
-        for r in range(rounds + 1):  # alternate single runs so that machine noise hits all alike; 0 warms up
-            for kind, group in kinds.items():
+        tensors = {k: torch.zeros(mib * MIB // 4, device="cpu" if k == "cpu" else f"neuron:{rank}") for k in groups}
+
+        def run(kind: str, tensor: torch.Tensor) -> Callable[[], None]:
+            def go() -> None:
                 os.environ["TORCHNEURON_DIST_CHECKS"] = "0" if kind == "unchecked" else "1"
-                dist.barrier(group)
-                t0 = time.perf_counter()
-                dist.all_reduce(tensors[kind], group=group)
-                best[kind] = min(best[kind], time.perf_counter() - t0) if r else best[kind]
-        busbw = {k: mib * MIB * 2 * (n - 1) / n / t / 1e9 for k, t in best.items()}
+                dist.all_reduce(tensor, group=groups[kind])
+            return go
+        t = _paired({k: run(k, tensors[k]) for k in groups}, max(12, min(max_rounds, 2048 // mib)), groups)
+        busbw = {k: mib * MIB * 2 * (n - 1) / n / t[k] / 1e9 for k in groups}
         rows += [{"name": f"all_reduce_busbw_{mib}MiB_{n}proc" + ("_unchecked" if k == "unchecked" else ""),
-                  "neuron": busbw[k], "cpu": busbw["cpu"], "ratio": busbw[k] / busbw["cpu"], "unit": "GB/s"}
-                 for k in kinds if k != "cpu"]
+                  "neuron": busbw[k], "cpu": busbw["cpu"], "ratio": t[f"ratio:{k}"], "unit": "GB/s"}
+                 for k in groups if k != "cpu"]
     return rows
 
 
 def _gpt(device: str):
     """A small GPT from torch's own layers (2 pre-norm causal blocks, d=64)."""
+    import torch
     import torch.nn as nn
 
     class GPT(nn.Module):
@@ -62,44 +84,32 @@ def _gpt(device: str):
             mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
             return self.head(self.blocks(self.tok(x), mask=mask, is_causal=True))
 
-    import torch
-
     torch.manual_seed(0)
     return GPT().to(device)
 
 
-def _step_ms(model, x, group, steps: int, rounds: int) -> float:
-    """Best time of an AdamW training step (loss read back each step) over `rounds` timed runs of `steps`."""
+def _ddp_worker(rounds: int) -> list[dict]:
+    """A DDP training step (AdamW, 8 sequences of 64 tokens per rank), neuron and CPU in alternation."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    best = float("inf")
-    for r in range(rounds + 1):  # run 0 warms up
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            F.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten()).backward()
-            opt.step()
-            opt.zero_grad()
-        best = min(best, (time.perf_counter() - t0) / steps * 1e3) if r else best
-    return best
-
-
-def _ddp_worker(steps: int, rounds: int) -> list[dict]:
-    import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     n, rank = dist.get_world_size(), dist.get_rank()
-    ms = {}
-    for kind, group, device in (("neuron", dist.group.WORLD, f"neuron:{rank}"),
-                                ("cpu", dist.new_group(backend="gloo"), "cpu")):
-        x = torch.randint(128, (8, 64), device=device)  # 8 sequences of 64 tokens per rank
-        ms[kind] = _step_ms(DDP(_gpt(device), process_group=group), x, group, steps, rounds)
-    return [{"name": f"ddp_gpt_step_{n}proc", "neuron": ms["neuron"], "cpu": ms["cpu"],
-             "ratio": ms["neuron"] / ms["cpu"], "unit": "ms"}]
+    groups = {"neuron": dist.group.WORLD, "cpu": dist.new_group(backend="gloo")}
+
+    def step(device: str) -> Callable[[], None]:
+        model = DDP(_gpt(device), process_group=groups["cpu" if device == "cpu" else "neuron"])
+        opt, x = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.randint(128, (8, 64), device=device)
+
+        def go() -> None:
+            F.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        return go
+    t = _paired({"neuron": step(f"neuron:{rank}"), "cpu": step("cpu")}, rounds, groups)
+    return [{"name": f"ddp_gpt_step_{n}proc", "neuron": t["neuron"] * 1e3, "cpu": t["cpu"] * 1e3,
+             "ratio": 1 / t["ratio:neuron"], "unit": "ms"}]
 
 
 def _launch(nprocs: int, kind: str, args: dict, timeout: float = 900) -> list[dict]:
@@ -125,9 +135,9 @@ def _launch(nprocs: int, kind: str, args: dict, timeout: float = 900) -> list[di
 
 def run(quick: bool = False) -> list[dict]:
     sizes = [1, 16, 64] if quick else [1, 4, 16, 64, 256]
-    rows = _launch(2, "allreduce", {"sizes_mib": sizes, "rounds": 8 if quick else 20, "unchecked": not quick})
+    rows = _launch(2, "allreduce", {"sizes_mib": sizes, "max_rounds": 16 if quick else 64, "unchecked": not quick})
     for nprocs in (1, 2):
-        rows += _launch(nprocs, "ddp", {"steps": 3 if quick else 10, "rounds": 2 if quick else 3})
+        rows += _launch(nprocs, "ddp", {"rounds": 10 if quick else 40})
     return [{**row, "threads": 1} for row in rows]
 
 
