@@ -6,11 +6,8 @@ same numbers.
 """
 from __future__ import annotations
 
-import unittest
-
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
-from torch.testing._internal.opinfo.core import DecorateInfo
 
 
 def op_id(op) -> str:
@@ -18,16 +15,6 @@ def op_id(op) -> str:
 
 
 OPS = {op_id(op): op for op in op_db}
-
-
-def pytorch_skips_compare_cpu(op) -> bool:
-    """OpInfo entries that PyTorch itself excludes from test_compare_cpu (e.g. ops returning uninitialised memory)."""
-    for d in op.decorators:
-        if isinstance(d, DecorateInfo) and d.cls_name in (None, "TestCommon") and d.test_name == "test_compare_cpu":
-            if any(getattr(x, "__name__", "") in ("skip", "decorator") or x is unittest.expectedFailure
-                   for x in d.decorators):
-                return True
-    return False
 
 
 def to_cpu(x):
