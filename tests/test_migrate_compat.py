@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
+import torch
 from conftest import run_py
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "cuda_scripts"
@@ -74,8 +74,8 @@ def test_script_runs_unmodified_under_torchneuron_run(tmp_path):
 
 
 def test_ddp_under_torchrun_with_nccl(tmp_path):
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2", "--master-port=0", "-m",
-           "torchneuron.cli", "run", str(SCRIPTS / "ddp_train.py")]
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+           "-m", "torchneuron.cli", "run", str(SCRIPTS / "ddp_train.py")]
     out = last_json(run_script(cmd, _env(OMP_NUM_THREADS="1"), tmp_path).stdout)
     assert out["backend"] == "neuron" and out["device"] == "neuron:0"
     assert out["losses"] == pytest.approx(common.reference(batch=8, n=8 * common.STEPS), rel=1e-5, abs=1e-5)
@@ -117,10 +117,74 @@ def test_redirect_depth_isinstance_and_compile():
             torch.ones(2, device="cuda").sum()
         r = compat.redirects()
         for api in ("torch.cuda.Stream", "torch.cuda.Event", "torch.Generator(device=cuda)",
-                    "torch.cuda.amp.GradScaler", "torch.amp.GradScaler(cuda)", "torch.autocast(cuda)",
+                    "torch.cuda.amp.GradScaler", "torch.amp.GradScaler(cuda)", "torch.amp.autocast(cuda)",
                     "torch.load(cuda location)", "Storage.cuda", "Module.to(cuda)", "Module.cuda", "Tensor.is_cuda",
                     "torch.compile(mode='reduce-overhead')", "torch.profiler.ProfilerActivity.CUDA",
                     "torch.distributed backend 'nccl'", "torch.zeros(device=cuda)"):
             assert api in r, (api, sorted(r))
         assert all(site.startswith("<string>:") for site in r["torch.cuda.amp.GradScaler"]), r
     """, env={"PYTHONWARNINGS": "ignore"})
+
+
+DRIVER = """
+import contextlib, io, json, runpy, sys
+tmp, names = sys.argv[1], sys.argv[2:]
+for name in names:  # one interpreter for all scripts: each import of torch costs seconds on the test machines
+    sys.argv, out = [name, tmp], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(name, run_name="__main__")
+        print(out.getvalue().splitlines()[-1])
+    except Exception as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+"""
+# Cases `fix` gets wrong (repro in .notes/requests.md); xfailed while they fail, so they pass once fixed.
+FIX_KNOWN = {
+    ("checkpoint", "neuron"): "fix rewrites `storage.cuda()` to `storage.to(device)`; UntypedStorage.to takes "
+                              "device= only by keyword (TypeError)",
+    ("checkpoint", "cpu"): "same as on neuron",
+    ("bench", "cpu"): "fix rewrites `torch.cuda.Event(enable_timing=True)` to `torch.Event(...)`, which raises on a "
+                      "CPU-only host (\"cpu backend doesn't support events\")",
+}
+
+
+@pytest.fixture(scope="module")
+def fixed_scripts(tmp_path_factory) -> Path:
+    """The fixture scripts after `torchneuron fix --write`."""
+    d = tmp_path_factory.mktemp("fixed")
+    for f in SCRIPTS.glob("*.py"):
+        (d / f.name).write_text(f.read_text())
+    run_script([sys.executable, "-m", "torchneuron.cli", "fix", "--write", str(d)], _env(), d)
+    return d
+
+
+@pytest.mark.parametrize("target", ["neuron", "cpu"])
+def test_fixed_scripts_run_without_compat(fixed_scripts, target, tmp_path):
+    """After `fix`, the scripts run on neuron with no compat mode, and on CPU with plain torch (no autoload)."""
+    env = _env(**({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"} if target == "cpu" else {}))
+    names = sorted(REFERENCES)
+    p = run_script([sys.executable, "-c", DRIVER, str(tmp_path), *(str(fixed_scripts / f"{n}.py") for n in names)],
+                   env, fixed_scripts)
+    known = []
+    for name, line in zip(names, p.stdout.splitlines()[-len(names):]):
+        out = json.loads(line)
+        if "error" in out and (name, target) in FIX_KNOWN:
+            known.append(f"{name}: {FIX_KNOWN[name, target]}")
+            continue
+        assert out.get("device", "").startswith(target), (name, out)
+        if name == "amp_train":  # the fixed script autocasts in the device's default dtype (bf16), not CUDA's fp16
+            dtype = getattr(torch, out["amp_dtype"].removeprefix("torch."))
+            ref, tol = common.reference(amp=True, amp_dtype=dtype), 2e-2
+        else:
+            ref, tol = REFERENCES[name][0](), REFERENCES[name][1]
+        assert out["losses"] == pytest.approx(ref, rel=tol, abs=tol), name
+    if known:
+        pytest.xfail("; ".join(known))
+
+
+def test_fixed_ddp_runs_on_neuron_without_compat(fixed_scripts, tmp_path):
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+           str(fixed_scripts / "ddp_train.py")]
+    out = last_json(run_script(cmd, _env(OMP_NUM_THREADS="1"), fixed_scripts).stdout)
+    assert out["backend"] == "neuron" and out["device"] == "neuron:0"
+    assert out["losses"] == pytest.approx(common.reference(batch=8, n=8 * common.STEPS), rel=1e-5, abs=1e-5)

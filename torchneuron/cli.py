@@ -36,7 +36,7 @@ def _fix(a: argparse.Namespace) -> int:
 
 
 def _run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--report", metavar="OUT", help="save the porting report (.json, .md, else text) instead of printing")
+    p.add_argument("--report", metavar="OUT", help="save the porting report (.json, .md, else text)")
     p.add_argument("script", help="a CUDA Python script, run unmodified on neuron")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
 

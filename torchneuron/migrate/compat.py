@@ -40,7 +40,7 @@ _enabled = False
 def _site() -> str:
     """file:line of the innermost frame outside torch, torchneuron and the standard library."""
     f = sys._getframe(2)
-    while f is not None and (f.f_code.co_filename.startswith(_INTERNAL) or f.f_code.co_filename.startswith("<")):
+    while f is not None and (f.f_code.co_filename.startswith(_INTERNAL) or f.f_code.co_filename.startswith("<frozen")):
         f = f.f_back
     return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "<unknown>"
 
@@ -71,15 +71,17 @@ def is_enabled() -> bool:
     return _enabled
 
 
+def _is_cuda(d: Any) -> bool:
+    return (isinstance(d, str) and (d == "cuda" or d.startswith("cuda:"))) or (
+        isinstance(d, torch.device) and d.type == "cuda")
+
+
 def _dev(d: Any, api: str | Callable[[], str]) -> Any:
     """A device-like value with "cuda" mapped to "neuron" (str, torch.device; ints are already the accelerator)."""
-    if isinstance(d, str) and (d == "cuda" or d.startswith("cuda:")):
-        _record(api)
-        return "neuron" + d[4:]
-    if isinstance(d, torch.device) and d.type == "cuda":
-        _record(api)
-        return torch.device("neuron", d.index)
-    return d
+    if not _is_cuda(d):
+        return d
+    _record(api)
+    return "neuron" + d[4:] if isinstance(d, str) else torch.device("neuron", d.index)
 
 
 _IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]
@@ -316,16 +318,16 @@ def _patches() -> list[tuple[Any, str, Callable[[Any], Any]]]:
         c10d = dist.distributed_c10d
         rows += [(dm.DeviceMesh, "__init__", lambda f: _map_args(f, "DeviceMesh(cuda)", ("device_type",))),
                  (dm, "init_device_mesh", lambda f: _map_args(f, "init_device_mesh(cuda)", ("device_type",))),
-                 (dist, "init_device_mesh", lambda f: getattr(dm, "init_device_mesh")),
+                 (dist, "init_device_mesh", lambda f: dm.init_device_mesh),
                  (c10d, "init_process_group", lambda f: _map_args(f, "init_process_group(device_id=cuda)",
                                                                   ("device_id",))),
-                 (dist, "init_process_group", lambda f: getattr(c10d, "init_process_group"))]
+                 (dist, "init_process_group", lambda f: c10d.init_process_group)]
     rows += [(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **_compat_classes()}.items()]
     return rows
 
 
 def _mentions_cuda(args: tuple, kwargs: dict) -> bool:
-    return any(_dev(v, "") is not v for v in (*args, *kwargs.values()) if isinstance(v, (str, torch.device)))
+    return any(_is_cuda(v) for v in (*args, *kwargs.values()))
 
 
 def enable() -> None:
