@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import pytest
 import torch
 import torch._dynamo
-
-from opinfo_harness import OPS, op_id, pytorch_skips_compare_cpu, run_seeded, to_cpu, to_cpu_tree
+from opinfo_harness import OPS, pytorch_skips_compare_cpu
 
 DTYPE = torch.float32
 SAMPLES = 2
@@ -27,6 +27,23 @@ TARGET = 0.98
 EXCLUDED = {name for name, op in OPS.items() if pytorch_skips_compare_cpu(op)}
 # Known failures, each with its reason (the closing note lists them).
 KNOWN: dict[str, str] = {}
+
+
+def run_seeded(fn, seed: int = 1234):
+    torch.manual_seed(seed)  # seeds the CPU and every neuron generator alike
+    return fn()
+
+
+def to_cpu(x):
+    if isinstance(x, torch.Tensor) and x.device.type == "neuron":
+        return x.detach().cpu()
+    if isinstance(x, torch.device) and x.type == "neuron" or isinstance(x, str) and x.startswith("neuron"):
+        return torch.device("cpu") if isinstance(x, torch.device) else "cpu"
+    return x
+
+
+def to_cpu_tree(x):
+    return torch.utils._pytree.tree_map(to_cpu, x)
 
 
 def _ops() -> list[str]:
@@ -49,14 +66,36 @@ def _samples(op) -> list:
     return out
 
 
-def _compiled_run(cases: list) -> list:
-    """Run [(op, sample), ...] inside one compiled function; returns the outputs."""
+SOURCE = "<opinfo-batch>"
+_IN_GRAPH: set[int] = set()  # source lines of the batch function that Dynamo put into a compiled graph
+
+
+def _recording_backend(gm, example_inputs, **kwargs):
+    from torchneuron.compiler.backend import neuron_backend
+
+    for n in gm.graph.nodes:
+        _IN_GRAPH.update(int(x) for x in re.findall(rf'"{SOURCE}", line (\d+)', n.meta.get("stack_trace") or ""))
+    return neuron_backend(gm, example_inputs, **kwargs)
+
+
+def _batch_fn(n: int):
+    """n cases as straight-line code, one statement (line i + 2) per case: a graph break in one case ends
+    that graph, and Dynamo compiles the following statements as a new graph."""
+    src = ["def batch(c):"] + [f"    r{i} = c[{i}][4](c[{i}][0](c[{i}][1], *c[{i}][2], **c[{i}][3]))"
+                               for i in range(n)] + [f"    return [{', '.join(f'r{i}' for i in range(n))}]"]
+    ns: dict = {}
+    exec(compile("\n".join(src), SOURCE, "exec"), ns)
+    return ns["batch"]
+
+
+def _compiled_run(cases: list) -> tuple[list, list[bool]]:
+    """Run [(op, sample), ...] in one compiled function: (outputs, whether each case ran in a compiled graph)."""
     torch._dynamo.reset()
-
-    def batch():
-        return [s.output_process_fn_grad(op(s.input, *s.args, **s.kwargs)) for op, s in cases]
-
-    return run_seeded(torch.compile(batch, backend="neuron"))
+    _IN_GRAPH.clear()
+    args = [(op, s.input, s.args, s.kwargs, s.output_process_fn_grad) for op, s in cases]
+    fn = torch.compile(_batch_fn(len(cases)), backend=_recording_backend)
+    outs = run_seeded(lambda: fn(args))
+    return outs, [i + 2 in _IN_GRAPH for i in range(len(cases))]
 
 
 def _check(op, sample, out) -> None:
@@ -73,43 +112,62 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def _run_alone(name: str) -> str | None:
+COMPILED, EAGER = "compiled", "eager"  # passing outcomes: in a neuron graph, or left to eager by Dynamo
+
+
+def _outcome(cases: list, outs: list, in_graph: list[bool], names: list[str], results: dict) -> None:
+    for (op, s), out, compiled, n in zip(cases, outs, in_graph, names):
+        try:
+            _check(op, s, out)
+        except AssertionError as e:
+            results[n] = _first_line(e)
+            continue
+        if results.get(n) in (None, EAGER):
+            results[n] = COMPILED if compiled else results.get(n, EAGER)
+
+
+def _run_alone(name: str, results: dict) -> None:
     op = OPS[name]
     try:
         cases = [(op, s) for s in _samples(op)]
-        outs = _compiled_run(cases)
-        for (o, s), out in zip(cases, outs):
-            _check(o, s, out)
+        outs, in_graph = _compiled_run(cases)
     except Exception as e:  # noqa: BLE001 - the sweep records every failure with its first line
-        return _first_line(e)
-    return None
+        results[name] = _first_line(e)
+        return
+    _outcome(cases, outs, in_graph, [name] * len(cases), results)
 
 
 @functools.cache
-def sweep() -> dict[str, str | None]:
-    """op name -> None (pass) or the failure."""
+def sweep() -> dict[str, str]:
+    """op name -> COMPILED or EAGER (both pass: results equal CPU) or the failure."""
     names = _ops()
     if os.environ.get("TORCHNEURON_OPINFO_LIMIT"):
         names = names[:int(os.environ["TORCHNEURON_OPINFO_LIMIT"])]
-    results: dict[str, str | None] = {}
+    results: dict[str, str] = {}
     alone = [n for n in names if _random(OPS[n])]
     batched = [n for n in names if n not in alone]
     for i in range(0, len(batched), BATCH):
         chunk = batched[i:i + BATCH]
         try:
             cases = [(OPS[n], s, n) for n in chunk for s in _samples(OPS[n])]
-            outs = _compiled_run([(op, s) for op, s, _ in cases])
-            for (op, s, n), out in zip(cases, outs):
-                try:
-                    _check(op, s, out)
-                    results.setdefault(n, None)
-                except AssertionError as e:
-                    results[n] = _first_line(e)
-        except Exception:  # noqa: BLE001 - find the op(s) responsible
+            outs, in_graph = _compiled_run([(op, s) for op, s, _ in cases])
+        except Exception:  # noqa: BLE001 - rerun op by op to find the op(s) responsible
             alone.extend(chunk)
+            continue
+        _outcome([(op, s) for op, s, _ in cases], outs, in_graph, [n for *_, n in cases], results)
     for n in alone:
-        results[n] = _run_alone(n)
+        _run_alone(n, results)
     return results
+
+
+def summary(results: dict[str, str]) -> tuple[float, dict[str, str], str]:
+    failed = {n: r for n, r in results.items() if r not in (COMPILED, EAGER)}
+    rate = 1 - len(failed) / len(results)
+    eager = sum(r == EAGER for r in results.values())
+    text = (f"OpInfo through torch.compile(backend='neuron'), float32 forward, first {SAMPLES} samples per op: "
+            f"{len(results) - len(failed)}/{len(results)} ops pass ({rate:.1%}; {eager} of them ran eagerly "
+            f"because Dynamo breaks the graph on them); {len(EXCLUDED)} excluded")
+    return rate, failed, text
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +182,11 @@ def results():
 
 @pytest.mark.slow
 def test_pass_rate(results):
-    failed = {n: r for n, r in results.items() if r is not None}
-    unexpected = {n: r for n, r in failed.items() if n not in KNOWN}
-    rate = 1 - len(failed) / len(results)
-    print(f"\nOpInfo through torch.compile(backend='neuron'), float32 forward, first {SAMPLES} samples: "
-          f"{len(results) - len(failed)}/{len(results)} ops pass ({rate:.1%}); {len(EXCLUDED)} excluded")
+    rate, failed, text = summary(results)
+    print("\n" + text)
     for n, r in sorted(failed.items()):
         print(f"  {n}: {KNOWN.get(n, 'UNEXPECTED')} | {r}")
+    unexpected = {n: r for n, r in failed.items() if n not in KNOWN}
     assert not unexpected, f"unexpected failures: {unexpected}"
     assert rate >= TARGET
 
@@ -138,7 +194,6 @@ def test_pass_rate(results):
 if __name__ == "__main__":
     torch._dynamo.config.recompile_limit = 10**6
     res = sweep()
-    bad = {n: r for n, r in res.items() if r is not None}
-    print(f"{len(res) - len(bad)}/{len(res)} pass")
-    for n, r in sorted(bad.items()):
+    print(summary(res)[2])
+    for n, r in sorted(res.items()):
         print(f"{n}\t{r}")

@@ -134,6 +134,7 @@ class _Specializing:
 
 
 def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str) -> Any:
+    from torch._dynamo.exc import SkipFrame, TensorifyScalarRestartAnalysis, exceptions_allowed_to_be_fallback
     from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
@@ -154,6 +155,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str)
         with functorch_config.patch(force_non_lazy_backward_lowering=True, enable_autograd_cache=False):
             compiled = compile_fx(gm, example_inputs, decompositions=decompositions(),
                                   inner_compile=functools.partial(_compile_graph, session))
+    except (*exceptions_allowed_to_be_fallback, TensorifyScalarRestartAnalysis, SkipFrame):
+        raise  # Dynamo's own signals (e.g. a data-dependent op): it breaks the graph there and retries
     except Exception as e:  # every failure is reported, then raised or run eagerly
         msg = _failure_message(session, e)
         session.write("error.txt", msg)

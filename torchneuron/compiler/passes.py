@@ -47,15 +47,17 @@ EXTRA_ENGINES = {**dict.fromkeys(("empty", "empty_strided", "empty_like", "full"
 
 
 def decompositions() -> dict:
-    """What AOTAutograd decomposes: Inductor's table (what its host code generator lowers best) plus PyTorch's
-    core decompositions of every op the device does not run natively; random primitives stay whole (see
-    lift_rng)."""
+    """What AOTAutograd decomposes: Inductor's table (down to the ops its host code generator lowers), plus
+    PyTorch's core decomposition of any op the device does not run natively and Inductor would only call as
+    an ATen kernel. Composite ops keep their own decomposition; random primitives stay whole (see lift_rng)."""
     from torch._decomp import core_aten_decompositions
     from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.lowering import fallbacks, lowerings
 
     table = dict(select_decomp_table())
     for op, fn in core_aten_decompositions().items():
-        if op not in table and not is_native(op):
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+        if op not in table and not is_native(op) and not composite and (op not in lowerings or op in fallbacks):
             table[op] = fn
     return {op: fn for op, fn in table.items() if base_name(op.name()) not in RANDOM_PRIMITIVES}
 
