@@ -115,12 +115,26 @@ def test_redirect_depth_isinstance_and_compile():
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             torch.ones(2, device="cuda").sum()
+        torch.cuda.manual_seed(3); state = torch.cuda.get_rng_state()
+        assert torch.equal(state, torch.neuron.get_rng_state())
+        loader = torch.utils.data.DataLoader([torch.ones(2)], pin_memory=True, pin_memory_device="cuda")
+        assert next(iter(loader)).is_pinned()
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
+        assert dist.get_backend() == "neuron" and init_device_mesh("cuda", (1,)).device_type == "neuron"
+        DDP = torch.nn.parallel.DistributedDataParallel
+        ddp = DDP(torch.nn.Linear(2, 2).cuda(), device_ids=[torch.device("cuda", 0)])
+        ddp(torch.ones(1, 2, device="cuda")).sum().backward()
+        dist.destroy_process_group()
         r = compat.redirects()
         for api in ("torch.cuda.Stream", "torch.cuda.Event", "torch.Generator(device=cuda)",
                     "torch.cuda.amp.GradScaler", "torch.amp.GradScaler(cuda)", "torch.amp.autocast(cuda)",
                     "torch.load(cuda location)", "Storage.cuda", "Module.to(cuda)", "Module.cuda", "Tensor.is_cuda",
                     "torch.compile(mode='reduce-overhead')", "torch.profiler.ProfilerActivity.CUDA",
-                    "torch.distributed backend 'nccl'", "torch.zeros(device=cuda)"):
+                    "torch.distributed backend 'nccl'", "torch.zeros(device=cuda)", "torch.cuda.get_rng_state",
+                    "DataLoader(pin_memory_device=cuda)", "init_device_mesh(cuda)",
+                    "DistributedDataParallel(device_ids=cuda)"):
             assert api in r, (api, sorted(r))
         assert all(site.startswith("<string>:") for site in r["torch.cuda.amp.GradScaler"]), r
     """, env={"PYTHONWARNINGS": "ignore"})
