@@ -28,12 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import typing_extensions
 from torch.overrides import TorchFunctionMode, resolve_name
 
 _COUNTS: Counter[tuple[str, str]] = Counter()  # (api, "file:line" of the user frame) -> calls
 _QUIET = threading.local()  # inside one counted call (e.g. Module.cuda), its per-tensor redirects are not counted
 _INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["torchneuron"]))
-_INTERNAL += (sysconfig.get_paths()["stdlib"] + os.sep, sys.modules["typing_extensions"].__file__)
+_INTERNAL += (sysconfig.get_paths()["stdlib"] + os.sep, typing_extensions.__file__)  # its @deprecated wrapper
 _enabled = False
 
 
@@ -254,8 +255,15 @@ def _compat_classes() -> dict[str, type]:
             return object.__new__(cls)
 
     for orig, new in ((cs.Stream, CudaStream), (cs.Event, CudaEvent)):  # names imported before enable()
-        orig.__new__ = staticmethod(functools.partial(lambda new, cls, *a, **k: new.__new__(new, *a, **k), new))
+        orig.__new__ = _builds(new)
     return {"Stream": CudaStream, "Event": CudaEvent}
+
+
+def _builds(new: type) -> staticmethod:
+    """A `__new__` for a replaced class: constructing it (under a name kept from before) builds `new` instead."""
+    def __new__(cls, *args: Any, **kwargs: Any):
+        return new.__new__(new, *args, **kwargs)
+    return staticmethod(__new__)
 
 
 def _cuda_functions() -> dict[str, Callable]:
@@ -273,7 +281,7 @@ def _cuda_functions() -> dict[str, Callable]:
               "reset_max_memory_cached": n.reset_peak_memory_stats}
     out = {}
     for name, target in table.items():
-        if isinstance(target, type):  # context managers (device, device_of, StreamContext): counted, not wrapped
+        if isinstance(target, type):  # the context-manager classes (device, device_of, StreamContext): not counted
             out[name] = target
             continue
 
@@ -281,7 +289,8 @@ def _cuda_functions() -> dict[str, Callable]:
             api = f"torch.cuda.{_name}"
             _record(api, direct=True)
             return _target(*(_map_value(a, api) for a in args), **{k: _map_value(v, api) for k, v in kwargs.items()})
-        out[name] = functools.update_wrapper(fn, target) if callable(target) and hasattr(target, "__name__") else fn
+        fn.__name__ = fn.__qualname__ = name
+        out[name] = fn
     return out
 
 
