@@ -54,13 +54,41 @@ def check_losses(name: str, out: dict) -> None:
     assert out["losses"] == pytest.approx(ref(), rel=tol, abs=tol)
 
 
+DRIVER = """
+import contextlib, io, json, os, runpy, sys
+tmp, names = sys.argv[1], sys.argv[2:]
+sys.path.insert(0, os.path.dirname(names[0]))
+for name in names:  # one interpreter for all scripts: each import of torch costs seconds on the test machines
+    sys.argv, out = [name, tmp], io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(name, run_name="__main__")
+        print(out.getvalue().splitlines()[-1])
+    except Exception as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+"""
+
+
+def run_all(env: dict[str, str], cwd: Path, scripts: Path = SCRIPTS) -> dict[str, dict]:
+    """{script name: its last JSON line} for every single-process script, run in one interpreter."""
+    names = sorted(REFERENCES)
+    p = run_script([sys.executable, "-c", DRIVER, str(cwd), *(str(scripts / f"{n}.py") for n in names)], env, cwd)
+    return dict(zip(names, map(json.loads, p.stdout.splitlines()[-len(names):])))
+
+
+@pytest.fixture(scope="module")
+def env_compat(autoload_shim, tmp_path_factory) -> tuple[dict[str, dict], dict]:
+    """The scripts under TORCHNEURON_CUDA_COMPAT=1, and the porting report written at exit."""
+    d = tmp_path_factory.mktemp("compat")
+    env = _env(TORCHNEURON_CUDA_COMPAT="1", PYTHONPATH=autoload_shim, TORCHNEURON_PORTING_REPORT=str(d / "r.json"))
+    return run_all(env, d), json.loads((d / "r.json").read_text())
+
+
 @pytest.mark.parametrize("name", sorted(REFERENCES))
-def test_script_runs_unmodified_under_env_compat(name, autoload_shim, tmp_path):
-    env = _env(TORCHNEURON_CUDA_COMPAT="1", PYTHONPATH=autoload_shim,
-               TORCHNEURON_PORTING_REPORT=str(tmp_path / "report.json"))
-    out = last_json(run_script([sys.executable, str(SCRIPTS / f"{name}.py"), str(tmp_path)], env, tmp_path).stdout)
+def test_script_runs_unmodified_under_env_compat(name, env_compat):
+    outs, report = env_compat
+    out = outs[name]
     check_losses(name, out)
-    report = json.loads((tmp_path / "report.json").read_text())
     assert report["compat_enabled"] and sum(report["executed_ops"].values()) > 0
     assert any(f"{name}.py:" in site for sites in report["redirects"].values() for site in sites)
     if name == "amp_train":  # AMP really ran, in CUDA's fp16, and the scaler was live
@@ -140,18 +168,6 @@ def test_redirect_depth_isinstance_and_compile():
     """, env={"PYTHONWARNINGS": "ignore"})
 
 
-DRIVER = """
-import contextlib, io, json, runpy, sys
-tmp, names = sys.argv[1], sys.argv[2:]
-for name in names:  # one interpreter for all scripts: each import of torch costs seconds on the test machines
-    sys.argv, out = [name, tmp], io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            runpy.run_path(name, run_name="__main__")
-        print(out.getvalue().splitlines()[-1])
-    except Exception as e:
-        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-"""
 # Cases `fix` gets wrong (repro in .notes/requests.md); xfailed while they fail, so they pass once fixed.
 FIX_KNOWN = {
     ("checkpoint", "neuron"): "fix rewrites `storage.cuda()` to `storage.to(device)`; UntypedStorage.to takes "
@@ -176,12 +192,8 @@ def fixed_scripts(tmp_path_factory) -> Path:
 def test_fixed_scripts_run_without_compat(fixed_scripts, target, tmp_path):
     """After `fix`, the scripts run on neuron with no compat mode, and on CPU with plain torch (no autoload)."""
     env = _env(**({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"} if target == "cpu" else {}))
-    names = sorted(REFERENCES)
-    p = run_script([sys.executable, "-c", DRIVER, str(tmp_path), *(str(fixed_scripts / f"{n}.py") for n in names)],
-                   env, fixed_scripts)
     known = []
-    for name, line in zip(names, p.stdout.splitlines()[-len(names):]):
-        out = json.loads(line)
+    for name, out in run_all(env, tmp_path, fixed_scripts).items():
         if "error" in out and (name, target) in FIX_KNOWN:
             known.append(f"{name}: {FIX_KNOWN[name, target]}")
             continue
