@@ -33,6 +33,10 @@ from .compiler import route_default_backend  # noqa: E402
 
 route_default_backend()  # plain torch.compile(model) on neuron tensors reaches the neuron backend
 
+from .migrate.compat import maybe_enable_from_env  # noqa: E402
+
+maybe_enable_from_env()  # TORCHNEURON_CUDA_COMPAT=1: unmodified CUDA code runs on neuron
+
 
 _LAZY = {"estimate": ("torchneuron.costmodel.estimate", "estimate"), "profiler": ("torchneuron.profiler", None)}
 
