@@ -25,5 +25,5 @@ def test_info_follows_the_environment():
 
 def test_console_script_lists_every_command():
     p = subprocess.run([sys.executable, "-m", "torchneuron.cli", "--help"], capture_output=True, text=True)
-    for name in ("check", "fix", "info", "estimate", "profile"):
+    for name in ("check", "fix", "info", "estimate", "profile", "run"):
         assert name in p.stdout
