@@ -25,14 +25,16 @@ MIB = 1 << 20
 
 
 def _paired(runs: dict[str, Callable[[], None]], rounds: int, group_of: dict[str, Any]) -> dict[str, float]:
-    """Median time of each run, timed once per round in turn (after a barrier, so that every rank starts
+    """Median time of each run, timed once per round in rotating order (after a barrier, so that every rank starts
     together), plus "ratio:<kind>": the median over rounds of cpu's time / kind's time. Pairing runs within a
     round makes the ratio robust to the load of a shared machine; round 0 warms up and is dropped."""
     import torch.distributed as dist
 
     times: dict[str, list[float]] = {k: [] for k in runs}
+    kinds = list(runs)
     for r in range(rounds + 1):
-        for kind, run in runs.items():
+        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:  # rotate: no run always goes first
+            run = runs[kind]
             dist.barrier(group_of[kind])
             t0 = time.perf_counter()
             run()
@@ -43,8 +45,9 @@ def _paired(runs: dict[str, Callable[[], None]], rounds: int, group_of: dict[str
     return out
 
 
-def _allreduce_worker(sizes_mib: list[int], max_rounds: int, unchecked: bool) -> list[dict]:
-    """Bus bandwidth of all_reduce on float32 tensors; `unchecked` adds rows without the agreement check."""
+def _allreduce_worker(sizes_mib: list[int], rounds: tuple[int, int], unchecked: bool) -> list[dict]:
+    """Bus bandwidth of all_reduce on float32 tensors, (min, max) `rounds` per size (fewer for larger sizes);
+    `unchecked` adds rows without the agreement check."""
     import torch
     import torch.distributed as dist
 
@@ -60,7 +63,7 @@ def _allreduce_worker(sizes_mib: list[int], max_rounds: int, unchecked: bool) ->
                 os.environ["TORCHNEURON_DIST_CHECKS"] = "0" if kind == "unchecked" else "1"
                 dist.all_reduce(tensor, group=groups[kind])
             return go
-        t = _paired({k: run(k, tensors[k]) for k in groups}, max(12, min(max_rounds, 2048 // mib)), groups)
+        t = _paired({k: run(k, tensors[k]) for k in groups}, max(rounds[0], min(rounds[1], 2048 // mib)), groups)
         busbw = {k: mib * MIB * 2 * (n - 1) / n / t[k] / 1e9 for k in groups}
         rows += [{"name": f"all_reduce_busbw_{mib}MiB_{n}proc" + ("_unchecked" if k == "unchecked" else ""),
                   "neuron": busbw[k], "cpu": busbw["cpu"], "ratio": t[f"ratio:{k}"], "unit": "GB/s"}
@@ -135,7 +138,8 @@ def _launch(nprocs: int, kind: str, args: dict, timeout: float = 900) -> list[di
 
 def run(quick: bool = False) -> list[dict]:
     sizes = [1, 16, 64] if quick else [1, 4, 16, 64, 256]
-    rows = _launch(2, "allreduce", {"sizes_mib": sizes, "max_rounds": 16 if quick else 64, "unchecked": not quick})
+    rows = _launch(2, "allreduce", {"sizes_mib": sizes, "rounds": (8, 16) if quick else (20, 64),
+                                    "unchecked": not quick})
     for nprocs in (1, 2):
         rows += _launch(nprocs, "ddp", {"rounds": 10 if quick else 40})
     return [{**row, "threads": 1} for row in rows]

@@ -53,7 +53,7 @@ def checks_enabled() -> bool:
 
 def _reduction(op: ReduceOp, size: int) -> tuple[ReduceOp, Any, int | None]:
     """gloo has no AVG or PREMUL_SUM: run SUM, scaling the inputs by the factor or dividing the outputs."""
-    kind = op.op if isinstance(op, ReduceOp) else op
+    kind = op.op
     if kind == RedOpType.AVG:
         return ReduceOp.SUM, None, size
     if kind == RedOpType.PREMUL_SUM:
