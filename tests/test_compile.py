@@ -80,6 +80,14 @@ def test_outputs_are_adopted_without_leaks():
     assert view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
     del y, view
     assert torch.neuron.memory_allocated() == base
+    g = torch.compile(lambda x: (lambda y: (y, y[1:], y.t()))((x * 2).view(10, 100)), backend=N)
+    outs = g(x)
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == 1  # one result memory, adopted once
+    assert torch.neuron.memory_allocated() - base == 4000
+    for o, ref in zip(outs, (lambda y: (y, y[1:], y.t()))((x * 2).view(10, 100))):
+        assert torch.equal(o, ref)
+    del outs, o
+    assert torch.neuron.memory_allocated() == base
 
 
 def test_input_mutation_reaches_device_memory():

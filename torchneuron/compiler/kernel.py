@@ -120,27 +120,29 @@ def _to_device(outs: list, devices: list[int | None], owners: dict[int, torch.Te
     (memory that something else still references is copied first)."""
     storages = [o.untyped_storage() if d is not None and isinstance(o, torch.Tensor) else None
                 for o, d in zip(outs, devices)]
+    ptrs = [s.data_ptr() if s is not None else 0 for s in storages]  # read before adopting empties a storage
     sharing: dict[int, int] = {}
-    for s in storages:
+    for s, ptr in zip(storages, ptrs):
         if s is not None:
-            sharing[s.data_ptr()] = sharing.get(s.data_ptr(), 0) + 1
+            sharing[ptr] = sharing.get(ptr, 0) + 1
     res = []
-    for o, d, s in zip(outs, devices, storages):
+    for o, d, s, ptr in zip(outs, devices, storages, ptrs):
         if s is None:
             res.append(o)
             continue
-        ptr = s.data_ptr()
         base = owners.get(ptr)
         if base is None:
             if s.nbytes() == 0:
                 res.append(torch.empty_strided(o.shape, o.stride(), dtype=o.dtype,
                                                device=torch.device("neuron", d)))
                 continue
-            if torch._C._storage_Use_Count(s._cdata) > sharing[ptr] + 1:
-                o = o.clone()  # memory shared with something outside this kernel's results
-            base = owners[ptr] = adopt(o, d)
-            res.append(base)
-            continue
+            if torch._C._storage_Use_Count(s._cdata) <= sharing[ptr] + 1:
+                base = owners[ptr] = adopt(o, d)
+                res.append(base)
+                continue
+            whole = torch.empty(s.nbytes(), dtype=torch.uint8)  # memory something else still references:
+            whole.untyped_storage().copy_(s)  # copy the whole storage once, then adopt the copy
+            base = owners[ptr] = adopt(whole, d)
         res.append(torch.empty(0, dtype=o.dtype, device=base.device).set_(
             base.untyped_storage(), o.storage_offset(), o.shape, o.stride()))
     return res
