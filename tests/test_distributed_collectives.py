@@ -84,6 +84,22 @@ def all_reduce_view(c: Ctx) -> Any:
 
 
 @case
+def temporary_inputs(c: Ctx) -> Any:
+    """Async collectives whose input dies at once: the group must keep its memory until gloo has read it."""
+    outs = []
+    for k in range(3):
+        out, rs = torch.empty(c.n << 18, device=c.dev), torch.empty(1 << 18, device=c.dev)
+        works = [dist.all_gather_into_tensor(out, c.x(1 << 18, k=k) * 1, group=c.g, async_op=True),
+                 dist.reduce_scatter_tensor(rs, c.x(c.n << 18, k=k) * 1, group=c.g, async_op=True)]
+        junk = [torch.full((c.n << 18,), -1.0, device=c.dev) for _ in range(4)]  # would reuse freed memory
+        for w in works:
+            w.wait()
+        outs += [out, rs]
+        del junk
+    return outs
+
+
+@case
 def broadcast(c: Ctx) -> Any:
     a, b = c.x(3, 4), c.x(7, dtype=torch.int32)
     dist.broadcast(a, 0, group=c.g)

@@ -91,9 +91,10 @@ class Work(dist._Work):
     thread to drop the last reference, the group's destructor would join that thread from itself."""
 
     def __init__(self, pg: ProcessGroupNeuron, name: str, works: Sequence[dist.Work], result: Any,
-                 finish: Callable[[], None] | None = None):
+                 finish: Callable[[], None] | None = None, inputs: Any = ()):
         super().__init__()
         self._group, self._name, self._works, self._result = weakref.ref(pg), name, list(works), result
+        self._inputs = inputs  # kept alive with the work
         self._finish, self._lock, self._fut = finish, threading.Lock(), None
 
     def _failure(self, err: BaseException) -> dist.DistBackendError:
@@ -233,11 +234,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
                            f"{self._where()}:\n{per_rank}")
 
     def _run(self, name: str, launch: Callable[[], dist.Work | list[dist.Work]], result: Any,
-             finish: Callable[[], None] | None = None) -> Work:
-        """Start the gloo op(s) on host views; gloo's own argument errors propagate as raised. The group keeps
-        each Work (so the caller's tensors, whose memory gloo is using) until its transfer is done."""
+             finish: Callable[[], None] | None = None, inputs: Any = ()) -> Work:
+        """Start the gloo op(s) on host views; gloo's own argument errors propagate as raised. Host views do not
+        own device memory, so the group keeps each Work, and with it the result and input tensors, until its
+        transfer is done: neither the caller nor a compiled graph can free memory gloo still reads or writes."""
         works = launch()
-        work = Work(self, name, works if isinstance(works, list) else [works], result, finish)
+        work = Work(self, name, works if isinstance(works, list) else [works], result, finish, inputs)
         self._inflight = [w for w in self._inflight if not w.is_completed()] + [work]
         if self._coalescing is not None:
             self._coalescing.append(work)
@@ -285,25 +287,25 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._agree("all_gather", inputs)
         return self._run("all_gather", lambda: self._gloo.allgather(
             [_views(o) for o in outputs], _views(inputs), _options(opts, c10d.AllgatherOptions)),
-            [list(o) for o in outputs])
+            [list(o) for o in outputs], inputs=inputs)
 
     def allgather_coalesced(self, outputs: Sequence[Tensors], inputs: Tensors, opts: Any = None) -> Work:
         self._agree("all_gather_coalesced", inputs)
         return self._run("all_gather_coalesced", lambda: self._gloo.allgather_coalesced(
             [_views(o) for o in outputs], _views(inputs), _options(opts, c10d.AllgatherOptions)),
-            [list(o) for o in outputs])
+            [list(o) for o in outputs], inputs=inputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         self._agree("all_gather_into_tensor", [input])
         return self._run("all_gather_into_tensor", lambda: self._gloo._allgather_base(
-            host_view(output), host_view(input), _options(opts, c10d.AllgatherOptions)), [output])
+            host_view(output), host_view(input), _options(opts, c10d.AllgatherOptions)), [output], inputs=input)
 
     def all_gather_single_coalesced(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> Work:
         self._agree("all_gather_into_tensor_coalesced", inputs)
         opts = _options(opts, c10d.AllgatherOptions)
         return self._run("all_gather_into_tensor_coalesced", lambda: [
             self._gloo._allgather_base(host_view(o), host_view(i), opts) for o, i in zip(outputs, inputs)],
-            list(outputs))
+            list(outputs), inputs=inputs)
 
     def _reduce_scatter(self, name: str, outputs: Tensors, inputs: Sequence[Tensors], opts: Any) -> Work:
         """gloo's reduce_scatter on lists; the tensor forms view their flat input as per-rank chunks."""
@@ -314,7 +316,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         opts.reduceOp = op
         finish = None if divisor is None else (lambda: _divide(outputs, divisor))
         return self._run(name, lambda: [self._gloo.reduce_scatter([host_view(o)], [_views(chunks)], opts)
-                                        for o, chunks in zip(outputs, inputs)], list(outputs), finish)
+                                        for o, chunks in zip(outputs, inputs)], list(outputs), finish, inputs)
 
     def _chunks(self, output: torch.Tensor, input: torch.Tensor) -> list[torch.Tensor]:
         if input.numel() != output.numel() * self.size():
@@ -345,7 +347,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._agree("all_to_all_single", send=counts(input, input_splits), recv=counts(output, output_splits))
         return self._run("all_to_all_single", lambda: self._gloo.alltoall_base(
             host_view(output), host_view(input), list(output_splits), list(input_splits),
-            _options(opts, c10d.AllToAllOptions)), [output])
+            _options(opts, c10d.AllToAllOptions)), [output], inputs=input)
 
     def alltoall(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> Work:
         """gloo's list all_to_all needs equal sizes: pack into one uneven all_to_all_single, then unpack."""
@@ -364,13 +366,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         opts = _options(opts, c10d.GatherOptions)
         self._agree("gather", inputs, opts.rootRank)
         return self._run("gather", lambda: self._gloo.gather(
-            [_views(o) for o in outputs], _views(inputs), opts), [list(o) for o in outputs])
+            [_views(o) for o in outputs], _views(inputs), opts), [list(o) for o in outputs], inputs=inputs)
 
     def scatter(self, outputs: Tensors, inputs: Sequence[Tensors], opts: Any = None) -> Work:
         opts = _options(opts, c10d.ScatterOptions)
         self._agree("scatter", outputs, opts.rootRank)
         return self._run("scatter", lambda: self._gloo.scatter(
-            _views(outputs), [_views(i) for i in inputs], opts), list(outputs))
+            _views(outputs), [_views(i) for i in inputs], opts), list(outputs), inputs=inputs)
 
     # point to point: nothing to agree on collectively; gloo matches them by peer and tag
     def send(self, tensors: Tensors, dst: int, tag: int = 0) -> Work:
