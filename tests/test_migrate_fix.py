@@ -208,6 +208,14 @@ def test_torch_meaning_something_else_is_not_touched():
     src = "torch = object()\nx.cuda()\n"
     res = fix.fix_source(src)
     assert res.new == src and "not rewritten" in res.error
+    local = ("import torch\n\n\ndef f(kw):\n    torch = kw['torch']\n    torch.cuda.synchronize()\n\n\n"
+             "def g():\n    torch.cuda.synchronize()\n")
+    res = fix.fix_source(local)
+    assert res.new == local.replace("    torch.cuda.synchronize()\n", "    if torch.accelerator.is_available():\n"
+                                    "        torch.accelerator.synchronize()\n").replace(
+        "['torch']\n    if torch.accelerator.is_available():\n        torch.accelerator.synchronize()\n",
+        "['torch']\n    torch.cuda.synchronize()\n")
+    assert [(f.line, f.fix) for f in res.remaining] == [(6, "suggest")] and "rebound" in res.remaining[0].message
 
 
 # ---- a large real tree --------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import TextIO
@@ -21,7 +22,7 @@ from typing import TextIO
 import libcst as cst
 from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import RemoveImportsVisitor
-from libcst.metadata import MetadataWrapper, ParentNodeProvider, ScopeProvider
+from libcst.metadata import MetadataWrapper, ParentNodeProvider, Scope, ScopeProvider
 
 from .check import GUARDS, Analysis, Finding, Imports, Site, _dotted, _walk, analyze, iter_files, literal, read_source
 
@@ -65,18 +66,22 @@ class Names:
 @dataclass
 class _Facts:
     """Who binds and reads which names, in every scope of the module."""
-    imports: dict[str, set[str]]  # name -> the modules it is imported as
-    bound: Counter[str]  # name -> bindings that are not imports
-    reads: set[str]
-    aliases: dict[str, str]  # module -> its module-level name
+    scopes: Mapping[cst.CSTNode, Scope | None]
+    imports: dict[str, set[str]] = field(default_factory=dict)  # name -> the modules it is imported as
+    bound: Counter[str] = field(default_factory=Counter)  # name -> bindings that are not imports
+    local: dict[str, set[int]] = field(default_factory=dict)  # name -> ids of the function/class scopes binding it
+    reads: set[str] = field(default_factory=set)
+    aliases: dict[str, str] = field(default_factory=dict)  # module -> its module-level name
 
     @classmethod
     def of(cls, wrapper: MetadataWrapper) -> _Facts:
-        f = cls({}, Counter(), set(), {})
-        for s in {id(s): s for s in wrapper.resolve(ScopeProvider).values() if s is not None}.values():
+        f = cls(wrapper.resolve(ScopeProvider))
+        for s in {id(s): s for s in f.scopes.values() if s is not None}.values():
             for asg in s.assignments:
                 if (mod := _imported_module(asg.node, asg.name)) is None:
                     f.bound[asg.name] += 1
+                    if s is not s.globals:
+                        f.local.setdefault(asg.name, set()).add(id(s))
                     continue
                 f.imports.setdefault(asg.name, set()).add(mod)
                 if s is s.globals:
@@ -85,7 +90,17 @@ class _Facts:
         return f
 
     def only_imports(self, name: str, mod: str) -> bool:
-        return self.imports.get(name, {mod}) == {mod} and not self.bound[name]
+        """`name` is the module `mod` at module level (functions that rebind it are `shadowed`)."""
+        return self.imports.get(name, {mod}) == {mod} and self.bound[name] == len(self.local.get(name, ()))
+
+    def shadowed(self, node: cst.CSTNode, name: str) -> bool:
+        """Is `name` rebound in a function or class around `node` (`def f(torch): ...`)?"""
+        s = self.scopes.get(node)
+        while s is not None and s is not s.globals:
+            if id(s) in self.local.get(name, ()):
+                return True
+            s = s.parent
+        return False
 
     def free(self, name: str) -> bool:
         return name not in self.imports and not self.bound[name] and name not in self.reads
@@ -286,11 +301,16 @@ def fix_source(source: bytes | str, path: str = "<string>") -> FixResult:
     if not todo:
         return res
     wrapper = MetadataWrapper(a.module, unsafe_skip_copy=True)
-    picked = _names(a, _Facts.of(wrapper), [f.site for f in todo])
+    facts = _Facts.of(wrapper)
+    picked = _names(a, facts, [f.site for f in todo])
     if picked is None:
         res.error = "`torch` names something other than the torch module here; not rewritten"
         return res
     names, add_torch = picked
+    for f in todo:
+        if shadow := next((n for n in (names.torch, names.dist) if n and facts.shadowed(f.site.target, n)), None):
+            f.fix, f.message = "suggest", f"{f.message} [not rewritten: `{shadow}` is rebound here]"
+    todo = [f for f in todo if f.fix == "auto"]
     sites = {}
     for f in todo:
         sites.setdefault(id(f.site.target), f.site)
