@@ -26,6 +26,9 @@ RANDOM_PRIMITIVES = frozenset({
     "geometric", "log_normal", "rand", "randn", "randint", "randperm", "random", "rand_like", "randn_like",
     "randint_like", "multinomial", "poisson",
 })
+# Inductor decompositions that ask the tensor's device for Inductor backend features (there is no Inductor backend
+# for `neuron`: its kernels are host code); these ops are native on the device and stay whole.
+ASKS_DEVICE = frozenset({"masked_scatter"})
 # Random ops that read only the shape, dtype and device of their tensor arguments (functional forms of the
 # in-place fills, factories, *_like): their draws can be made before the kernel runs.
 SHAPE_ONLY_RANDOM = frozenset({
@@ -59,7 +62,7 @@ def decompositions() -> dict:
         composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
         if op not in table and not is_native(op) and not composite and (op not in lowerings or op in fallbacks):
             table[op] = fn
-    return {op: fn for op, fn in table.items() if base_name(op.name()) not in RANDOM_PRIMITIVES}
+    return {op: fn for op, fn in table.items() if base_name(op.name()) not in RANDOM_PRIMITIVES | ASKS_DEVICE}
 
 
 def is_native(op: torch._ops.OpOverload) -> bool:
