@@ -4,7 +4,7 @@ tensors, and a small-GPT DDP training step with 1 and 2 processes, neuron agains
 `run(quick)` launches the worker processes itself (this file, run as a script with torchrun's variables) and
 returns rows {name, neuron, cpu, ratio, unit, threads}: medians over rounds that time neuron and CPU in turn,
 and the median of the per-round ratios. Bandwidth rows are GB/s (ratio = neuron / cpu, higher is better);
-step rows are milliseconds (ratio = neuron / cpu, lower is better). Each rank uses one thread.
+step rows are milliseconds (ratio = neuron / cpu, lower is better).
 Rows named *_unchecked run without the per-collective agreement check (TORCHNEURON_DIST_CHECKS=0).
 """
 from __future__ import annotations
@@ -115,14 +115,14 @@ def _ddp_worker(rounds: int) -> list[dict]:
              "ratio": 1 / t["ratio:neuron"], "unit": "ms"}]
 
 
-def _launch(nprocs: int, kind: str, args: dict, timeout: float = 900) -> list[dict]:
-    """Run this file's `kind` worker on `nprocs` ranks (torchrun's variables, one thread each)."""
+def _launch(nprocs: int, kind: str, args: dict, threads: int, timeout: float = 900) -> list[dict]:
+    """Run this file's `kind` worker on `nprocs` ranks (torchrun's variables, `threads` threads each)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        base = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHNEURON_FALLBACK": "silent",
+        base = {**os.environ, "OMP_NUM_THREADS": str(threads), "TORCHNEURON_FALLBACK": "silent",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": str(nprocs)}
         procs = [subprocess.Popen([sys.executable, __file__, kind, json.dumps(args), str(out)],
                                   env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nprocs)]
@@ -137,12 +137,16 @@ def _launch(nprocs: int, kind: str, args: dict, timeout: float = 900) -> list[di
 
 
 def run(quick: bool = False) -> list[dict]:
+    """Each rank runs with the caller's torch thread count (benchmarks/run.py sets it per pass)."""
+    import torch
+
+    threads = torch.get_num_threads()
     sizes = [1, 16, 64] if quick else [1, 4, 16, 64, 256]
     rows = _launch(2, "allreduce", {"sizes_mib": sizes, "rounds": (8, 16) if quick else (20, 64),
-                                    "unchecked": not quick})
+                                    "unchecked": not quick}, threads)
     for nprocs in (1, 2):
-        rows += _launch(nprocs, "ddp", {"rounds": 10 if quick else 40})
-    return [{**row, "threads": 1} for row in rows]
+        rows += _launch(nprocs, "ddp", {"rounds": 10 if quick else 40}, threads)
+    return [{**row, "threads": threads} for row in rows]
 
 
 def _main() -> None:
@@ -160,6 +164,9 @@ if __name__ == "__main__":
     if len(sys.argv) == 4:  # a worker rank
         _main()
     else:
+        import torch
+
+        torch.set_num_threads(1)
         for row in run(quick="--quick" in sys.argv):
             print(f"{row['name']:32s} neuron {row['neuron']:9.3f}  cpu {row['cpu']:9.3f} {row['unit']:5s} "
                   f"ratio {row['ratio']:.3f}")
