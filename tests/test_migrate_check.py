@@ -96,6 +96,21 @@ def test_guard_keeps_cuda_only_code_on_cuda():
     assert findings(benign)[0] == (2, 4, "NRN010", "auto")
 
 
+def test_and_guards_like_if():
+    """`available() and cuda_only()` keeps its CUDA check; `available() and portable()` needs no fallback."""
+    src = ("import torch\nnew = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)\n"
+           "busy = torch.cuda.is_available() and torch.cuda.memory_allocated() > 0\n")
+    assert findings(src) == [(2, 7, "NRN010", "suggest"), (2, 37, "NRN090", "report"),
+                             (3, 8, "NRN010", "auto"), (3, 38, "NRN051", "auto")]
+
+
+def test_device_type_of_unknown_callables_is_a_suggestion():
+    """`device_type="cuda"` in a test decorator may mean CUDA itself: only known APIs are rewritten."""
+    src = ("import torch\nfrom torch.testing._internal.opinfo.core import DecorateInfo\n"
+           "d = DecorateInfo(skip, device_type='cuda')\ntorch.set_autocast_enabled('cuda', True)\n")
+    assert findings(src) == [(3, 36, "NRN009", "suggest"), (4, 26, "NRN006", "auto")]
+
+
 def test_rewrite_conditions_downgrade_to_suggest():
     src = ("import torch\n"
            "s = torch.cuda.Stream(device='cuda:1')\n"  # names a device: no torch.Stream equivalent

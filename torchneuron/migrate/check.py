@@ -288,7 +288,7 @@ class _Visitor:
         self.hits: list[tuple[Rule, cst.CSTNode, Site | None, str | None]] = []  # rule, node, site, why not
         self.claimed: set[int] = set()  # literals already matched by an argument pattern
         self.guard_depth = 0
-        self.guard_bodies: dict[int, cst.CSTNode] = {}  # id(is_available reference) -> the body it guards
+        self.guard_bodies: dict[int, list[cst.CSTNode]] = {}  # id(is_available reference) -> what it guards
         self.calls: dict[int, cst.Call] = {}  # id(func) -> call
         self.statements: dict[int, cst.SimpleStatementLine] = {}  # id(call) -> its one-call statement line
         self.decorators: set[int] = set()
@@ -302,16 +302,24 @@ class _Visitor:
         if visit is not None and visit(self, node) is False:
             return
         if isinstance(node, (cst.If, cst.IfExp)):
-            self.walk(node.test)
-            guard = self.guard_calls(node.test) is not None
-            self.guard_depth += guard
-            self.walk(node.body)
-            self.guard_depth -= guard
+            self._guarded(node.test, node.body)
             if node.orelse is not None:
                 self.walk(node.orelse)
             return
+        if isinstance(node, cst.BooleanOperation) and isinstance(node.operator, cst.And):  # `available() and ...`
+            return self._guarded(node.left, node.right)
         for c in _kids(node):
             self.walk(c)
+
+    def _guarded(self, test: cst.BaseExpression, body: cst.CSTNode) -> None:
+        """Walk `test`, then `body`, which runs only when `test` holds."""
+        self.walk(test)
+        calls = self.guard_calls(test) or []
+        for c in calls:
+            self.guard_bodies.setdefault(id(c.func), []).append(body)
+        self.guard_depth += bool(calls)
+        self.walk(body)
+        self.guard_depth -= bool(calls)
 
     # -- helpers
     def qnames(self, node: cst.CSTNode) -> set[str]:
@@ -410,23 +418,13 @@ class _Visitor:
     def visit_WithItem(self, node: cst.WithItem) -> None:
         self.with_items.add(id(node.item))
 
-    def visit_If(self, node: cst.If) -> None:
-        if isinstance(node.orelse, cst.If):
-            self.elifs.add(id(node.orelse))
-        self._guard(node.test, node.body)
-        if id(node) not in self.elifs:
-            self._ladder(node)
-
-    def visit_IfExp(self, node: cst.IfExp) -> None:
-        self._guard(node.test, node.body)
-        if isinstance(node.orelse, cst.IfExp):
+    def visit_If(self, node: cst.If | cst.IfExp) -> None:
+        if isinstance(node.orelse, type(node)):
             self.elifs.add(id(node.orelse))
         if id(node) not in self.elifs:
             self._ladder(node)
 
-    def _guard(self, test: cst.BaseExpression, body: cst.CSTNode) -> None:
-        for c in self.guard_calls(test) or []:
-            self.guard_bodies[id(c.func)] = body
+    visit_IfExp = visit_If
 
     def _ladder(self, node: cst.CSTNode) -> None:
         tests, vendors = [], []
@@ -608,7 +606,8 @@ def analyze(source: bytes | str, path: str = "<string>", noqa: bool = True, keep
         return Analysis(path, [Finding(path, 1, 1, "NRN000", msg, "report")])
     v = _Visitor(MATCHER, Imports(module))
     v.walk(module)
-    pos = _Positions(module, [n for _, n, _, _ in v.hits] + list(v.guard_bodies.values())) if v.hits else None
+    guarded = [b for bodies in v.guard_bodies.values() for b in bodies]
+    pos = _Positions(module, [n for _, n, _, _ in v.hits] + guarded) if v.hits else None
     findings = []
     for rule, node, site, why in v.hits:
         line, col = pos.start[id(node)]
@@ -671,18 +670,17 @@ def _compiles(source: bytes | str) -> bool:
 
 
 def _downgrade_guards(findings: list[Finding], v: _Visitor, pos: _Positions | None) -> None:
-    """`if torch.cuda.is_available():` guarding code that stays CUDA-only must stay a CUDA check."""
+    """`torch.cuda.is_available()` guarding code that stays CUDA-only (an `if` body, the rest of an `and`)
+    must stay a CUDA check."""
     changed = True
     while changed:
         changed = False
         for f in findings:
-            body = v.guard_bodies.get(id(f.site.target.func)) if f.fix == "auto" and f.code == "NRN010" and \
-                isinstance(f.site.target, cst.Call) else None
-            if body is None:
+            if f.fix != "auto" or f.code != "NRN010" or not isinstance(f.site.target, cst.Call):
                 continue
-            start, end = pos.start[id(body)], pos.end[id(body)]
+            spans = [(pos.start[id(b)], pos.end[id(b)]) for b in v.guard_bodies.get(id(f.site.target.func), ())]
             inside = [g for g in findings if g.fix != "auto" and g.code not in BENIGN and
-                      start <= (g.line, g.col - 1) <= end]
+                      any(start <= (g.line, g.col - 1) <= end for start, end in spans)]
             if inside:
                 f.fix, f.site, changed = "suggest", None, True
                 f.message += f" [not rewritten: guards CUDA-only code ({inside[0].code})]"

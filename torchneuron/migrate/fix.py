@@ -93,6 +93,10 @@ class _Facts:
         """`name` is the module `mod` at module level (functions that rebind it are `shadowed`)."""
         return self.imports.get(name, {mod}) == {mod} and self.bound[name] == len(self.local.get(name, ()))
 
+    def sees(self, node: cst.CSTNode, name: str) -> bool:
+        """Is `name` bound where `node` is (for `torch`: by an import, `only_imports` made sure)?"""
+        return (s := self.scopes.get(node)) is not None and name in s
+
     def shadowed(self, node: cst.CSTNode, name: str) -> bool:
         """Is `name` rebound in a function or class around `node` (`def f(torch): ...`)?"""
         s = self.scopes.get(node)
@@ -127,20 +131,20 @@ def _names(a: Analysis, facts: _Facts, sites: list[Site]) -> tuple[Names, bool] 
     """The spelling to use, and whether `import torch` must be added; None when `torch` means something else."""
     names = Names()
     torch = facts.aliases.get("torch")
-    add_torch = torch is None or not facts.only_imports(torch, "torch")
-    if add_torch and not facts.only_imports("torch", "torch"):
+    missing = torch is None or not facts.only_imports(torch, "torch")
+    if missing and not facts.only_imports("torch", "torch"):
         return None
-    names.torch = "torch" if add_torch else torch
+    names.torch = "torch" if missing else torch
     if (dist := facts.aliases.get("torch.distributed")) and facts.only_imports(dist, "torch.distributed"):
         names.dist = dist
-    if not any(_uses_device(s.rule.replacement) for s in sites):
-        return names, add_torch
-    hoisted = [_code(s.body[0].targets[0].target) for s in a.module.body if _is_hoist(s, names.torch)]
-    names.device = next(iter(hoisted), None) or _own_device(a.module, facts, sites) or ""
-    if not names.device:
-        names.hoist = True
-        names.device = next(n for n in (*DEVICE_NAMES, *(f"device_{i}" for i in range(1, 100))) if facts.free(n))
-    return names, add_torch
+    if any(_uses_device(s.rule.replacement) for s in sites):
+        hoisted = [_code(s.body[0].targets[0].target) for s in a.module.body if _is_hoist(s, names.torch)]
+        names.device = next(iter(hoisted), None) or _own_device(a.module, facts, sites) or ""
+        if not names.device:
+            names.hoist = True
+            names.device = next(n for n in (*DEVICE_NAMES, *(f"device_{i}" for i in range(1, 100))) if facts.free(n))
+    # functions that import torch themselves need no module-level import; the hoisted line does
+    return names, missing and (names.hoist or not all(facts.sees(s.target, "torch") for s in sites))
 
 
 def _own_device(module: cst.Module, facts: _Facts, sites: list[Site]) -> str | None:
@@ -373,6 +377,8 @@ def _hoist(module: cst.Module, names: Names, add_torch: bool) -> cst.Module:
         new.append(cst.parse_statement(HOIST.format(d=names.device, t=names.torch) + "\n"))
     if pos > 0 and isinstance(body[pos - 1], cst.SimpleStatementLine):
         new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine()])
+    if pos < len(body) and not body[pos].leading_lines:  # and a blank line before the code that follows
+        body[pos] = body[pos].with_changes(leading_lines=[cst.EmptyLine()])
     return module.with_changes(body=[*body[:pos], *new, *body[pos:]])
 
 
