@@ -108,7 +108,7 @@ def test_device_type_of_unknown_callables_is_a_suggestion():
     """`device_type="cuda"` in a test decorator may mean CUDA itself: only known APIs are rewritten."""
     src = ("import torch\nfrom torch.testing._internal.opinfo.core import DecorateInfo\n"
            "d = DecorateInfo(skip, device_type='cuda')\ntorch.set_autocast_enabled('cuda', True)\n")
-    assert findings(src) == [(3, 36, "NRN009", "suggest"), (4, 26, "NRN006", "auto")]
+    assert findings(src) == [(3, 36, "NRN009", "suggest"), (4, 28, "NRN006", "auto")]
 
 
 def test_rewrite_conditions_downgrade_to_suggest():
