@@ -116,36 +116,40 @@ class Kernel:
 
 
 def _to_device(outs: list, devices: list[int | None], owners: dict[int, torch.Tensor]) -> list:
-    """Results onto the device: views of input memory stay views, fresh memory is adopted once per storage
-    (memory that something else still references is copied first)."""
-    storages = [o.untyped_storage() if d is not None and isinstance(o, torch.Tensor) else None
-                for o, d in zip(outs, devices)]
-    ptrs = [s.data_ptr() if s is not None else 0 for s in storages]  # read before adopting empties a storage
-    sharing: dict[int, int] = {}
-    for s, ptr in zip(storages, ptrs):
-        if s is not None:
-            sharing[ptr] = sharing.get(ptr, 0) + 1
-    res = []
-    for o, d, s, ptr in zip(outs, devices, storages, ptrs):
-        if s is None:
+    """Results onto the device. A view of input memory stays a view of that input. Fresh memory is adopted with
+    no copy when the result is its only user; results that share memory are copied by `_C._adopt` (it never
+    takes memory that something else references), and views of memory already adopted whole stay views."""
+    # addresses first: adopting empties a host storage, and no storage wrapper may stay alive (an extra
+    # reference would make _adopt copy)
+    ptrs = [o.untyped_storage().data_ptr() if d is not None and isinstance(o, torch.Tensor) else None
+            for o, d in zip(outs, devices)]
+    res, done = [], {}
+    for o, d, ptr in zip(outs, devices, ptrs):
+        if ptr is None:
             res.append(o)
-            continue
-        base = owners.get(ptr)
-        if base is None:
-            if s.nbytes() == 0:
-                res.append(torch.empty_strided(o.shape, o.stride(), dtype=o.dtype,
-                                               device=torch.device("neuron", d)))
-                continue
-            if torch._C._storage_Use_Count(s._cdata) <= sharing[ptr] + 1:
-                base = owners[ptr] = adopt(o, d)
-                res.append(base)
-                continue
-            whole = torch.empty(s.nbytes(), dtype=torch.uint8)  # memory something else still references:
-            whole.untyped_storage().copy_(s)  # copy the whole storage once, then adopt the copy
-            base = owners[ptr] = adopt(whole, d)
-        res.append(torch.empty(0, dtype=o.dtype, device=base.device).set_(
-            base.untyped_storage(), o.storage_offset(), o.shape, o.stride()))
+        elif id(o) in done:  # the same result twice
+            res.append(done[id(o)])
+        elif ptr == 0:
+            res.append(torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=torch.device("neuron", d)))
+        elif (base := owners.get(ptr)) is not None:
+            res.append(_view(base, o))
+        else:
+            t = adopt(o, d)
+            if t.untyped_storage().data_ptr() == ptr:
+                owners[ptr] = t  # the storage moved whole
+            res.append(t)
+        if ptr is not None:
+            done[id(o)] = res[-1]
     return res
+
+
+def _view(base: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A tensor over `base`'s memory with the metadata (and lazy conj/neg bits) of `like`."""
+    v = torch.empty(0, dtype=like.dtype, device=base.device).set_(base.untyped_storage(), like.storage_offset(),
+                                                                   like.shape, like.stride())
+    if like.is_conj():
+        v = v.conj()
+    return v._neg_view() if like.is_neg() else v
 
 
 @dataclass
