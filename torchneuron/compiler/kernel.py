@@ -109,20 +109,23 @@ class Kernel:
         owners: dict[int, torch.Tensor] = {}  # storage address -> neuron tensor holding that memory
         for i in self.device_inputs:
             t = args[i]
-            owners[t.untyped_storage().data_ptr()] = t
+            owners[_base_ptr(t)] = t
             args[i] = host_view(t)
         outs = self.call(args)
         return _to_device(outs, self.outputs, owners)
 
 
+def _base_ptr(t: torch.Tensor) -> int:
+    """Address of the tensor's storage, read without a storage wrapper (a wrapper, once made, is one more
+    reference to the storage for as long as the storage lives, and _adopt copies shared storages)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size() if t.numel() else 0
+
+
 def _to_device(outs: list, devices: list[int | None], owners: dict[int, torch.Tensor]) -> list:
     """Results onto the device. A view of input memory stays a view of that input. Fresh memory is adopted with
-    no copy when the result is its only user; results that share memory are copied by `_C._adopt` (it never
-    takes memory that something else references), and views of memory already adopted whole stay views."""
-    # addresses first: adopting empties a host storage, and no storage wrapper may stay alive (an extra
-    # reference would make _adopt copy)
-    ptrs = [o.untyped_storage().data_ptr() if d is not None and isinstance(o, torch.Tensor) else None
-            for o, d in zip(outs, devices)]
+    no copy when the result is its only user (`_C._adopt` copies memory that something else references);
+    later results over memory already adopted whole become views of it."""
+    ptrs = [_base_ptr(o) if d is not None and isinstance(o, torch.Tensor) else None for o, d in zip(outs, devices)]
     res, done = [], {}
     for o, d, ptr in zip(outs, devices, ptrs):
         if ptr is None:
@@ -135,8 +138,8 @@ def _to_device(outs: list, devices: list[int | None], owners: dict[int, torch.Te
             res.append(_view(base, o))
         else:
             t = adopt(o, d)
-            if t.untyped_storage().data_ptr() == ptr:
-                owners[ptr] = t  # the storage moved whole
+            if _base_ptr(t) == ptr:
+                owners[ptr] = t  # the memory moved whole
             res.append(t)
         if ptr is not None:
             done[id(o)] = res[-1]
