@@ -1,7 +1,7 @@
 """PyTorch's OpInfo database through `torch.compile(backend="neuron")`, compared with eager CPU (float32
 forward).
 
-Samples are made on `neuron`; each op's first SAMPLES samples (TORCHNEURON_OPINFO_SAMPLES, default 1, to fit CI
+Samples are made on `neuron`; each op's first SAMPLES samples (TORCHNEURON_OPINFO_SAMPLES, default 2, to fit CI
 time) are compiled and run, and compared with the op on CPU copies of the same samples. Ops are compiled BATCH at
 a time in one function written as straight-line code, so a graph break in one op ends that graph and Dynamo
 compiles the next statements as a new one; each op is recorded as compiled (in a neuron graph) or eager (Dynamo
@@ -22,7 +22,7 @@ import torch._dynamo
 from opinfo_harness import OPS, pytorch_skips_compare_cpu
 
 DTYPE = torch.float32
-SAMPLES = int(os.environ.get("TORCHNEURON_OPINFO_SAMPLES", "1"))
+SAMPLES = int(os.environ.get("TORCHNEURON_OPINFO_SAMPLES", "2"))
 BATCH = 24
 ATOL, RTOL = 1e-4, 1e-4  # generated code reassociates reductions and fuses (e.g. fma): float tolerance
 TARGET = 0.98
