@@ -168,16 +168,6 @@ def test_redirect_depth_isinstance_and_compile():
     """, env={"PYTHONWARNINGS": "ignore"})
 
 
-# Cases `fix` gets wrong (repro in .notes/requests.md); xfailed while they fail, so they pass once fixed.
-FIX_KNOWN = {
-    ("checkpoint", "neuron"): "fix rewrites `storage.cuda()` to `storage.to(device)`; UntypedStorage.to takes "
-                              "device= only by keyword (TypeError)",
-    ("checkpoint", "cpu"): "same as on neuron",
-    ("bench", "cpu"): "fix rewrites `torch.cuda.Event(enable_timing=True)` to `torch.Event(...)`, which raises on a "
-                      "CPU-only host (\"cpu backend doesn't support events\")",
-}
-
-
 @pytest.fixture(scope="module")
 def fixed_scripts(tmp_path_factory) -> Path:
     """The fixture scripts after `torchneuron fix --write`."""
@@ -192,11 +182,7 @@ def fixed_scripts(tmp_path_factory) -> Path:
 def test_fixed_scripts_run_without_compat(fixed_scripts, target, tmp_path):
     """After `fix`, the scripts run on neuron with no compat mode, and on CPU with plain torch (no autoload)."""
     env = _env(**({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"} if target == "cpu" else {}))
-    known = []
     for name, out in run_all(env, tmp_path, fixed_scripts).items():
-        if "error" in out and (name, target) in FIX_KNOWN:
-            known.append(f"{name}: {FIX_KNOWN[name, target]}")
-            continue
         assert out.get("device", "").startswith(target), (name, out)
         if name == "amp_train":  # the fixed script autocasts in the device's default dtype (bf16), not CUDA's fp16
             dtype = getattr(torch, out["amp_dtype"].removeprefix("torch."))
@@ -204,8 +190,6 @@ def test_fixed_scripts_run_without_compat(fixed_scripts, target, tmp_path):
         else:
             ref, tol = REFERENCES[name][0](), REFERENCES[name][1]
         assert out["losses"] == pytest.approx(ref, rel=tol, abs=tol), name
-    if known:
-        pytest.xfail("; ".join(known))
 
 
 def test_fixed_ddp_runs_on_neuron_without_compat(fixed_scripts, tmp_path):

@@ -34,6 +34,68 @@ def test_report_only_code_is_left_alone():
     assert fix.fix_source(src).new == src
 
 
+def test_storages_get_the_device_by_keyword():
+    """`Storage.to` takes `device=` only by keyword: `storage.to(device)` would raise a TypeError."""
+    src = ("import torch\n"
+           "a = torch.load('p', map_location=lambda storage, loc: storage.cuda())\n"
+           "b = t.untyped_storage().cuda()\n"
+           "c = model.cuda()\n")
+    new = fix.fix_source(src).new
+    assert "map_location=lambda storage, loc: storage.to(device=device))" in new
+    assert "b = t.untyped_storage().to(device=device)" in new and "c = model.to(device)" in new
+
+
+def test_indexed_map_location_loads_on_cpu_only_hosts():
+    """`torch.load` refuses `cpu:0`, so the index is kept only on an accelerator."""
+    new = fix.fix_source("import torch\nsd = torch.load('p', map_location='cuda:1')\n").new
+    assert "map_location=torch.device(device.type, 1) if device.type != \"cpu\" else device)" in new
+
+
+EVENTS = """import torch
+
+
+def timed(fn):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), end.query()
+"""
+
+
+def test_timing_events_are_guarded_for_cpu_only_hosts():
+    """The CPU has no events: recording is skipped and times read NaN there; adjacent guards are merged."""
+    res = fix.fix_source(EVENTS)
+    assert res.new.split("\n\n\n", 1)[1] == """def timed(fn):
+    start, end = torch.Event(enable_timing=True), torch.Event(enable_timing=True)
+    if torch.accelerator.is_available():
+        torch.accelerator.synchronize()
+        start.record()
+    fn()
+    if torch.accelerator.is_available():
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) if torch.accelerator.is_available() else float("nan"), end.query() if \\
+torch.accelerator.is_available() else True
+""".replace(" \\\n", " ")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHNEURON_CUDA_COMPAT"}
+    code = res.new + "\nimport math\nt, done = timed(lambda: None)\nprint(math.isnan(t), done)\n"
+    p = subprocess.run([sys.executable, "-c", code], env={**env, "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.split() == ["True", "True"], p.stderr
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.split() == ["False", "True"], p.stderr  # on neuron: a real time
+
+
+def test_escaping_events_are_left_as_suggestions():
+    src = "import torch\nclass T:\n    def __init__(self):\n        self.s = torch.cuda.Event(enable_timing=True)\n"
+    res = fix.fix_source(src)
+    assert res.new == src and [(f.code, f.fix) for f in res.remaining] == [("NRN041", "suggest")]
+    assert "guard its uses" in res.remaining[0].message
+
+
 # ---- the rewritten scripts still run on CPU, with plain PyTorch --------------------------------------------------
 
 DRIVER = """

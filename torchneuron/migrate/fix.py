@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import TextIO
@@ -25,6 +25,7 @@ from libcst.codemod.visitors import RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, Scope, ScopeProvider
 
 from .check import GUARDS, Analysis, Finding, Imports, Site, _dotted, _walk, analyze, iter_files, literal, read_source
+from .rules import Rule
 
 HOIST = '{d} = {t}.accelerator.current_accelerator() if {t}.accelerator.is_available() else {t}.device("cpu")'
 DEVICE_NAMES = ("device", "accel_device", "default_device", "torch_device")
@@ -219,13 +220,110 @@ class _Fill(cst.CSTTransformer):
 
 def instantiate(site: Site, names: Names, subject: cst.BaseExpression | None, index: cst.BaseExpression | None,
                 args: list[cst.Arg] | None) -> cst.CSTNode:
-    text = names.fill(site.rule.replacement, index is not None)
+    indexed = index is not None and site.rule.indexed is not None
+    text = names.fill(site.rule.indexed if indexed else site.rule.replacement, index is not None and not indexed)
     tpl = cst.parse_statement(text) if text.startswith("if ") else cst.parse_expression(text)
     if site.guarded and isinstance(tpl, cst.If):  # already guarded: drop ours
         tpl = tpl.body.body[0].value
     elif site.guarded and isinstance(tpl, cst.IfExp) and "is_available" in _code(tpl.test):
         tpl = tpl.body
     return tpl.visit(_Fill(subject, index, args))
+
+
+# ---- timing events ----------------------------------------------------------------------------------------------
+
+# The CPU has no events (`torch.Event(...).record()` raises there), so an unguarded `torch.cuda.Event` becomes a
+# `torch.Event` whose uses are guarded: recording and waiting are skipped and times read NaN on CPU-only hosts.
+EVENT_GUARDS = {  # method -> how a use is guarded ("if": the statement; else the default of a conditional)
+    "record": "if", "synchronize": "if", "wait": "if", "elapsed_time": 'float("nan")', "query": "True"}
+EVENT_ESCAPES = "the event is used beyond record/synchronize/wait/elapsed_time/query, which a CPU-only host " \
+    "cannot run; guard its uses with `torch.accelerator.is_available()`"
+
+
+def _event_rule(method: str) -> Rule:
+    guard = EVENT_GUARDS[method]
+    text = f"if torch.accelerator.is_available(): x.{method}(...)" if guard == "if" else \
+        f"x.{method}(...) if torch.accelerator.is_available() else {guard}"
+    return Rule("NRN041", "sync", (), "", text, "auto", "CPU-only hosts have no events", "")
+
+
+def _event_uses(module: cst.Module, facts: _Facts, parents: Mapping[cst.CSTNode, cst.CSTNode],
+                found: list[Finding]) -> dict[int, list[Site] | None]:
+    """For each unguarded event construction: the guarded rewrites of its uses, or None when the event escapes
+    (bound to anything but plain names, rebound to something else, or used in another way)."""
+    q = Imports(module).qualify
+    targets: dict[int, cst.Name | None] = {id(f.site.target): _bound_name(f.site.target, parents) for f in found}
+    event_names = {id(n) for n in targets.values() if n is not None}
+    out: dict[int, list[Site] | None] = {}
+    for key, name in targets.items():
+        scope = facts.scopes.get(name) if name is not None else None
+        if scope is None or any(id(asg.node) not in event_names for asg in scope.assignments[name.value]):
+            out[key] = None
+            continue
+        uses: list[Site] | None = []
+        for ref in {id(r.node): r.node for asg in scope.assignments[name.value] for r in asg.references}.values():
+            use = _event_use(ref, parents, q, event_names | {id(r) for r in _refs(scope, event_names)})
+            if use is None:
+                uses = None
+                break
+            if use is not True:
+                uses.append(use)
+        out[key] = uses
+    return out
+
+
+def _refs(scope: Scope, names: set[int]) -> list[cst.CSTNode]:
+    return [r.node for asg in scope.assignments if id(asg.node) in names for r in asg.references]
+
+
+def _bound_name(call: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> cst.Name | None:
+    """The name `x = call` or `x, y = call, other` binds the call's value to."""
+    parent = parents.get(call)
+    if isinstance(parent, cst.Assign) and len(parent.targets) == 1:
+        t = parent.targets[0].target
+        return t if isinstance(t, cst.Name) else None
+    tup = parents.get(parent) if isinstance(parent, cst.Element) else None
+    asg = parents.get(tup) if isinstance(tup, cst.Tuple) else None
+    if isinstance(asg, cst.Assign) and asg.value is tup and len(asg.targets) == 1 and \
+            isinstance(t := asg.targets[0].target, (cst.Tuple, cst.List)) and len(t.elements) == len(tup.elements):
+        el = t.elements[tup.elements.index(parent)]
+        return el.value if isinstance(el.value, cst.Name) and not isinstance(el, cst.StarredElement) else None
+    return None
+
+
+def _event_use(ref: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode], q, events: set[int]
+               ) -> Site | bool | None:
+    """The guarded rewrite of one use of an event; True when it needs none; None when it cannot be guarded."""
+    attr, arg = parents.get(ref), parents.get(ref)
+    if isinstance(arg, cst.Arg) and isinstance(call := parents.get(arg), cst.Call) and \
+            isinstance(call.func, cst.Attribute) and call.func.attr.value == "elapsed_time" and id(ref) in events:
+        return True  # `start.elapsed_time(end)`: guarded with `start`
+    call = parents.get(attr)
+    if not (isinstance(attr, cst.Attribute) and attr.value is ref and isinstance(call, cst.Call)
+            and call.func is attr and attr.attr.value in EVENT_GUARDS):
+        return None
+    if _under_guard(call, parents, q):
+        return True
+    rule = _event_rule(attr.attr.value)
+    if EVENT_GUARDS[attr.attr.value] != "if":
+        return Site(rule, call, call, subject="receiver", keep_func=True)
+    line = parents.get(expr := parents.get(call))
+    if not (isinstance(expr, cst.Expr) and isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1):
+        return None
+    return Site(rule, line, call, subject="receiver", keep_func=True)
+
+
+def _under_guard(node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode], q) -> bool:
+    """Is `node` in the body of an `if`/conditional expression on accelerator availability?"""
+    def guard(test):
+        return (isinstance(test, cst.Call) and bool(q(test.func) & GUARDS)) or (
+            isinstance(test, cst.BooleanOperation) and isinstance(test.operator, cst.And)
+            and (guard(test.left) or guard(test.right)))
+    while (parent := parents.get(node)) is not None:
+        if isinstance(parent, (cst.If, cst.IfExp)) and parent.body is node and guard(parent.test):
+            return True
+        node = parent
+    return False
 
 
 # ---- the rewrite ------------------------------------------------------------------------------------------------
@@ -235,13 +333,35 @@ class _Fixer(cst.CSTTransformer):
         super().__init__()
         self.sites, self.names, self.parents = sites, names, parents
         self.applied: set[int] = set()
+        self.guards: set[int] = set()  # ids of the `if torch.accelerator.is_available():` statements written
 
     def on_leave(self, orig: cst.CSTNode, upd: cst.CSTNode) -> cst.CSTNode | cst.RemovalSentinel:
         upd = super().on_leave(orig, upd)
         if (site := self.sites.get(id(orig))) is None:
             return upd
         self.applied.add(id(orig))
-        return self.rewrite(site, orig, upd)
+        new = self.rewrite(site, orig, upd)
+        if isinstance(new, cst.If):
+            self.guards.add(id(new))
+        return new
+
+    def _merge(self, body: Sequence[cst.BaseStatement]) -> list[cst.BaseStatement]:
+        """Adjacent guards this fix wrote (`if available: a` then `if available: b`) become one."""
+        out: list[cst.BaseStatement] = []
+        for stmt in body:
+            prev = out[-1] if out else None
+            if id(stmt) in self.guards and id(prev) in self.guards and not stmt.leading_lines:
+                stmt = prev.with_changes(body=prev.body.with_changes(body=[*prev.body.body, *stmt.body.body]))
+                self.guards.add(id(stmt))
+                out.pop()
+            out.append(stmt)
+        return out
+
+    def leave_IndentedBlock(self, orig: cst.IndentedBlock, upd: cst.IndentedBlock) -> cst.IndentedBlock:
+        return upd.with_changes(body=self._merge(upd.body)) if self.guards else upd
+
+    def leave_Module(self, orig: cst.Module, upd: cst.Module) -> cst.Module:
+        return upd.with_changes(body=self._merge(upd.body)) if self.guards else upd
 
     def rewrite(self, site: Site, orig: cst.CSTNode, upd: cst.CSTNode) -> cst.CSTNode:
         if isinstance(upd, cst.SimpleStatementLine):  # `if available: call(...)` replaces the statement line
@@ -254,6 +374,9 @@ class _Fixer(cst.CSTTransformer):
             return upd.with_changes(args=_drop(upd.args, site.drop))
         call = upd if isinstance(upd, cst.Call) else None
         new = self.expression(site, upd, call)
+        if site.rule.code == "NRN001" and isinstance(new, cst.Call) and self.storage_receiver(orig):
+            new = new.with_changes(args=[new.args[0].with_changes(keyword=cst.Name("device"), equal=NO_SPACE),
+                                         *new.args[1:]])
         if isinstance(new, cst.IfExp):
             if orig.lpar:
                 new = new.with_changes(lpar=orig.lpar, rpar=orig.rpar)
@@ -262,6 +385,25 @@ class _Fixer(cst.CSTTransformer):
         elif isinstance(upd, cst.BaseExpression) and upd.lpar and isinstance(new, cst.BaseExpression):
             new = new.with_changes(lpar=upd.lpar, rpar=upd.rpar)
         return new
+
+    def storage_receiver(self, call: cst.CSTNode) -> bool:
+        """`storage.cuda()` on a storage: `Storage.to` takes the device by keyword only. A receiver is a storage
+        when it is the first parameter of a `map_location` function or the result of `.storage()` and kin."""
+        recv = call.func.value if isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) else None
+        if isinstance(recv, cst.Call) and isinstance(recv.func, cst.Attribute):
+            return recv.func.attr.value in ("storage", "untyped_storage", "_typed_storage")
+        if not isinstance(recv, cst.Name):
+            return False
+        node = call
+        while (node := self.parents.get(node)) is not None:
+            if isinstance(node, (cst.Lambda, cst.FunctionDef)):
+                params = node.params.params
+                if not params or params[0].name.value != recv.value:
+                    return False
+                arg = self.parents.get(node)
+                return isinstance(node, cst.FunctionDef) or (
+                    isinstance(arg, cst.Arg) and arg.keyword is not None and arg.keyword.value == "map_location")
+        return False
 
     def expression(self, site: Site, upd: cst.CSTNode, call: cst.Call | None) -> cst.CSTNode:
         args, index = None, site.index
@@ -314,11 +456,19 @@ def fix_source(source: bytes | str, path: str = "<string>") -> FixResult:
     for f in todo:
         if shadow := next((n for n in (names.torch, names.dist) if n and facts.shadowed(f.site.target, n)), None):
             f.fix, f.message = "suggest", f"{f.message} [not rewritten: `{shadow}` is rebound here]"
+    parents = wrapper.resolve(ParentNodeProvider)
+    events = _event_uses(a.module, facts, parents, [f for f in todo if f.code == "NRN041" and not f.site.guarded])
+    for f in todo:
+        if events.get(id(f.site.target), True) is None:
+            f.fix, f.message = "suggest", f"{f.message} [not rewritten: {EVENT_ESCAPES}]"
     todo = [f for f in todo if f.fix == "auto"]
     sites = {}
     for f in todo:
         sites.setdefault(id(f.site.target), f.site)
-    fixer = _Fixer(sites, names, wrapper.resolve(ParentNodeProvider))
+    for uses in events.values():
+        for use in uses or ():
+            sites.setdefault(id(use.target), use)
+    fixer = _Fixer(sites, names, parents)
     used_imports = _cuda_imports(wrapper)
     module = a.module.visit(fixer)
     module = _remove_unused(module, used_imports)

@@ -58,6 +58,8 @@ class Rule:
     index: str | None = None
     only: str | None = None
     whole: bool = False  # the rewrite replaces the whole call, not just its subject argument
+    indexed: str | None = None  # the replacement when the matched code names an index (default: `device` in
+    #                             `replacement` becomes `torch.device(device.type, i)`)
 
     def __post_init__(self):
         assert self.fix in FIX_KINDS, self
@@ -92,8 +94,9 @@ RULES: list[Rule] = [
   R("NRN005", "device", ("torch.load(map_location@1)", "torch.serialization.load(map_location@1)",
                          "torch.jit.load(map_location@1)"),
     "`map_location` loads the checkpoint onto CUDA", "device", "auto",
-    "loading onto the hoisted device works on every backend and on CPU-only hosts",
-    'sd = torch.load("ckpt.pt", map_location="cuda")', value=CUDA),
+    "loading onto the hoisted device works on every backend and on CPU-only hosts; an index is kept except on "
+    "CPU, where `torch.load` refuses `cpu:0`", 'sd = torch.load("ckpt.pt", map_location="cuda")', value=CUDA,
+    indexed='torch.device(device.type, __index__) if device.type != "cpu" else device'),
   R("NRN006", "device", ("torch.random.fork_rng(device_type=)", "torch.get_autocast_dtype(device_type@0)",
                          "torch.set_autocast_dtype(device_type@0)", "torch.is_autocast_enabled(device_type@0)",
                          "torch.set_autocast_enabled(device_type@0)", "torch.amp.is_autocast_available(device_type@0)",
