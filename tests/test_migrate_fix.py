@@ -94,6 +94,7 @@ def test_escaping_events_are_left_as_suggestions():
     res = fix.fix_source(src)
     assert res.new == src and [(f.code, f.fix) for f in res.remaining] == [("NRN041", "suggest")]
     assert "guard its uses" in res.remaining[0].message
+    assert [(f.code, f.fix) for f in check.analyze(src).findings] == [("NRN041", "suggest")]  # check agrees
 
 
 # ---- the rewritten scripts still run on CPU, with plain PyTorch --------------------------------------------------

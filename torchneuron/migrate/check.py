@@ -617,6 +617,9 @@ def analyze(source: bytes | str, path: str = "<string>", noqa: bool = True, keep
         msg += f" [not rewritten: {why}]" if why else ""
         findings.append(Finding(path, line, col + 1, rule.code, msg, fix, site))
     _downgrade_guards(findings, v, pos)
+    if any(f.code == "NRN041" and f.fix == "auto" and not f.site.guarded for f in findings):
+        from .fix import downgrade_escaping_events  # fix imports this module; only files with events pay for it
+        downgrade_escaping_events(module, findings)
     if noqa:
         findings = suppress(findings, re.split(r"\r\n|\r|\n", text))
     findings.sort(key=lambda f: (f.line, f.col, f.code))

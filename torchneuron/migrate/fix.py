@@ -240,6 +240,16 @@ EVENT_ESCAPES = "the event is used beyond record/synchronize/wait/elapsed_time/q
     "cannot run; guard its uses with `torch.accelerator.is_available()`"
 
 
+def downgrade_escaping_events(module: cst.Module, findings: list[Finding]) -> None:
+    """`check` and `fix` agree: an unguarded event whose uses cannot all be guarded is a suggestion."""
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    found = [f for f in findings if f.code == "NRN041" and f.fix == "auto" and not f.site.guarded]
+    events = _event_uses(module, _Facts.of(wrapper), wrapper.resolve(ParentNodeProvider), found)
+    for f in found:
+        if events[id(f.site.target)] is None:
+            f.fix, f.message = "suggest", f"{f.message} [not rewritten: {EVENT_ESCAPES}]"
+
+
 def _event_rule(method: str) -> Rule:
     guard = EVENT_GUARDS[method]
     text = f"if torch.accelerator.is_available(): x.{method}(...)" if guard == "if" else \
@@ -457,11 +467,8 @@ def fix_source(source: bytes | str, path: str = "<string>") -> FixResult:
         if shadow := next((n for n in (names.torch, names.dist) if n and facts.shadowed(f.site.target, n)), None):
             f.fix, f.message = "suggest", f"{f.message} [not rewritten: `{shadow}` is rebound here]"
     parents = wrapper.resolve(ParentNodeProvider)
-    events = _event_uses(a.module, facts, parents, [f for f in todo if f.code == "NRN041" and not f.site.guarded])
-    for f in todo:
-        if events.get(id(f.site.target), True) is None:
-            f.fix, f.message = "suggest", f"{f.message} [not rewritten: {EVENT_ESCAPES}]"
     todo = [f for f in todo if f.fix == "auto"]
+    events = _event_uses(a.module, facts, parents, [f for f in todo if f.code == "NRN041" and not f.site.guarded])
     sites = {}
     for f in todo:
         sites.setdefault(id(f.site.target), f.site)
