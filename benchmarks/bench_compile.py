@@ -18,7 +18,7 @@ import textwrap
 import torch
 import torch._dynamo
 
-from benchmarks.common import interleaved, row
+from benchmarks.common import FOREACH, interleaved, row
 from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
 
 BATCH = 8
@@ -34,7 +34,7 @@ _COMPILE = textwrap.dedent("""
     torch.manual_seed(0)
     model = TinyGPT(cfg).to(device)
     x, y = (t.to(device) for t in gpt_batch(cfg, batch, torch.Generator().manual_seed(0)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     def step(fn):
         loss = fn(x, y)[1]
         loss.backward()
@@ -81,7 +81,7 @@ def steady_state(quick: bool) -> dict[str, float]:
     fns = {}
     for device in ("neuron", "cpu"):
         m = copy.deepcopy(model).to(device)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=FOREACH)
         fn = torch.compile(m, backend="neuron" if device == "neuron" else "inductor")
         x, y = (t.to(device) for t in batch)
 

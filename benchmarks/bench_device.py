@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved, row
+from benchmarks.common import FOREACH, interleaved, row
 from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
 
 
@@ -28,7 +28,8 @@ def _pair(make_model, make_batch):
     fns = {}
     for dev in ("cpu", "neuron"):
         m = copy.deepcopy(model).to(dev)
-        fns[dev] = _train_step(m, torch.optim.AdamW(m.parameters(), lr=1e-3), x.to(dev), y.to(dev))
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=FOREACH)
+        fns[dev] = _train_step(m, opt, x.to(dev), y.to(dev))
     return fns
 
 

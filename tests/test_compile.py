@@ -81,14 +81,31 @@ def test_outputs_are_adopted_without_leaks():
     del y, view
     assert torch.neuron.memory_allocated() == base
     g = torch.compile(lambda x: (lambda y: (y, y[1:], y.t()))((x * 2).view(10, 100)), backend=N)
-    outs = g(x)  # results sharing one memory: each copied by _adopt until it can take shared memory
+    outs = g(x)  # three results over one fresh buffer: adopted once, the others are views of it
     with torch.no_grad():
         refs = (lambda y: (y, y[1:], y.t()))((x * 2).view(10, 100))
     assert all(torch.equal(o, r) for o, r in zip(outs, refs))
     del refs
-    assert 4000 <= torch.neuron.memory_allocated() - base <= 3 * 4000
+    assert torch.neuron.memory_allocated() - base == 4000
+    assert len({o.untyped_storage().data_ptr() for o in outs}) == 1
     del outs
     assert torch.neuron.memory_allocated() == base
+
+
+def test_kernel_boundary_adopts_only_memory_the_results_alone_hold():
+    """`_C._device_results`: fresh memory moves without a copy; memory held elsewhere is copied, never stolen."""
+    from torchneuron import _C
+    x = torch.arange(6.0, device=N)
+    fresh, keep = torch.arange(4.0), torch.arange(3.0)
+    ptr = fresh.data_ptr()
+    held = keep[1:]  # `keep` (say, a constant of the kernel) also holds this memory
+    outs = _C._device_results([fresh, fresh[2:], held, _C._host_alias(x)[1:], 7], [0, 0, 0, 0, None], [x])
+    assert outs[0].untyped_storage().data_ptr() == ptr and outs[1].untyped_storage().data_ptr() == ptr
+    assert outs[1].storage_offset() == 2 and fresh.numel() == 0  # the CPU result is left empty, not dangling
+    assert torch.equal(outs[2].cpu(), torch.tensor([1.0, 2.0])) and torch.equal(keep, torch.arange(3.0))
+    assert outs[2].untyped_storage().data_ptr() != keep.data_ptr()
+    assert outs[3].untyped_storage().data_ptr() == x.untyped_storage().data_ptr() and outs[3].storage_offset() == 1
+    assert outs[4] == 7 and all(o.device == torch.device(N, 0) for o in outs[:4])
 
 
 def test_conjugate_results_keep_their_values():

@@ -22,16 +22,6 @@ _DEVICE_STR = re.compile(r"neuron(:\d+)?")
 ABI = 1  # bump when the meaning of a cache entry changes
 
 
-def host_view(t: torch.Tensor) -> torch.Tensor:
-    """A CPU tensor over the same memory as a neuron tensor (the neuron tensor must outlive it)."""
-    return _C._host_alias(t)
-
-
-def adopt(t: torch.Tensor, index: int) -> torch.Tensor:
-    """A neuron tensor that takes over the memory of a fresh CPU tensor (which is left empty)."""
-    return _C._adopt(t, index)
-
-
 def _on_host(a: Any) -> Any:
     if isinstance(a, torch.device) and a.type == "neuron":
         return CPU
@@ -99,60 +89,19 @@ def _target() -> dict:
 
 
 class Kernel:
-    """A compiled kernel, called boxed (a list of arguments, consumed) like Inductor's own compiled graphs."""
+    """A compiled kernel, called boxed (a list of arguments, consumed) like Inductor's own compiled graphs. Its
+    neuron inputs enter as CPU views of the same memory; results over input memory become views of those
+    inputs and fresh memory is adopted by the neuron allocator, copied only when something besides the results
+    holds it (`_C._device_results`)."""
 
     def __init__(self, call: Any, device_inputs: list[int], outputs: list[int | None]):
         self.call, self.device_inputs, self.outputs = call, device_inputs, outputs
         self._boxed_call = True
 
     def __call__(self, args: list) -> list:
-        owners: dict[int, torch.Tensor] = {}  # storage address -> neuron tensor holding that memory
-        for i in self.device_inputs:
-            t = args[i]
-            owners[_base_ptr(t)] = t
-            args[i] = host_view(t)
-        outs = self.call(args)
-        return _to_device(outs, self.outputs, owners)
-
-
-def _base_ptr(t: torch.Tensor) -> int:
-    """Address of the tensor's storage, read without a storage wrapper (a wrapper, once made, is one more
-    reference to the storage for as long as the storage lives, and _adopt copies shared storages)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size() if t.numel() else 0
-
-
-def _to_device(outs: list, devices: list[int | None], owners: dict[int, torch.Tensor]) -> list:
-    """Results onto the device. A view of input memory stays a view of that input. Fresh memory is adopted with
-    no copy when the result is its only user (`_C._adopt` copies memory that something else references);
-    later results over memory already adopted whole become views of it."""
-    ptrs = [_base_ptr(o) if d is not None and isinstance(o, torch.Tensor) else None for o, d in zip(outs, devices)]
-    res, done = [], {}
-    for o, d, ptr in zip(outs, devices, ptrs):
-        if ptr is None:
-            res.append(o)
-        elif id(o) in done:  # the same result twice
-            res.append(done[id(o)])
-        elif ptr == 0:
-            res.append(torch.empty_strided(o.shape, o.stride(), dtype=o.dtype, device=torch.device("neuron", d)))
-        elif (base := owners.get(ptr)) is not None:
-            res.append(_view(base, o))
-        else:
-            t = adopt(o, d)
-            if _base_ptr(t) == ptr:
-                owners[ptr] = t  # the memory moved whole
-            res.append(t)
-        if ptr is not None:
-            done[id(o)] = res[-1]
-    return res
-
-
-def _view(base: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A tensor over `base`'s memory with the metadata (and lazy conj/neg bits) of `like`."""
-    v = torch.empty(0, dtype=like.dtype, device=base.device).set_(base.untyped_storage(), like.storage_offset(),
-                                                                   like.shape, like.stride())
-    if like.is_conj():
-        v = v.conj()
-    return v._neg_view() if like.is_neg() else v
+        inputs = [args[i] for i in self.device_inputs]  # keeps the memory behind the host views alive
+        _C._host_args(args, self.device_inputs)
+        return _C._device_results(self.call(args), self.outputs, inputs)
 
 
 @dataclass

@@ -5,6 +5,10 @@
 
 #include "runtime.h"
 
+namespace torchneuron {
+void bind_boundary(py::module_& m);  // boundary.cpp
+}  // namespace torchneuron
+
 namespace {
 std::map<std::string, int64_t> as_dict(const std::vector<std::pair<std::string, int64_t>>& v) { return {v.begin(), v.end()}; }
 }  // namespace
@@ -34,14 +38,6 @@ PYBIND11_MODULE(_C, m) {
     TORCH_CHECK(t.device().type() == kNeuron, "_host_alias expects a neuron tensor, got one on ", t.device());
     return host_alias(t);
   }, "A CPU tensor over the same memory as a neuron tensor (zero-copy; keep the neuron tensor alive while using it).");
-  m.def("_adopt", [](const at::Tensor& t, int device) {
-    TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, "_adopt expects a strided CPU tensor");
-    check_device_index(static_cast<c10::DeviceIndex>(device));
-    if (t.storage().use_count() > 1 || !t.storage().resizable()) return adopt_host_tensor(t.clone(), device);
-    at::Tensor out = adopt_host_tensor(t, static_cast<c10::DeviceIndex>(device));
-    t.unsafeGetTensorImpl()->set_sizes_contiguous({0});  // the CPU tensor is left empty, never dangling
-    return out;
-  }, "Move a CPU tensor's memory into neuron device memory without a copy (copies if the storage is shared). "
-     "The CPU tensor is left empty.");
+  bind_boundary(m);
   m.def("_device_capacity", [](int index) { return device_capacity(static_cast<c10::DeviceIndex>(index)); });
 }
