@@ -44,6 +44,11 @@ def register() -> None:
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
     _keep_parameters_on_conversion()
+    # Backward runs on the calling thread, as on the CPU. PyTorch gives each accelerator an autograd worker
+    # thread so host and device work overlap; this device executes on the host synchronously, so that thread
+    # only adds a hand-off (~190 us per backward call on a 2-core box). Thread-local: set for the importing
+    # thread; torch.autograd.set_multithreading_enabled(True) restores PyTorch's default.
+    torch.autograd.set_multithreading_enabled(False)
     if cfg.local_rank is not None:  # under torchrun each rank starts on its own logical core
         torch._C._accelerator_hooks_set_current_device(cfg.local_rank)
 
