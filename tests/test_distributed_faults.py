@@ -75,8 +75,11 @@ def mismatched() -> dict[str, Any]:
 
 @pytest.mark.parametrize("when", ["between", "during"])
 def test_killed_rank_fails_the_others(when: str) -> None:
-    ranks = launch("test_distributed_faults.py::killed", 3, when, allow_fail=(1,))
-    assert ranks[1] is None
+    # After a peer died, gloo itself sometimes aborts the survivors at interpreter exit ("terminate called
+    # without an active exception"; plain gloo on CPU does it too, ~1 run in 4): their exit status is not
+    # checked, their results (written before exit) are.
+    ranks = launch("test_distributed_faults.py::killed", 3, when, allow_fail=(0, 1, 2))
+    assert ranks[1] is None and ranks[0] is not None and ranks[2] is not None
     for r in (ranks[0], ranks[2]):
         assert r["error"] and "all_reduce failed" in r["error"] and "DistBackendError" in r["error"], r
         assert r["seconds"] < TIMEOUT + 5, r
