@@ -30,12 +30,8 @@ TARGET = 0.98
 # Not counted: PyTorch itself excludes these from CPU comparison (uninitialised or device-defined outputs).
 EXCLUDED = {name for name, op in OPS.items() if pytorch_skips_compare_cpu(op)}
 # Known failures, each with its reason.
-_RNG = ("device bug (reported in .notes/device-bugs.md): wrapper_set_seed's freeze_rng_state makes Dynamo trace "
-        "into torchneuron.device.random under no_dispatch(); fails with backend='eager' too")
 _SPARSE = "the device stores only strided tensors: the op's sparse result raises NotImplementedError, as in eager"
-KNOWN: dict[str, str] = {"item": _RNG, "randn": _RNG, "randint": _RNG,
-                         "nn.functional.feature_alpha_dropout.without_train": _RNG,
-                         "sparse.mm.reduce": _SPARSE, "sparse.sampled_addmm": _SPARSE, "to_sparse": _SPARSE}
+KNOWN: dict[str, str] = {"sparse.mm.reduce": _SPARSE, "sparse.sampled_addmm": _SPARSE, "to_sparse": _SPARSE}
 NA = "n/a: "  # the CPU reference itself fails (e.g. CUDA-only jiterator ops): not comparable, not counted
 
 

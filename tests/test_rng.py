@@ -85,3 +85,30 @@ def test_seed_is_random():
     s1 = torch.neuron.initial_seed()
     torch.neuron.seed()
     assert torch.neuron.initial_seed() != s1
+
+
+def test_rng_state_calls_inside_compiled_code_run_eagerly():
+    """torch.compile graph-breaks on the RNG functions (as Dynamo skips torch.cuda's): saving and restoring the
+    state inside a compiled function (PyTorch's freeze_rng_state, under no_dispatch) works and draws as eager."""
+    from torch.testing._internal.common_utils import freeze_rng_state
+
+    def f(x):
+        with freeze_rng_state():
+            torch.manual_seed(42)
+            return torch.randn(3, device="neuron") + x
+
+    torch.manual_seed(0)
+    before = torch.neuron.get_rng_state()
+    out = torch.compile(f, backend="neuron")(torch.ones(3, device="neuron"))
+    assert torch.equal(torch.neuron.get_rng_state(), before)  # restored by freeze_rng_state
+    torch.manual_seed(42)
+    assert torch.equal(out.cpu(), torch.randn(3) + 1)
+
+
+def test_seeding_does_not_import_dynamo():
+    import subprocess
+    import sys
+    code = ("import sys, torch; torch.manual_seed(0); torch.neuron.get_rng_state(); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "False", out.stderr
