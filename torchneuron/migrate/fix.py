@@ -271,8 +271,9 @@ def _event_uses(module: cst.Module, facts: _Facts, parents: Mapping[cst.CSTNode,
             out[key] = None
             continue
         uses: list[Site] | None = []
+        event_refs = {id(r) for r in _refs(scope, event_names)}  # every read of an event in this scope
         for ref in {id(r.node): r.node for asg in scope.assignments[name.value] for r in asg.references}.values():
-            use = _event_use(ref, parents, q, event_names | {id(r) for r in _refs(scope, event_names)})
+            use = _event_use(ref, parents, q, event_refs)
             if use is None:
                 uses = None
                 break
@@ -301,12 +302,12 @@ def _bound_name(call: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -
     return None
 
 
-def _event_use(ref: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode], q, events: set[int]
+def _event_use(ref: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode], q, event_refs: set[int]
                ) -> Site | bool | None:
     """The guarded rewrite of one use of an event; True when it needs none; None when it cannot be guarded."""
-    attr, arg = parents.get(ref), parents.get(ref)
+    attr = arg = parents.get(ref)
     if isinstance(arg, cst.Arg) and isinstance(call := parents.get(arg), cst.Call) and \
-            isinstance(call.func, cst.Attribute) and call.func.attr.value == "elapsed_time" and id(ref) in events:
+            isinstance(call.func, cst.Attribute) and call.func.attr.value == "elapsed_time" and id(ref) in event_refs:
         return True  # `start.elapsed_time(end)`: guarded with `start`
     call = parents.get(attr)
     if not (isinstance(attr, cst.Attribute) and attr.value is ref and isinstance(call, cst.Call)
