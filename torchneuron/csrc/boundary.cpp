@@ -13,16 +13,6 @@ namespace {
 // Address of a tensor's memory block; 0 for an empty tensor (it owns nothing worth adopting).
 const void* base_ptr(const at::Tensor& t) { return t.numel() ? t.storage().data() : nullptr; }
 
-// A neuron tensor over `base`'s memory with the metadata (and conj/neg bits) of `like`.
-at::Tensor view_of(const at::Tensor& base, const at::Tensor& like) {
-  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()),
-                                                    c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), like.dtype());
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(like.sizes(), like.strides(), like.storage_offset());
-  if (like.is_conj()) t._set_conj(true);
-  if (like.is_neg()) t._set_neg(true);
-  return t;
-}
-
 // Replace args[i] (a neuron tensor) with a CPU view of the same memory, for each i in `device_inputs`.
 void host_args(py::list args, const std::vector<int64_t>& device_inputs) {
   for (int64_t i : device_inputs) args[i] = py::cast(host_alias(py::cast<at::Tensor>(args[i])));
@@ -66,7 +56,7 @@ py::list device_results(py::sequence outs, const std::vector<std::optional<int64
     } else if (!ptr) {
       out = at::empty_strided(o.sizes(), o.strides(), o.options().device(c10::Device(kNeuron, dev)));
     } else if (auto own = owners.find(ptr); own != owners.end()) {
-      out = view_of(own->second, o);
+      out = device_tensor_like(own->second.storage(), o);
     } else {
       bool shared = static_cast<size_t>(o.storage().use_count()) > holders[ptr].size() || !o.storage().resizable();
       out = adopt_host_tensor(shared ? o.clone() : o, dev);

@@ -110,7 +110,9 @@ c10::IValue map_tensors(const c10::IValue& v, F&& f) {
 
 bool is_neuron(const at::Tensor& t) { return t.defined() && t.device().type() == kNeuron; }
 
-// A neuron tensor with the metadata of `host` over `storage`.
+}  // namespace
+
+// A neuron tensor with the metadata (and conj/neg bits) of `host` over `storage`.
 at::Tensor device_tensor_like(const c10::Storage& storage, const at::Tensor& host) {
   auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
                                                     host.dtype());
@@ -119,6 +121,8 @@ at::Tensor device_tensor_like(const c10::Storage& storage, const at::Tensor& hos
   t._set_neg(host.is_neg());
   return t;
 }
+
+namespace {
 
 bool is_fp64(const at::Tensor& t) {
   return t.defined() && (t.scalar_type() == at::kDouble || t.scalar_type() == at::kComplexDouble);

@@ -62,5 +62,7 @@ void clear_op_tracking();
 at::Tensor host_alias(const at::Tensor& device_tensor);
 // A device tensor over the memory of a CPU tensor produced by a kernel (adopted, no copy).
 at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device);
+// A neuron tensor over `storage` with the metadata (and conj/neg bits) of `like`.
+at::Tensor device_tensor_like(const c10::Storage& storage, const at::Tensor& like);
 
 }  // namespace torchneuron
