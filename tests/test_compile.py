@@ -277,3 +277,18 @@ def test_metrics_reset():
         warnings.simplefilter("error")
         torch.neuron.reset_dynamo_metrics()
     assert rows() == []
+
+
+def test_graphs_without_tensor_inputs():
+    """A graph that only makes tensors (no inputs) or reads only Python scalars compiles, as on Inductor for the
+    CPU (it used to fail in lift_constants)."""
+    f = torch.compile(lambda: torch.tensor([1.0, 2.0], device="neuron") * 2, backend="neuron", fullgraph=True)
+    out = f()
+    assert out.device.type == "neuron" and torch.equal(out.cpu(), torch.tensor([2.0, 4.0]))
+    g = torch.compile(lambda n: torch.arange(n, device="neuron") * 3, backend="neuron", fullgraph=True)
+    for n in (3, 4, 5):  # after the second size Dynamo passes n as a SymInt: the graph's only input
+        assert g(n).cpu().tolist() == [3 * i for i in range(n)]
+    h = torch.compile(lambda s: torch.ones(2, device="neuron") * s + s, backend="neuron", fullgraph=True)
+    for s in (1.5, 2.5):  # a float: a constant, or a scalar input after a change
+        torch.testing.assert_close(h(s).cpu(), torch.full((2,), 2 * s))
+    assert all(r["error"] is None and r["fallback"] is None for r in rows())

@@ -127,3 +127,92 @@ def test_key_covers_the_modelled_target(monkeypatch):
     assert kernel._target()["instance"] == other.name and kernel._target() != base
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
     assert kernel._target()["threads"] == 97
+
+
+# A one-kernel inference graph compiled in a fresh process (a process that already loaded a kernel would not
+# load it again): prints the result, or fails.
+SMALL = textwrap.dedent("""
+    import torch
+    x = torch.linspace(-2, 2, 8, device="neuron")
+    out = torch.compile(lambda x: (x.sin() * 3 + 1).tanh(), backend="neuron")(x)
+    torch.testing.assert_close(out.cpu(), (x.cpu().sin() * 3 + 1).tanh())
+    print(torch.neuron.get_dynamo_metrics()[0]["cache_hit"])
+""")
+
+
+def run_small(cache_dir) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "TORCHINDUCTOR_"))}
+    env["TORCHNEURON_CACHE_DIR"] = str(cache_dir)
+    return subprocess.run([sys.executable, "-c", SMALL], env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def warm_small(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small")
+    p = run_small(d)
+    assert p.returncode == 0 and p.stdout.split() == ["False"], p.stderr[-2000:]
+    return d
+
+
+def _damage(path, how: str) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 3] if how == "truncate" else os.urandom(len(data)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("artifact,how", [("so", "truncate"), ("so", "random"), ("py", "random")])
+def test_corrupt_compiled_artifacts_are_rebuilt(warm_small, tmp_path, artifact, how):
+    """A truncated compiled kernel used to crash the process (bus error) and random bytes failed every later
+    run (ImportError): artifacts are verified before Inductor loads them, and rebuilt once."""
+    import shutil
+
+    d = tmp_path / "cache"
+    shutil.copytree(warm_small, d)
+    files = [f for f in (d / "inductor").rglob(f"*.{artifact}") if f.is_file()]
+    assert files, list((d / "inductor").rglob("*"))
+    for f in files:
+        _damage(f, how)
+    p = run_small(d)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["True"] and "corrupt compile artifact" in p.stderr, (p.stdout, p.stderr[-2000:])
+    again = run_small(d)  # rebuilt and recorded: the next process loads it without a word
+    assert again.returncode == 0 and again.stdout.split() == ["True"], again.stderr[-2000:]
+    assert "corrupt" not in again.stderr
+
+
+def _compile_twice(x):
+    outs = []
+    for k in (2.0, 3.0):
+        torch._dynamo.reset()
+        outs.append(torch.compile(lambda x, k=k: x * k + 1, backend="neuron")(x))
+    return outs
+
+
+@pytest.mark.parametrize("layout", ["dir is a file", "dir under a file", "kernels is a file", "entry is a dir"])
+def test_an_unusable_cache_turns_itself_off_with_one_warning(tmp_path, monkeypatch, layout):
+    """Each used to fail every compile (even with TORCHNEURON_COMPILE_FALLBACK=eager). Tests run as root, for
+    whom permissions do not block reads: the layouts make the operating system refuse the operations."""
+    import warnings
+
+    root = tmp_path / "cache"
+    if layout == "dir is a file":
+        root.write_text("not a directory")
+    elif layout == "dir under a file":
+        (tmp_path / "file").write_text("")
+        root = tmp_path / "file" / "cache"
+    elif layout == "kernels is a file":
+        root.mkdir(mode=0o700)
+        (root / "kernels").write_text("")
+    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", str(root))
+    x = torch.arange(4.0, device="neuron")
+    if layout == "entry is a dir":  # the entry's file name is taken by a directory: unreadable, cannot be removed
+        _compile_twice(x)
+        for f in entries(root):
+            f.unlink()
+            f.mkdir()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        outs = _compile_twice(x)
+    assert [o.cpu().tolist() for o in outs] == [[1.0, 3.0, 5.0, 7.0], [1.0, 4.0, 7.0, 10.0]]
+    cache_warnings = [str(m.message) for m in w if "compile cache" in str(m.message)]
+    assert len(cache_warnings) == 1 and "the cache is off" in cache_warnings[0], [str(m.message) for m in w]

@@ -1,4 +1,5 @@
 """Pinned host memory and DataLoader(pin_memory=True) feeding the device."""
+import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -36,3 +37,54 @@ def test_dataloader_with_workers():
     batches = list(DataLoader(ds, batch_size=4, pin_memory=True, num_workers=2))
     assert all(b[0].is_pinned() for b in batches)
     assert torch.equal(torch.cat([b[0] for b in batches]), ds.tensors[0])
+
+
+def test_worker_returning_a_neuron_tensor_raises_in_the_main_process(tmp_path):
+    """On CUDA the error of a worker that makes device tensors reaches the main process; a neuron batch cannot
+    be shared between processes, and the queue's feeder thread used to drop it (the main process then waited
+    forever). The main process must raise a clear error in bounded time, with fork and with spawn."""
+    code = """
+        import sys, torch
+        from torch.utils.data import DataLoader, Dataset
+
+        class OnNeuron(Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                return torch.full((2,), float(i), device="neuron")
+
+        if __name__ == "__main__":
+            for ctx in ("fork", "spawn"):
+                try:
+                    next(iter(DataLoader(OnNeuron(), batch_size=2, num_workers=1, multiprocessing_context=ctx,
+                                         timeout=120)))
+                    print(ctx, "no error")
+                except RuntimeError as e:
+                    print(ctx, "cannot be shared between processes" in str(e), "shape (2, 2)" in str(e))
+            # CPU batches from workers still work, and neuron tensors in the main process too
+            dl = DataLoader(torch.arange(8.0), batch_size=4, num_workers=1)
+            print(torch.cat([b.to("neuron") for b in dl]).sum().item())
+    """
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    (tmp_path / "loader.py").write_text(textwrap.dedent(code))  # a file: spawned workers re-import it
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_"))}
+    p = subprocess.run([sys.executable, str(tmp_path / "loader.py")], capture_output=True, text=True, env=env,
+                       timeout=240)
+    assert p.stdout.split() == ["fork", "True", "True", "spawn", "True", "True", "28.0"], p.stdout + p.stderr[-2000:]
+
+
+def test_multiprocessing_queue_with_a_neuron_tensor_raises_in_the_receiver():
+    import torch.multiprocessing as mp
+
+    q = mp.get_context("spawn").SimpleQueue()
+    q.put(torch.ones(2, device="neuron"))
+    q.put(torch.ones(2, device="neuron").untyped_storage())
+    q.put(torch.ones(2))
+    for what in ("tensor of shape (2,)", "storage"):
+        with pytest.raises(RuntimeError, match=f"neuron {what.replace('(', '.').replace(')', '.')} was sent"):
+            q.get()
+    assert torch.equal(q.get(), torch.ones(2))

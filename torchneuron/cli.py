@@ -8,6 +8,8 @@ import sys
 from collections.abc import Callable
 
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+DESCRIPTION = ("torchneuron: find and fix CUDA lock-in, run CUDA scripts unmodified on the neuron device, show the "
+               "modelled Trainium machine, and estimate or profile a model's Trainium performance and cost.")
 
 
 def _paths(p: argparse.ArgumentParser) -> None:
@@ -17,11 +19,14 @@ def _paths(p: argparse.ArgumentParser) -> None:
 def _check_args(p: argparse.ArgumentParser) -> None:
     _paths(p)
     p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
-    p.add_argument("-j", "--jobs", type=int, default=1, metavar="N", help="worker processes (0: one per CPU)")
+    p.add_argument("-j", "--jobs", type=int, default=1, metavar="N", help="worker processes, >= 0 (0: one per CPU)")
 
 
 def _check(a: argparse.Namespace) -> int:
     from .migrate import check
+
+    if a.jobs < 0:
+        a.parser.error(f"-j/--jobs must be >= 0 (0: one per CPU), got {a.jobs}")
     return check.run(a.paths, a.format, a.jobs)
 
 
@@ -42,10 +47,15 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run(a: argparse.Namespace) -> int:
+    """Run the script as `python script.py` would (sys.argv, sys.path[0], exit status, the message of
+    sys.exit("..."), a traceback that starts at the script's own frame), then print the porting report,
+    whatever the script's outcome."""
     import runpy
 
     from .migrate import compat, report
 
+    if not os.path.isfile(a.script):
+        a.parser.error(f"no such script: {a.script}")
     compat.enable()
     sys.argv = [a.script, *a.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
@@ -53,9 +63,34 @@ def _run(a: argparse.Namespace) -> int:
         runpy.run_path(a.script, run_name="__main__")
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        code = _exit_status(e.code)
+    except BaseException as e:  # noqa: BLE001  (reported as Python reports an uncaught exception)
+        sys.excepthook(type(e), e, _from_script(e.__traceback__, a.script))
+        code = 130 if isinstance(e, KeyboardInterrupt) else 1
+    sys.stdout.flush()
+    sys.stderr.flush()
     report.write(a.report or "-")
     return code
+
+
+def _exit_status(code: object) -> int:
+    """What the interpreter does with SystemExit(code): None is 0, an int is the status, anything else is
+    printed to stderr and the status is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _from_script(tb, script: str):
+    """The traceback from the script's first frame on, without runpy's and this module's frames (None when the
+    script never ran, e.g. a syntax error, which Python also reports without frames)."""
+    path = os.path.abspath(script)
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
+        tb = tb.tb_next
+    return tb
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -69,7 +104,11 @@ def _info(a: argparse.Namespace) -> int:
 
     from .device.module import config
 
-    cfg = config()
+    try:
+        cfg = config()
+    except RuntimeError as e:  # an invalid configuration (environment variables): say which, no traceback
+        print(f"torchneuron info: {e}", file=sys.stderr)
+        return 1
     facts = {
         "torch": torch.__version__, "instance": cfg.instance.name, "chip": cfg.chip.name,
         "core": cfg.chip.core_version, "chips": cfg.instance.chips, "lnc": cfg.lnc,
@@ -133,7 +172,7 @@ COMMANDS: dict[str, Command] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchneuron", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="torchneuron", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)

@@ -85,6 +85,7 @@ def neuron_backend(gm: fx.GraphModule, example_inputs: list, *, mode: str | None
     """The `neuron` torch.compile backend (entry point `torch_dynamo_backends`)."""
     import torch._dynamo
 
+    torch.neuron._lazy_init()  # compiling for the device is a use of it: an invalid configuration raises here
     opts = Options.parse({**(options or {}), **kwargs}, mode)
     name = _graph_name(opts.model_name)
     if _symbolic(example_inputs):

@@ -116,8 +116,9 @@ def _fake(fn: Callable, *args: Any) -> Any:
 
 
 def _placeholder(gm: fx.GraphModule, name: str, val: Any) -> fx.Node:
-    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
-    with gm.graph.inserting_after(last):
+    """A new last input (the first one when the graph has none: it then only makes tensors or reads scalars)."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with gm.graph.inserting_after(last[-1]) if last else gm.graph.inserting_before(next(iter(gm.graph.nodes))):
         p = gm.graph.placeholder(name)
     p.meta["val"] = val
     return p

@@ -3,8 +3,11 @@ plugs in as subcommands, plus the demo's closing comparison."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import runpy
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,6 +16,30 @@ from ..hardware.chips import CHIPS, GPU_INSTANCES, INSTANCES
 from .estimate import EXECUTIONS, MODES, RECOMPUTE, EstimateResult, estimate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def at_least(lo: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= lo (a usage error naming the range otherwise)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {text!r}")
+        return value
+    return parse
+
+
+def positive_finite(text: str) -> float:
+    """An argparse type: a finite number > 0 (nan, inf, 0 and negative prices are usage errors)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
 
 
 def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,19 +51,47 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=sorted(CHIPS), default="trn2")
     p.add_argument("--instance", choices=sorted(INSTANCES), help="default: the target's largest instance")
     p.add_argument("--mode", choices=MODES, default="train")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree (logical cores)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (logical cores)")
-    p.add_argument("--batch", type=int, default=1, help="sequences per data-parallel rank per micro-step")
-    p.add_argument("--seq", type=int, default=1024, help="sequence length (decode: tokens in the cache)")
-    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (gradient accumulation)")
+    p.add_argument("--dp", type=at_least(1), default=1, help="data-parallel degree (logical cores, >= 1)")
+    p.add_argument("--tp", type=at_least(1), default=1,
+                   help="tensor-parallel degree (logical cores of one instance: 1 to the instance's cores)")
+    p.add_argument("--batch", type=at_least(1), default=1, help="sequences per data-parallel rank per micro-step")
+    p.add_argument("--seq", type=at_least(1), default=1024,
+                   help="sequence length (decode: tokens in the cache), at most the model's context")
+    p.add_argument("--global-batch", type=at_least(1),
+                   help="sequences per optimizer step (gradient accumulation), at least dp x batch")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--lnc", type=int, help="logical NeuronCore size (trn2/trn3: 1 or 2)")
     p.add_argument("--execution", choices=EXECUTIONS, default="compiled")
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
-    p.add_argument("--price", type=float, help="USD per instance-hour (default: the documented estimate)")
+    p.add_argument("--price", type=positive_finite,
+                   help="USD per instance-hour, > 0 (default: the documented estimate)")
     p.add_argument("--compare", default="p5.48xlarge", choices=[*GPU_INSTANCES, "none"])
     p.add_argument("--report", metavar="OUT.md|OUT.html", help="also write a report with charts")
-    p.add_argument("--top", type=int, default=10, help="ops to list")
+    p.add_argument("--top", type=at_least(0), default=10, help="ops to list (>= 0)")
+
+
+def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any]) -> None:
+    """The checks that involve several arguments; `error` is the parser's (a usage error, exit status 2)."""
+    from .estimate import Layout
+    from .presets import PRESETS
+
+    try:
+        Layout.of(a.target, a.instance, a.lnc).check_tp(a.tp)
+    except ValueError as e:
+        error(f"{e} (--target {a.target}, --instance {a.instance or 'default'}, --lnc {a.lnc or 'default'})")
+    if a.global_batch is not None and a.global_batch < a.dp * a.batch:
+        error(f"--global-batch must be at least --dp x --batch = {a.dp * a.batch}, got {a.global_batch}")
+    if a.model in PRESETS:
+        kw = PRESETS[a.model][1]
+        context = kw.get("n_positions") or kw.get("max_position_embeddings")
+        if context and a.seq > context:
+            error(f"--seq must be in 1..{context} for {a.model} (its context length), got {a.seq}")
+    else:
+        path, _, fn = a.model.rpartition(":")
+        if not (path and fn and os.path.isfile(path)):
+            error(f"--model {a.model!r}: use one of {', '.join(PRESETS)} or path/to/file.py:function")
+    if a.report and not os.path.isdir(os.path.dirname(os.path.abspath(a.report))):
+        error(f"--report {a.report!r}: its directory does not exist")
 
 
 def _ops_table(r: EstimateResult, n: int) -> str:
@@ -49,6 +104,7 @@ def _ops_table(r: EstimateResult, n: int) -> str:
 def run_estimate(a: argparse.Namespace) -> int:
     from . import presets, report
 
+    check_estimate_arguments(a, a.parser.error if "parser" in a else _raise)
     model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype])
     tokens = a.global_batch * (a.seq if a.mode == "train" else 1) if a.global_batch else None
     r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
@@ -67,17 +123,39 @@ def run_estimate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def _device_type(text: str) -> str:
+    """An argparse type: 'all' or a device type PyTorch knows (cpu, neuron, meta, ...)."""
+    if text != "all":
+        try:
+            torch.device(text)
+        except RuntimeError:
+            raise argparse.ArgumentTypeError(f"expected 'all' or a device type such as neuron or cpu, got "
+                                             f"{text!r}") from None
+    return text
+
+
 def add_profile_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("script", help="a Python script to run under the profiler")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.add_argument("--device", default="neuron", help="record ops on this device type ('all': every device)")
+    p.add_argument("--device", type=_device_type, default="neuron",
+                   help="record ops on this device type ('all': every device)")
     p.add_argument("--target", choices=sorted(CHIPS), help="chip to model (default: the configured one)")
     p.add_argument("--trace", default="torchneuron_trace.json", help="Chrome / Perfetto trace to write")
-    p.add_argument("--top", type=int, default=20, help="ops in the summary table")
+    p.add_argument("--top", type=at_least(0), default=20, help="ops in the summary table (>= 0)")
 
 
 def run_profile(a: argparse.Namespace) -> int:
     from ..profiler import profile
+
+    error = a.parser.error if "parser" in a else _raise
+    if not os.path.isfile(a.script):
+        error(f"no such script: {a.script}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(a.trace))):
+        error(f"--trace {a.trace!r}: its directory does not exist")
 
     argv = sys.argv
     sys.argv = [a.script, *a.args]

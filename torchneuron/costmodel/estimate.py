@@ -72,6 +72,12 @@ class Layout:
         return cls(t, name, inst.chips * t.spec.logical_cores(t.lnc), inst.price_per_hour, inst.price_source,
                    inst.efa_bps / 8)
 
+    def check_tp(self, tp: int) -> None:
+        """TP groups are packed inside one instance: the degree is at most its logical cores."""
+        if not 1 <= tp <= self.cores_per_instance:
+            raise ValueError(f"the tensor-parallel degree must be in 1..{self.cores_per_instance} (the "
+                             f"{self.target.name} cores of one {self.instance}), got {tp}")
+
     def collective(self, kind: str, nbytes: float, ranks: int, stride: int = 1) -> OpCost:
         """A collective over `ranks` cores spaced `stride` apart (TP groups are packed, DP groups strided)."""
         per_node = max(1, min(ranks, self.cores_per_instance // stride))
@@ -360,8 +366,11 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
     (optimizer state sharded over dp). price_per_hour overrides the instance price. compare: a GPU instance
     to cost the same step on (same method; None to skip)."""
     plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1)
-    tr = trace(model, example_inputs, train=plan.train, dtype=dtype)
     lay = Layout.of(target, instance, lnc)
+    lay.check_tp(tp)
+    if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour > 0):
+        raise ValueError(f"the price per instance-hour must be a finite number > 0, got {price_per_hour}")
+    tr = trace(model, example_inputs, train=plan.train, dtype=dtype)
     res = cost(tr, lay, plan, price_per_hour)
     if compare and lay.target.is_neuron:
         glay = Layout.of(compare)

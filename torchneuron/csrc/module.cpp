@@ -16,11 +16,12 @@ std::map<std::string, int64_t> as_dict(const std::vector<std::pair<std::string, 
 PYBIND11_MODULE(_C, m) {
   using namespace torchneuron;
   m.doc() = "torchneuron C++ core: allocator, guard, hooks, fallback, kernels, autocast";
-  m.def("_init", [](const std::vector<int64_t>& capacities) {
-    configure_devices(capacities);
+  m.def("_init", [](const std::vector<int64_t>& capacities, const std::string& unavailable) {
+    configure_devices(capacities, unavailable);
     register_hooks();
     return route_to_cpu_kernels();
-  }, "Configure the modelled devices (one capacity in bytes per visible logical core) and register the hooks.");
+  }, "Configure the modelled devices (one capacity in bytes per visible logical core, or none and the reason "
+     "they are unusable) and register the hooks.", py::arg("capacities"), py::arg("unavailable") = "");
   m.def("_set_policies", [](int dtype, int fallback) {
     set_policies(static_cast<DtypePolicy>(dtype), static_cast<FallbackPolicy>(fallback));
   });
@@ -39,5 +40,23 @@ PYBIND11_MODULE(_C, m) {
     return host_alias(t);
   }, "A CPU tensor over the same memory as a neuron tensor (zero-copy; keep the neuron tensor alive while using it).");
   bind_boundary(m);
+  m.def("_set_data", [](const at::Tensor& self, const at::Tensor& data) {
+    // `self.data = data` between the host and a neuron device, which PyTorch refuses because its list of
+    // "dense" backends leaves PrivateUse1 out; a neuron tensor is the same TensorImpl as a CPU tensor, so the
+    // shallow copy is exactly what it does between CPU and CUDA: identity, version counter and autograd
+    // metadata (requires_grad, hooks, weak references to the Python object) stay with `self`.
+    auto plain = [](const at::Tensor& t) {
+      return typeid(*t.unsafeGetTensorImpl()) == typeid(c10::TensorImpl) && t.layout() == at::kStrided &&
+             !t.key_set().has(c10::DispatchKey::Python) && (t.device().is_cpu() || t.device().type() == kNeuron);
+    };
+    TORCH_CHECK(plain(self) && plain(data), "_set_data expects plain strided CPU or neuron tensors");
+    TORCH_CHECK(!self.requires_grad() || at::isFloatingType(data.scalar_type()) || at::isComplexType(data.scalar_type()),
+                "data set to a tensor that requires gradients must be floating point or complex dtype");
+    if (auto* meta = torch::autograd::impl::get_autograd_meta(self)) {
+      std::lock_guard<std::mutex> lock(meta->mutex_);
+      if (!data.options().type_equal(self.options()) || data.device() != self.device()) meta->grad_accumulator_.reset();
+    }
+    self.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
+  }, "self.data = data across the host/neuron boundary (what Module.to does for CUDA; PyTorch refuses it here).");
   m.def("_device_capacity", [](int index) { return device_capacity(static_cast<c10::DeviceIndex>(index)); });
 }

@@ -7,18 +7,21 @@
 namespace torchneuron {
 namespace {
 std::vector<int64_t> g_capacity;  // written once at registration, read-only afterwards
+std::string g_unavailable;        // why no device is usable (an invalid configuration), or empty
 thread_local c10::DeviceIndex t_current = 0;
 }  // namespace
 
-void configure_devices(const std::vector<int64_t>& capacities) {
-  TORCH_CHECK(!capacities.empty() && capacities.size() <= 127,
+void configure_devices(const std::vector<int64_t>& capacities, const std::string& unavailable) {
+  TORCH_CHECK(unavailable.empty() ? !capacities.empty() && capacities.size() <= 127 : capacities.empty(),
               "neuron: between 1 and 127 visible cores are supported, got ", capacities.size());
   g_capacity = capacities;
+  g_unavailable = unavailable;
 }
 
 c10::DeviceIndex device_count() noexcept { return static_cast<c10::DeviceIndex>(g_capacity.size()); }
 
 void check_device_index(c10::DeviceIndex index) {
+  TORCH_CHECK(g_unavailable.empty(), g_unavailable);  // RuntimeError, as CUDA's failed initialisation
   TORCH_CHECK_INDEX(index >= 0 && index < device_count(), "Invalid neuron device index ", static_cast<int>(index),
                     ": this process sees ", static_cast<int>(device_count()),
                     " neuron device(s), valid indices are 0..", static_cast<int>(device_count()) - 1,

@@ -16,12 +16,14 @@ namespace torchneuron {
 constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
 
 // ---- runtime.cpp: the modelled device table ----
-void configure_devices(const std::vector<int64_t>& capacities);  // one entry per visible logical core
+// One capacity per visible logical core; or none and the reason (an invalid configuration): every use of a
+// device then raises that reason, while the process itself (CPU work) is unaffected.
+void configure_devices(const std::vector<int64_t>& capacities, const std::string& unavailable);
 c10::DeviceIndex device_count() noexcept;
 int64_t device_capacity(c10::DeviceIndex index);
 c10::DeviceIndex current_device();
 void set_current_device(c10::DeviceIndex index);  // validates the index
-void check_device_index(c10::DeviceIndex index);  // throws IndexError naming the valid range
+void check_device_index(c10::DeviceIndex index);  // throws IndexError naming the valid range (or the reason)
 
 // ---- allocator.cpp: caching device allocator with capacity ----
 c10::DeviceAllocator* neuron_allocator();

@@ -5,11 +5,14 @@ from typing import Any
 
 import torch
 
-from .module import _checked, _device_t
+from .module import _checked, _device_t, is_initialized
 
 
 def memory_stats(device: _device_t = None) -> dict[str, Any]:
-    """CUDA-style flat statistics: "allocated_bytes.all.current", "reserved_bytes.large_pool.peak", ..."""
+    """CUDA-style flat statistics: "allocated_bytes.all.current", "reserved_bytes.large_pool.peak", ... Empty,
+    as torch.cuda's, while the device is not initialised (an unusable configuration: nothing can be allocated)."""
+    if not is_initialized():
+        return {}
     return torch.accelerator.memory_stats(_checked(device))
 
 

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -11,57 +13,95 @@ import torch
 from .. import _C
 from ..hardware import config as _config
 
-_CONFIG: _config.Config | None = None
+_CONFIG: _config.Config | None = None  # read from the environment at registration; None if invalid
+_CONFIG_ERROR: str | None = None  # why the configuration is invalid: raised at the first use of the device
+_registered = _initialized = _warned = False  # _initialized: usable (validated), as torch.cuda.is_initialized
 _device_t = torch.device | str | int | None
+
+
+def _loaded_config() -> _config.Config:
+    if _CONFIG is None:
+        raise RuntimeError(_CONFIG_ERROR or "torchneuron is not registered yet: import torchneuron (or torch "
+                           "with autoload on)")
+    return _CONFIG
 
 
 def config() -> _config.Config:
     """The modelled machine and policies this process runs with (read from the environment at registration)."""
-    if _CONFIG is None:
-        raise RuntimeError("torchneuron is not registered yet: import torchneuron (or torch with autoload on)")
-    return _CONFIG
+    _lazy_init()
+    return _loaded_config()
 
 
 def _set_config(**changes: Any) -> None:
     global _CONFIG
-    _CONFIG = dataclasses.replace(config(), **changes)
+    _CONFIG = dataclasses.replace(_loaded_config(), **changes)
 
 
 def register() -> None:
-    """Make PrivateUse1 the `neuron` device: the C++ core, `torch.neuron`, and the generated methods."""
-    global _CONFIG
-    if _CONFIG is not None:
+    """Make PrivateUse1 the `neuron` device: the C++ core, `torch.neuron`, and the generated methods.
+
+    It never fails on the environment (installing torchneuron must not break `import torch` for CPU work): an
+    invalid configuration leaves zero usable devices and its error is raised at the first use of `neuron`
+    (`_lazy_init`, as torch.cuda's lazy initialisation); so is a LOCAL_RANK beyond the visible cores."""
+    global _CONFIG, _CONFIG_ERROR, _registered, _initialized
+    if _registered:
         return
     from ..runtime import policy
 
-    cfg = _config.load()
-    _C._init([cfg.core_capacity] * cfg.device_count)
-    _CONFIG = cfg
+    try:
+        cfg = _config.load()
+    except _config.ConfigError as e:
+        cfg, _CONFIG_ERROR = None, str(e)
+    _C._init([cfg.core_capacity] * cfg.device_count if cfg else [], _CONFIG_ERROR or "")
+    _CONFIG, _registered = cfg, True
+    _initialized = cfg is not None and cfg.local_rank_error is None
     policy.install_op_tables()
-    policy.set_policies()
+    if cfg is not None:
+        policy.set_policies()
     torch.utils.rename_privateuse1_backend("neuron")
     torch._register_device_module("neuron", sys.modules[__package__])  # torchneuron.device is torch.neuron
     torch.utils.generate_methods_for_privateuse1_backend(
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
     _keep_parameters_on_conversion()
+    _refuse_sharing_between_processes()
     # Backward runs on the calling thread, as on the CPU. PyTorch gives each accelerator an autograd worker
     # thread so host and device work overlap; this device executes on the host synchronously, so that thread
     # only adds a hand-off (~190 us per backward call on a 2-core box). Thread-local: set for the importing
     # thread; torch.autograd.set_multithreading_enabled(True) restores PyTorch's default.
     torch.autograd.set_multithreading_enabled(False)
-    if cfg.local_rank is not None:  # under torchrun each rank starts on its own logical core
+    if _initialized and cfg.local_rank is not None:  # under torchrun each rank starts on its own logical core
         torch._C._accelerator_hooks_set_current_device(cfg.local_rank)
+
+
+def _lazy_init() -> None:
+    """Called at each use of the device (PyTorch calls it before a tensor is made on `neuron` and in
+    torch.accelerator; so do torch.neuron's queries and the compiler). A valid configuration is initialised at
+    registration; otherwise its error, or LOCAL_RANK naming a core this process does not see, is raised here as
+    a RuntimeError (as torch.cuda's lazy initialisation raises a driver's failure)."""
+    if not _initialized:
+        raise RuntimeError(_loaded_config().local_rank_error)
 
 
 def _keep_parameters_on_conversion() -> None:
     """Make `module.to("neuron")` keep parameter identity and weight tying, as it does for CUDA.
 
-    PyTorch swaps a parameter's data in place only between "dense" backends, a list that leaves PrivateUse1 out, so
-    a plain `.to("neuron")` would make new Parameter objects: tied weights come apart and optimizers built before
-    the move lose their parameters. Conversions that cross the neuron boundary use PyTorch's own tensor-swapping
-    path (torch.__future__.set_swap_module_params_on_conversion) instead; all others are left untouched.
+    PyTorch converts a parameter in place (`param.data = converted`) only between "dense" backends, a list that
+    leaves PrivateUse1 out, so a plain `.to("neuron")` would make new Parameter objects: tied weights come apart
+    and optimizers built before the move lose their parameters. Conversions that cross the neuron boundary take
+    Module._apply's tensor-swapping path (torch.__future__.set_swap_module_params_on_conversion), where the swap
+    of a plain parameter or gradient is `_C._set_data`: the in-place conversion CUDA gets, which, unlike
+    torch.utils.swap_tensors, also works when weak references to the parameter exist or autograd still holds
+    it. Tensor subclasses (DTensor, ...) are swapped by PyTorch. All other conversions are left untouched.
     """
     Module = torch.nn.Module
+    swap_tensors = torch.utils.swap_tensors
+    plain = (torch.Tensor, torch.nn.Parameter)
+
+    def set_data_or_swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if type(t1) in plain and type(t2) in plain and t1.layout == t2.layout == torch.strided:
+            _C._set_data(t1, t2)
+        else:
+            swap_tensors(t1, t2)
 
     def crosses(module: torch.nn.Module, target: torch.device | None) -> bool:
         if target is None:
@@ -75,9 +115,11 @@ def _keep_parameters_on_conversion() -> None:
             if torch.__future__.get_swap_module_params_on_conversion() or not crosses(self, target_of(args, kwargs)):
                 return convert(self, *args, **kwargs)
             torch.__future__.set_swap_module_params_on_conversion(True)
+            torch.utils.swap_tensors = set_data_or_swap
             try:
                 return convert(self, *args, **kwargs)
             finally:
+                torch.utils.swap_tensors = swap_tensors
                 torch.__future__.set_swap_module_params_on_conversion(False)
         return wrapper
 
@@ -86,34 +128,86 @@ def _keep_parameters_on_conversion() -> None:
     Module.neuron = crossing(Module.neuron, lambda a, k: torch.device("neuron"))
 
 
+def _refuse_sharing_between_processes() -> None:
+    """Sending a neuron tensor or storage to another process (a DataLoader worker's batch, a multiprocessing
+    queue) raises a clear error in the receiving process.
+
+    torch.multiprocessing's reducers share CPU memory through file descriptors and CUDA memory through IPC
+    handles; device memory here is private to the process, so sharing is impossible (a copy would silently
+    break in-place updates). Raising inside the reducer would not help: a queue pickles in a feeder thread that
+    only prints the error and drops the item, so a DataLoader would wait forever. The reducer therefore pickles
+    the error itself, and the receiver raises it where it takes the item (DataLoader's `next`)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reducers first; imported by torch already)
+
+    def refusing(reduce):
+        @functools.wraps(reduce)
+        def reducer(obj):
+            if getattr(obj, "_untyped_storage", obj).device.type == "neuron":  # (TypedStorage.device warns)
+                what = f"tensor of shape {tuple(obj.shape)}" if isinstance(obj, torch.Tensor) else "storage"
+                return _raise_unshareable, (
+                    f"a neuron {what} was sent from process {os.getpid()} (e.g. a DataLoader worker) to this one: "
+                    "neuron memory cannot be shared between processes. Return CPU tensors from DataLoader workers "
+                    "and move the batch to neuron in the main process (as for CUDA)",)
+            return reduce(obj)
+        return reducer
+
+    storages = (torch.Tensor, torch.UntypedStorage, torch.storage.TypedStorage)
+    for cls, reduce in list(ForkingPickler._extra_reducers.items()):
+        if isinstance(cls, type) and issubclass(cls, storages):
+            ForkingPickler.register(cls, refusing(reduce))
+
+
+def _raise_unshareable(message: str) -> None:
+    raise RuntimeError(message)
+
+
 def is_available() -> bool:
-    return _CONFIG is not None and _CONFIG.device_count > 0
+    """Never raises: False when the configuration is invalid, as torch.cuda when its driver cannot initialise."""
+    _warn_if_unusable()
+    return _count() > 0
 
 
 def is_initialized() -> bool:
-    return _CONFIG is not None
+    return _initialized
 
 
 def init() -> None:
-    """Nothing to do: the modelled devices are ready at registration (kept for torch.cuda parity)."""
-
-
-_lazy_init = init
+    """Validate the configuration now rather than at the first use of the device (as torch.cuda.init)."""
+    _lazy_init()
 
 
 def _is_in_bad_fork() -> bool:
     return False  # no driver state to lose across fork: device memory is host memory
 
 
+def _count() -> int:
+    """The number of usable devices, without initialising or warning (for PyTorch's own calls, e.g. seeding)."""
+    return 0 if _CONFIG is None else _CONFIG.device_count
+
+
+def _warn_if_unusable() -> None:
+    """One warning naming the configuration's error, as torch.cuda's "CUDA initialization: ..." warning."""
+    global _warned
+    if _CONFIG is None and _CONFIG_ERROR and not _warned:
+        _warned = True
+        warnings.warn(f"neuron initialization: {_CONFIG_ERROR}", stacklevel=3)
+
+
 def device_count() -> int:
-    return config().device_count
+    """0 (with one warning naming the error) when the configuration is invalid, as torch.cuda.device_count."""
+    _warn_if_unusable()
+    return _count()
 
 
 def current_device() -> int:
+    _lazy_init()
     return torch._C._accelerator_hooks_get_current_device()
 
 
 def _index(device: _device_t, optional: bool = True) -> int:
+    _lazy_init()
     if device is None:
         return current_device()
     if isinstance(device, str):

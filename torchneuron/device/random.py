@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 
 from .. import _C
-from .module import _checked, _device_t, device_count
+from .module import _checked, _count, _device_t, device_count
 
 F = TypeVar("F", bound=Callable)
 
@@ -58,8 +58,10 @@ def manual_seed(seed: int) -> None:
 
 @_eager
 def manual_seed_all(seed: int) -> None:
-    for i in range(device_count()):
-        default_generator(i).manual_seed(int(seed))
+    """Called by torch.manual_seed and torch.seed in every program: it neither initialises the device nor fails
+    when it is unusable (as torch.cuda's, which is queued until CUDA initialises)."""
+    for i in range(_count()):
+        _C._default_generator(i).manual_seed(int(seed))
 
 
 @_eager

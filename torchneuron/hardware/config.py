@@ -9,6 +9,9 @@
 | TORCHNEURON_DTYPE_POLICY | trainium | trainium: fp64 computes in fp32, int64 range warnings; host: full precision |
 | TORCHNEURON_FALLBACK | warn | host-fallback ops: warn (once per op), silent, error |
 | LOCAL_RANK | unset | set by torchrun: the process starts with `neuron:LOCAL_RANK` as its current device |
+
+`load` raises ConfigError for an invalid value; the device module turns that into an unusable device (the error is
+raised at the first use of `neuron`), never into a failing `import torch`.
 """
 from __future__ import annotations
 
@@ -71,6 +74,15 @@ class Config:
     def cores_per_chip(self) -> int:
         return self.chip.logical_cores(self.lnc)
 
+    @property
+    def local_rank_error(self) -> str | None:
+        """torchrun's LOCAL_RANK must name a visible core. Raised when the rank first uses the device, so that a
+        job with more ranks than cores that never touches `neuron` (a CPU-only torchrun job) is unaffected."""
+        if self.local_rank is not None and self.local_rank >= self.device_count:
+            return (f"LOCAL_RANK={self.local_rank} but this process sees only {self.device_count} neuron core(s): "
+                    "launch at most one process per visible logical core (torchrun --nproc-per-node)")
+        return None
+
 
 def _choice(env: dict, name: str, default: str, choices: tuple[str, ...]) -> str:
     value = env.get(name, default).strip().lower() or default
@@ -101,9 +113,6 @@ def load(env: dict | None = None) -> Config:
     capacity = parse_bytes(limit_text) if limit_text else chip.core_hbm(lnc)
     rank_text = env.get("LOCAL_RANK", "").strip()
     local_rank = int(rank_text) if rank_text.isdigit() else None
-    if local_rank is not None and local_rank >= len(visible):
-        raise ConfigError(f"LOCAL_RANK={local_rank} but this process sees only {len(visible)} neuron core(s): "
-                          "launch at most one process per visible logical core (torchrun --nproc-per-node)")
     return Config(
         instance=inst, chip=chip, lnc=lnc, visible_cores=tuple(visible), core_capacity=capacity,
         memory_limit_override=bool(limit_text),

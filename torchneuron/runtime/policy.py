@@ -10,7 +10,7 @@ def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = 
     """Change the policies at run time (the environment sets them at start-up); None keeps the current one."""
     from ..device import module
 
-    cfg = module.config()
+    cfg = module._loaded_config()  # not a use of the device: LOCAL_RANK is not checked here
     dtype_policy = dtype_policy or cfg.dtype_policy
     fallback_policy = fallback_policy or cfg.fallback_policy
     if dtype_policy not in DTYPE_POLICIES or fallback_policy not in FALLBACK_POLICIES:
