@@ -133,6 +133,11 @@ def test_bad_arguments_are_errors(gpt):
         estimate(model, inputs, mode="serve")
     with pytest.raises(ValueError):
         estimate(model, inputs, target="trn2", instance="trn1.32xlarge")
+    with pytest.raises(ValueError, match=r"must be in 1\.\.64 \(the trn2 cores of one trn2.48xlarge\), got 1000"):
+        estimate(model, inputs, tp=1000)  # TP groups stay inside one instance
+    for price in (float("nan"), float("inf"), 0.0, -1.0):
+        with pytest.raises(ValueError, match="finite number > 0"):
+            estimate(model, inputs, price_per_hour=price)
 
 
 def test_cli_estimate_from_a_file_function_writes_a_report(tmp_path, capsys):

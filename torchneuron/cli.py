@@ -60,12 +60,13 @@ def _run(a: argparse.Namespace) -> int:
     sys.argv = [a.script, *a.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
     try:
-        runpy.run_path(a.script, run_name="__main__")
+        runpy.run_path(os.path.abspath(a.script), run_name="__main__")  # __file__ absolute, as Python's
         code = 0
     except SystemExit as e:
         code = _exit_status(e.code)
     except BaseException as e:  # noqa: BLE001  (reported as Python reports an uncaught exception)
-        sys.excepthook(type(e), e, _from_script(e.__traceback__, a.script))
+        tb = _from_script(e.__traceback__, a.script)
+        sys.excepthook(type(e), e.with_traceback(tb), tb)
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
     sys.stdout.flush()
     sys.stderr.flush()

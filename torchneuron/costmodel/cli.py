@@ -76,9 +76,13 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
     from .presets import PRESETS
 
     try:
-        Layout.of(a.target, a.instance, a.lnc).check_tp(a.tp)
+        lay = Layout.of(a.target, a.instance, a.lnc)
     except ValueError as e:
         error(f"{e} (--target {a.target}, --instance {a.instance or 'default'}, --lnc {a.lnc or 'default'})")
+    try:
+        lay.check_tp(a.tp)
+    except ValueError as e:
+        error(f"--tp: {e}")
     if a.global_batch is not None and a.global_batch < a.dp * a.batch:
         error(f"--global-batch must be at least --dp x --batch = {a.dp * a.batch}, got {a.global_batch}")
     if a.model in PRESETS:
