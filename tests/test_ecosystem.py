@@ -207,7 +207,7 @@ def test_accelerator_and_accelerate_config_default_pick_neuron(tmp_path):
 
 
 _ACCELERATE = """
-import json, torch
+import json, os, torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
@@ -227,9 +227,10 @@ for x, y in loader:
     opt.zero_grad()
 w = acc.unwrap_model(model)[0].weight.detach()
 ws = acc.gather(w[None])
-print("RESULT " + json.dumps({"rank": acc.process_index, "device": str(acc.device), "type": str(acc.distributed_type),
-      "backend": torch.distributed.get_backend(), "autocast": seen[0], "x": str(x.device),
-      "same": bool(torch.equal(ws[0], ws[1])), "trained": not torch.equal(w.cpu(), first)}), flush=True)
+r = {"rank": acc.process_index, "device": str(acc.device), "type": str(acc.distributed_type),
+     "backend": torch.distributed.get_backend(), "autocast": seen[0], "x": str(x.device),
+     "same": bool(torch.equal(ws[0], ws[1])), "trained": not torch.equal(w.cpu(), first)}
+os.write(1, ("RESULT " + json.dumps(r) + "\\n").encode())  # one write: the ranks share stdout
 """
 
 
@@ -251,7 +252,7 @@ def test_accelerate_launch_two_processes_bf16(tmp_path):
 # ---------------------------------------------------------------------------------------------- Lightning
 
 _LIGHTNING = """
-import json, sys, torch
+import json, os, sys, torch
 pl = __import__(sys.argv[1], fromlist=["LightningModule"])
 
 class Tiny(pl.LightningModule):
@@ -285,7 +286,7 @@ def fit(accelerator, devices, precision):
 
 for run in sys.argv[2:]:  # accelerator:devices:precision
     accelerator, devices, precision = run.split(":")
-    print("RESULT " + json.dumps(fit(accelerator, int(devices), precision)), flush=True)
+    os.write(1, ("RESULT " + json.dumps(fit(accelerator, int(devices), precision)) + "\\n").encode())  # one write
 """
 
 
@@ -340,6 +341,20 @@ def test_lightning_patch_is_undone_and_redone():
     assert acc.get_parallel_devices(2) == [torch.device("neuron", 0), torch.device("neuron", 1)]
     with pytest.raises(ValueError, match="sees 4 neuron device"):
         acc.parse_devices(5)
+
+
+def test_lightning_fabric_selects_neuron():
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="neuron", devices=1, precision="16-mixed")
+    assert fabric.device == torch.device("neuron", 0) and fabric._precision.device == "neuron"
+    assert fabric._precision.scaler is not None  # fp16 gets a GradScaler, on neuron
+    assert Fabric(accelerator="auto", devices=1).device == torch.device("neuron", 0)
+    linear, seen = torch.nn.Linear(4, 2), []
+    linear.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    model = fabric.setup(linear)
+    model(torch.ones(1, 4, device=fabric.device))  # Fabric converts the output back to fp32
+    assert seen == [torch.float16] and linear.weight.device == fabric.device
 
 
 def test_info_lists_the_integrations():
