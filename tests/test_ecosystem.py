@@ -357,8 +357,31 @@ def test_lightning_fabric_selects_neuron():
     assert seen == [torch.float16] and linear.weight.device == fabric.device
 
 
-def test_info_lists_the_integrations():
-    facts = json.loads(run_py("from torchneuron.cli import main; main(['info', '--json'])", _env()).stdout)
+def test_info_lists_the_integrations(capsys):
+    from torchneuron.cli import main
+
+    assert main(["info", "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
     libs = {i["library"]: i for i in facts["integrations"]}
     for name in ("torch_neuronx", "transformers", "accelerate", "lightning", "pytorch_lightning"):
         assert libs[name]["sees_neuron"] and libs[name]["version"], libs[name]
+
+
+def test_module_cpu_after_ddp_gets_new_parameters_with_a_warning(tmp_path):
+    """accelerate's test script does `accelerator.unwrap_model(model).cpu()` while DDP still holds the parameters:
+    they cannot be swapped in place, so (as PyTorch does without swapping) the module gets new ones, said."""
+    code = f"""
+        import warnings, torch, torch.distributed as dist
+        dist.init_process_group("neuron", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        model = torch.nn.Linear(3, 2).to("neuron")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        ddp(torch.ones(4, 3, device="neuron")).sum().backward()
+        expected = model.weight.detach().cpu()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            model.cpu()
+        assert model.weight.device.type == "cpu" and torch.equal(model.weight.detach(), expected)
+        assert any("new parameter tensors" in str(x.message) for x in w), [str(x.message) for x in w]
+        print("OK")
+    """
+    assert "OK" in run_py(code, _env()).stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -77,8 +78,15 @@ def _keep_parameters_on_conversion() -> None:
             torch.__future__.set_swap_module_params_on_conversion(True)
             try:
                 return convert(self, *args, **kwargs)
+            except RuntimeError as e:  # a parameter referenced elsewhere (DDP's reducer, ...) cannot be swapped
+                if "Couldn't swap" not in str(e):
+                    raise
+                reason = f"{e} ({e.__cause__})"
             finally:
                 torch.__future__.set_swap_module_params_on_conversion(False)
+            warnings.warn(f"{reason}: the module gets new parameter tensors instead (PyTorch's own behaviour for "
+                          "this device without swapping); references held elsewhere keep the old ones", stacklevel=2)
+            return convert(self, *args, **kwargs)
         return wrapper
 
     Module.to = crossing(Module.to, lambda a, k: torch._C._nn._parse_to(*a, **k)[0])
