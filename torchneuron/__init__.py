@@ -17,25 +17,36 @@ def _autoload() -> None:
 
 import torch  # noqa: E402,F401  (loads libtorch before the C++ core links against it)
 
-from . import _C  # noqa: E402,F401  (the C++ core: allocator, guard, hooks, fallback, kernels, autocast)
-from .device import module as _module  # noqa: E402
-from .runtime.policy import set_policies  # noqa: E402
-from .runtime.tracking import clear_op_tracking, get_dtype_events, get_executed_ops, get_fallback_ops  # noqa: E402
+from .hardware import aws as _aws  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["clear_op_tracking", "get_dtype_events", "get_executed_ops", "get_fallback_ops", "set_policies",
            "estimate", "profiler"]
 
-_module.register()
+if _aws.installed() is None:  # ours owns the `neuron` device
+    from . import _C  # noqa: F401  (the C++ core: allocator, guard, hooks, fallback, kernels, autocast)
+    from .device import module as _module
+    from .runtime.policy import set_policies
+    from .runtime.tracking import clear_op_tracking, get_dtype_events, get_executed_ops, get_fallback_ops
 
-from . import distributed as _distributed  # noqa: E402,F401  (registers the "neuron" c10d backend)
-from .compiler import route_default_backend  # noqa: E402
+    _module.register()
 
-route_default_backend()  # plain torch.compile(model) on neuron tensors reaches the neuron backend
+    from . import distributed as _distributed  # noqa: F401  (registers the "neuron" c10d backend)
+    from .compiler import route_default_backend
 
-from .migrate.compat import maybe_enable_from_env  # noqa: E402
+    route_default_backend()  # plain torch.compile(model) on neuron tensors reaches the neuron backend
 
-maybe_enable_from_env()  # TORCHNEURON_CUDA_COMPAT=1: unmodified CUDA code runs on neuron
+    from .migrate.compat import maybe_enable_from_env
+
+    maybe_enable_from_env()  # TORCHNEURON_CUDA_COMPAT=1: unmodified CUDA code runs on neuron
+
+    from .integrations import install as _install_integrations
+
+    _install_integrations()  # Lightning learns accelerator="neuron" when (and if) it is imported
+else:  # AWS's torch-neuronx owns it: register nothing, load no kernels (docs/ecosystem.md)
+    import warnings
+
+    warnings.warn(_aws.stand_down_message(), RuntimeWarning, stacklevel=2)
 
 
 _LAZY = {"estimate": ("torchneuron.costmodel.estimate", "estimate"), "profiler": ("torchneuron.profiler", None)}

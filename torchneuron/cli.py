@@ -99,17 +99,20 @@ def _info_args(p: argparse.ArgumentParser) -> None:
 
 
 def _info(a: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     import torch
 
     from .device.module import config
+    from .integrations import found
 
     try:
         cfg = config()
     except RuntimeError as e:  # an invalid configuration (environment variables): say which, no traceback
         print(f"torchneuron info: {e}", file=sys.stderr)
         return 1
+    integrations = found()
     facts = {
         "torch": torch.__version__, "instance": cfg.instance.name, "chip": cfg.chip.name,
         "core": cfg.chip.core_version, "chips": cfg.instance.chips, "lnc": cfg.lnc,
@@ -117,6 +120,7 @@ def _info(a: argparse.Namespace) -> int:
         "core_capacity_bytes": cfg.core_capacity, "memory_limit_override": cfg.memory_limit_override,
         "dtype_policy": cfg.dtype_policy, "fallback_policy": cfg.fallback_policy,
         "hbm_per_chip_bytes": cfg.chip.hbm_bytes, "supported_dtypes": list(cfg.chip.dtypes),
+        "integrations": [dataclasses.asdict(i) for i in integrations],
     }
     if a.json:
         print(json.dumps(facts, indent=1))
@@ -135,6 +139,9 @@ def _info(a: argparse.Namespace) -> int:
         free, total = torch.neuron.mem_get_info(i)
         print(f"  neuron:{i:<3}     {torch.neuron.get_device_name(i)}, logical core {cfg.visible_cores[i]}, "
               f"{(total - free) / 2**20:.1f} MiB of {total / 2**30:.1f} GiB in use")
+    for i in integrations:
+        print(f"  {i.library:<18} {i.version or 'not installed'}: "
+              f"{'sees neuron' if i.sees_neuron else 'does NOT see neuron'} ({i.how})")
     return 0
 
 

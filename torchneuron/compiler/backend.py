@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 import re
 import time
 import warnings
@@ -22,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from ..hardware.config import setting
 from . import metrics
 from .cache import Cache
 
@@ -45,7 +45,7 @@ class Options:
     @classmethod
     def parse(cls, options: dict | None, mode: str | None) -> Options:
         options = dict(options or {})
-        env = os.environ.get("TORCHNEURON_COMPILE_FALLBACK", "error")
+        env = setting("TORCHNEURON_COMPILE_FALLBACK", "error")
         fallback = str(options.pop("fallback", env)).strip().lower()
         if fallback not in FALLBACKS:
             raise ValueError(f"TORCHNEURON_COMPILE_FALLBACK (or options['fallback']) = {fallback!r}: choose "
@@ -84,6 +84,12 @@ def neuron_backend(gm: fx.GraphModule, example_inputs: list, *, mode: str | None
                    options: dict | None = None, **kwargs: Any) -> Any:
     """The `neuron` torch.compile backend (entry point `torch_dynamo_backends`)."""
     import torch._dynamo
+
+    from ..hardware import aws
+
+    if aws.installed():  # AWS's torch-neuronx owns `neuron`: its compiler compiles (docs/ecosystem.md)
+        given = {k: v for k, v in (("mode", mode), ("options", options)) if v is not None}
+        return aws.compile_backend()(gm, example_inputs, **given, **kwargs)
 
     torch.neuron._lazy_init()  # compiling for the device is a use of it: an invalid configuration raises here
     opts = Options.parse({**(options or {}), **kwargs}, mode)
@@ -142,7 +148,7 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str)
     from .passes import decompositions
 
     recompiles = metrics.next_compile(name)
-    debug_root = os.environ.get("TORCHNEURON_DEBUG_DIR", "").strip()
+    debug_root = setting("TORCHNEURON_DEBUG_DIR").strip()
     session = Session(name, Cache(), Path(debug_root) / f"{name}_{recompiles}" if debug_root else None)
     session.write("dynamo.fx.txt", gm.print_readable(print_output=False, include_stride=True,
                                                      include_device=True))

@@ -27,11 +27,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..hardware.config import setting
+
 FORMAT = 1
 
 
 def root() -> Path:
-    env = os.environ.get("TORCHNEURON_CACHE_DIR", "").strip()
+    env = setting("TORCHNEURON_CACHE_DIR").strip()
     if env:
         return Path(env).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchneuron"

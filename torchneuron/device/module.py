@@ -118,9 +118,16 @@ def _keep_parameters_on_conversion() -> None:
             torch.utils.swap_tensors = set_data_or_swap
             try:
                 return convert(self, *args, **kwargs)
+            except RuntimeError as e:  # a parameter referenced elsewhere (DDP's reducer, ...) cannot be swapped
+                if "Couldn't swap" not in str(e):
+                    raise
+                reason = f"{e} ({e.__cause__})"
             finally:
                 torch.utils.swap_tensors = swap_tensors
                 torch.__future__.set_swap_module_params_on_conversion(False)
+            warnings.warn(f"{reason}: the module gets new parameter tensors instead (PyTorch's own behaviour for "
+                          "this device without swapping); references held elsewhere keep the old ones", stacklevel=2)
+            return convert(self, *args, **kwargs)
         return wrapper
 
     Module.to = crossing(Module.to, lambda a, k: torch._C._nn._parse_to(*a, **k)[0])

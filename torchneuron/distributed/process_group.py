@@ -46,6 +46,14 @@ def _views(tensors: Tensors) -> list[torch.Tensor]:
     return [host_view(t) for t in tensors]
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The flat host view of a contiguous tensor: the `*_into_tensor` collectives match elements, not shapes
+    (as NCCL does: an output of world x numel elements in any shape), while gloo compares chunk shapes."""
+    if not t.is_contiguous():
+        raise ValueError(f"neuron: all_gather_into_tensor needs contiguous tensors, got strides {t.stride()}")
+    return host_view(t).view(-1)
+
+
 def checks_enabled() -> bool:
     """TORCHNEURON_DIST_CHECKS=0 skips the per-collective agreement check (one small allgather)."""
     return os.environ.get("TORCHNEURON_DIST_CHECKS", "1") != "0"
@@ -298,13 +306,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Work:
         self._agree("all_gather_into_tensor", [input])
         return self._run("all_gather_into_tensor", lambda: self._gloo._allgather_base(
-            host_view(output), host_view(input), _options(opts, c10d.AllgatherOptions)), [output], inputs=input)
+            _flat(output), _flat(input), _options(opts, c10d.AllgatherOptions)), [output], inputs=input)
 
     def all_gather_single_coalesced(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> Work:
         self._agree("all_gather_into_tensor_coalesced", inputs)
         opts = _options(opts, c10d.AllgatherOptions)
         return self._run("all_gather_into_tensor_coalesced", lambda: [
-            self._gloo._allgather_base(host_view(o), host_view(i), opts) for o, i in zip(outputs, inputs)],
+            self._gloo._allgather_base(_flat(o), _flat(i), opts) for o, i in zip(outputs, inputs)],
             list(outputs), inputs=inputs)
 
     def _reduce_scatter(self, name: str, outputs: Tensors, inputs: Sequence[Tensors], opts: Any) -> Work:

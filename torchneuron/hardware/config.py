@@ -12,12 +12,17 @@
 
 `load` raises ConfigError for an invalid value; the device module turns that into an unusable device (the error is
 raised at the first use of `neuron`), never into a failing `import torch`.
+
+AWS TorchNeuron's own names for the same settings are honoured too (ALIASES, below).
 """
 from __future__ import annotations
 
 import os
 import re
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .chips import CHIPS, DEFAULT_INSTANCE, INSTANCES, Chip, Instance
 
@@ -84,6 +89,59 @@ class Config:
         return None
 
 
+def _core_count(text: str) -> str:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ConfigError(f"NEURON_RT_NUM_CORES={text!r}: expected a positive core count")
+    return f"0-{int(text) - 1}"
+
+
+def _disable_fallback(text: str) -> str:
+    value = {"1": "error", "true": "error", "0": "eager", "false": "eager"}.get(text.strip().lower())
+    if value is None:
+        raise ConfigError(f"TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION={text!r}: choose 1 (raise) or 0 (run eagerly)")
+    return value
+
+
+class Alias(NamedTuple):
+    """An AWS TorchNeuron variable that means the same as one of ours; `translate` maps its value to ours."""
+
+    aws: str
+    ours: str
+    translate: Callable[[str], str] = str.strip
+
+
+# AWS's environment variables honoured as aliases (their docs: "TorchNeuron environment variables"). Ours wins
+# when both are set (a disagreement warns once). Variables whose meaning differs are deliberately absent.
+ALIASES = (
+    Alias("TORCH_NEURONX_DEBUG_DIR", "TORCHNEURON_DEBUG_DIR"),
+    Alias("TORCH_NEURONX_NEFF_CACHE_DIR", "TORCHNEURON_CACHE_DIR"),
+    Alias("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "TORCHNEURON_COMPILE_FALLBACK", _disable_fallback),
+    Alias("NEURON_RT_NUM_CORES", "NEURON_RT_VISIBLE_CORES", _core_count),  # n cores: 0..n-1
+)
+_WARNED: set[str] = set()
+
+
+def with_aliases(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with each of our variables that is unset filled in from its AWS alias (see ALIASES)."""
+    out = dict(env)
+    for alias in ALIASES:
+        if alias.aws not in env:
+            continue
+        theirs = alias.translate(env[alias.aws])
+        if alias.ours not in env:
+            out[alias.ours] = theirs
+        elif env[alias.ours].strip() != theirs and alias.aws not in _WARNED:
+            _WARNED.add(alias.aws)
+            warnings.warn(f"{alias.ours}={env[alias.ours]!r} and AWS's {alias.aws}={env[alias.aws]!r} disagree: "
+                          f"using {alias.ours}", RuntimeWarning, stacklevel=2)
+    return out
+
+
+def setting(name: str, default: str = "", env: Mapping[str, str] | None = None) -> str:
+    """The value of one of our variables, or of its AWS alias when ours is unset (see ALIASES)."""
+    return with_aliases(os.environ if env is None else env).get(name, default)
+
+
 def _choice(env: dict, name: str, default: str, choices: tuple[str, ...]) -> str:
     value = env.get(name, default).strip().lower() or default
     if value not in choices:
@@ -92,7 +150,7 @@ def _choice(env: dict, name: str, default: str, choices: tuple[str, ...]) -> str
 
 
 def load(env: dict | None = None) -> Config:
-    env = os.environ if env is None else env
+    env = with_aliases(os.environ if env is None else env)
     name = env.get("TORCHNEURON_INSTANCE", DEFAULT_INSTANCE).strip() or DEFAULT_INSTANCE
     if name not in INSTANCES:
         raise ConfigError(f"TORCHNEURON_INSTANCE={name!r} is not a modelled instance: {', '.join(INSTANCES)}")

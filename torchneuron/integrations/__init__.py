@@ -1,0 +1,115 @@
+"""How the training libraries find `neuron` (see docs/ecosystem.md).
+
+- Hugging Face transformers and accelerate need no patch: they detect a native neuron device by the importable
+  module `torch_neuronx` (shipped in this distribution) and then use `torch.neuron` and the "neuron" backends.
+- PyTorch Lightning has no extension point, so an import hook patches it (lightning.py) right after its
+  accelerator and connector modules execute. `import torch` installs the hook (a sys.meta_path entry that
+  imports nothing); Lightning loads only when the user imports it. `uninstall()` removes the hook and reverts
+  every patch already applied.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from . import lightning as _lightning
+
+_PATCHES = _lightning.patches()
+
+
+class _PatchingLoader:
+    """Runs a module with its own loader, then applies our patch to it."""
+
+    def __init__(self, loader: Any, patch: Any):
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
+class _Hook:
+    """A sys.meta_path finder that answers only for the Lightning modules we patch, by asking the other finders."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        patch = _PATCHES.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+_HOOK = _Hook()
+
+
+def install() -> None:
+    """Patch Lightning when it is imported (or now, for the modules already imported). Idempotent."""
+    if _HOOK in sys.meta_path:
+        return
+    sys.meta_path.insert(0, _HOOK)
+    for name, patch in _PATCHES.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+
+
+def uninstall() -> None:
+    """Remove the hook and revert the patches: Lightning behaves as without torchneuron (until install())."""
+    if _HOOK in sys.meta_path:
+        sys.meta_path.remove(_HOOK)
+    _lightning.undo()
+
+
+@dataclass(frozen=True)
+class Integration:
+    """A library that can use `neuron`, as `torchneuron info` reports it."""
+
+    library: str
+    version: str | None  # None: not installed
+    sees_neuron: bool
+    how: str
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def found() -> list[Integration]:
+    """The integrations this environment has, each asked whether it sees neuron (imports the libraries)."""
+    import torch
+
+    out = []
+    module = importlib.util.find_spec("torch_neuronx")
+    origin = module.origin if module else None
+    out.append(Integration("torch_neuronx", None if module is None else _version("torchneuron") or "in tree",
+                           module is not None and hasattr(torch, "neuron"), f"module at {origin}"))
+    if (v := _version("transformers")) is not None:
+        from transformers.utils import is_torch_neuron_available
+
+        out.append(Integration("transformers", v, is_torch_neuron_available(), "is_torch_neuron_available()"))
+    if (v := _version("accelerate")) is not None:
+        from accelerate.utils import is_neuron_available
+
+        out.append(Integration("accelerate", v, is_neuron_available(), "is_neuron_available()"))
+    for dist, pkg in (("lightning", "lightning.pytorch"), ("pytorch_lightning", "pytorch_lightning")):
+        if (v := _version(dist)) is not None:
+            accelerators = importlib.import_module(f"{pkg}.accelerators")
+            out.append(Integration(dist, v, "neuron" in accelerators.AcceleratorRegistry,
+                                   "accelerator='neuron' registered" if _HOOK in sys.meta_path else "hook removed"))
+    return out
