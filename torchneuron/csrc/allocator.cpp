@@ -252,8 +252,9 @@ bool is_host_oom(const c10::Error& e) { return e.msg().find("DefaultCPUAllocator
 
 void throw_host_oom(c10::DeviceIndex device, const c10::Error& host_error) {
   const std::string& msg = host_error.msg();
-  auto at = msg.rfind("allocate ");  // "... you tried to allocate N bytes"
-  size_t requested = at == std::string::npos ? 0 : std::strtoull(msg.c_str() + at + 9, nullptr, 10);
+  const std::string tried = "tried to allocate ";  // "... you tried to allocate N bytes"
+  auto at = msg.find(tried);
+  size_t requested = at == std::string::npos ? 0 : std::strtoull(msg.c_str() + at + tried.size(), nullptr, 10);
   g_allocator.host_oom(device, requested, "The host could not provide the memory for the kernel's result (" +
                                               msg.substr(0, msg.find('\n')) + ").");
 }
