@@ -113,6 +113,12 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     return key < it->first + it->second->size ? it->second->device : -1;
   }
 
+  [[noreturn]] void host_oom(c10::DeviceIndex dev, size_t requested, const std::string& why) {
+    std::lock_guard<std::mutex> g(mu_);
+    stats_[dev].num_ooms++;
+    throw_oom(dev, requested, why.c_str());
+  }
+
   c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
   void copy_data(void* dst, const void* src, std::size_t count) const override { std::memcpy(dst, src, count); }
 
@@ -241,6 +247,17 @@ c10::DataPtr adopt_host_memory(c10::DataPtr host, size_t nbytes, c10::DeviceInde
 }
 
 c10::DeviceIndex device_of_pointer(const void* ptr) { return g_allocator.device_of(ptr); }
+
+bool is_host_oom(const c10::Error& e) { return e.msg().find("DefaultCPUAllocator") != std::string::npos; }
+
+void throw_host_oom(c10::DeviceIndex device, const c10::Error& host_error) {
+  const std::string& msg = host_error.msg();
+  const std::string tried = "tried to allocate ";  // "... you tried to allocate N bytes"
+  auto at = msg.find(tried);
+  size_t requested = at == std::string::npos ? 0 : std::strtoull(msg.c_str() + at + tried.size(), nullptr, 10);
+  g_allocator.host_oom(device, requested, "The host could not provide the memory for the kernel's result (" +
+                                              msg.substr(0, msg.find('\n')) + ").");
+}
 
 REGISTER_ALLOCATOR(kNeuron, &g_allocator)
 

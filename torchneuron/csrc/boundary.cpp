@@ -13,9 +13,11 @@ namespace {
 // Address of a tensor's memory block; 0 for an empty tensor (it owns nothing worth adopting).
 const void* base_ptr(const at::Tensor& t) { return t.numel() ? t.storage().data() : nullptr; }
 
-// Replace args[i] (a neuron tensor) with a CPU view of the same memory, for each i in `device_inputs`.
+// Replace args[i] (a neuron tensor) with a CPU view of the same memory, for each i in `device_inputs`. Inputs over
+// one device storage share one CPU storage, so the kernel sees them alias as they do.
 void host_args(py::list args, const std::vector<int64_t>& device_inputs) {
-  for (int64_t i : device_inputs) args[i] = py::cast(host_alias(py::cast<at::Tensor>(args[i])));
+  HostAliases host;
+  for (int64_t i : device_inputs) args[i] = py::cast(host(py::cast<at::Tensor>(args[i])));
 }
 
 // The kernel's results on the device. `devices[i]` is the neuron index of result i, or None to keep it as is.

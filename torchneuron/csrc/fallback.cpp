@@ -26,7 +26,7 @@ struct OpEntry {
   bool native = false;
   bool allows_host_tensors = false;  // ops documented to take CPU index tensors alongside device ones
   bool exact = false;                // pure data movement: keeps every bit under the trainium dtype policy
-  std::vector<size_t> generators, writes;  // argument positions
+  std::vector<size_t> generators, writes, scalars;  // argument positions (scalars: `Scalar` values)
   int64_t executed = 0, fallback = 0, dtype_events = 0;
   bool warned_fallback = false, warned_fp64 = false, warned_int64 = false;
 };
@@ -40,12 +40,20 @@ OpEntry g_copy_in = [] {
   e.name = "aten::copy_ (host to neuron)";
   return e;
 }();
+std::unordered_map<std::string, OpEntry> g_outside;  // device results computed outside the fallback (collectives)
+thread_local bool t_internal_math = false;           // see set_internal_math
 
 std::string base_name(const std::string& name) {
   auto pos = name.rfind("::");
   std::string s = pos == std::string::npos ? name : name.substr(pos + 2);
   if (s.size() > 1 && s.back() == '_' && s[s.size() - 2] != '_') s.pop_back();  // in-place variant
   return s;
+}
+
+OpEntry named_entry(const std::string& name) {
+  OpEntry e;
+  e.name = name;
+  return e;
 }
 
 bool is_type(const c10::TypePtr& t, c10::TypeKind k) {
@@ -68,6 +76,7 @@ OpEntry& entry_for(const c10::OperatorHandle& op) {
   for (size_t i = 0; i < args.size(); ++i) {
     if (is_type(args[i].type(), c10::TypeKind::GeneratorType)) e.generators.push_back(i);
     if (args[i].alias_info() && args[i].alias_info()->isWrite()) e.writes.push_back(i);
+    if (is_type(args[i].type(), c10::TypeKind::NumberType)) e.scalars.push_back(i);
   }
   return g_ops.emplace(&schema, std::move(e)).first->second;
 }
@@ -149,6 +158,9 @@ struct SmallMap {
 // Everything a call learns while preparing the CPU arguments, used to map the results back.
 struct Call {
   c10::DeviceIndex device = -1;
+  bool fp64 = false;   // a float64 device tensor takes part: host values entering the op obey the fp64 rule
+  bool entered = false;  // such a host value lost precision on the way in
+  HostAliases host;    // one CPU storage per device storage, so ATen's overlap checks see the real memory
   SmallMap<const c10::StorageImpl*, c10::Storage> alias_to_device;  // CPU alias storage -> device storage
   SmallMap<const c10::TensorImpl*, at::Tensor> alias_to_tensor;    // CPU alias tensor -> device tensor
 };
@@ -156,6 +168,7 @@ struct Call {
 void check_same_device(Call& c, const at::Tensor& t, const OpEntry& e) {
   if (!t.defined()) return;
   if (is_neuron(t)) {
+    c.fp64 |= is_fp64(t);
     if (c.device < 0) c.device = t.device().index();
     TORCH_CHECK(c.device == t.device().index(),
                 "Expected all tensors to be on the same device, but found at least two devices, neuron:",
@@ -173,12 +186,34 @@ void check_host_operand(const Call& c, const at::Tensor& t, const OpEntry& e) {
                               t.layout(), " tensor; the neuron device supports only strided (dense) tensors");
 }
 
-at::Tensor to_host(Call& c, const at::Tensor& t) {
-  if (!is_neuron(t)) return t;
-  at::Tensor a = host_alias(t);
-  c.alias_to_device.add(a.storage().unsafeGetStorageImpl(), t.storage());
+// Trainium rule for host data entering a float64 op (a CPU value tensor, a Python number): like a host->device
+// copy, it carries float32 precision.
+at::Tensor round_host_value(Call& c, const at::Tensor& t) {
+  at::Tensor r = t.to(t.scalar_type() == at::kDouble ? at::kFloat : at::kComplexFloat).to(t.scalar_type());
+  if (r.equal(t)) return t;
+  r.unsafeGetTensorImpl()->set_wrapped_number(t.unsafeGetTensorImpl()->is_wrapped_number());
+  c.entered = true;
+  return r;
+}
+
+at::Tensor to_host(Call& c, const at::Tensor& t, bool trainium) {
+  if (!is_neuron(t)) return trainium && c.fp64 && is_fp64(t) && t.numel() > 0 ? round_host_value(c, t) : t;
+  at::Tensor a = c.host(t);
+  if (!c.alias_to_device.find(a.storage().unsafeGetStorageImpl()))
+    c.alias_to_device.add(a.storage().unsafeGetStorageImpl(), t.storage());
   c.alias_to_tensor.add(a.unsafeGetTensorImpl(), t);
   return a;
+}
+
+void round_host_scalar(Call& c, c10::IValue& v) {
+  if (v.isDouble()) {
+    double x = v.toDouble(), r = static_cast<float>(x);
+    if (r != x && x == x) v = r, c.entered = true;
+  } else if (v.isComplexDouble()) {
+    c10::complex<double> x = v.toComplexDouble();
+    c10::complex<double> r(static_cast<float>(x.real()), static_cast<float>(x.imag()));
+    if (r != x && x == x) v = r, c.entered = true;
+  }
 }
 
 // After the CPU kernel: make a written device argument match what the kernel did to its alias.
@@ -190,6 +225,8 @@ void sync_written(const at::Tensor& dev, const at::Tensor& alias) {
     if (astore->data() != dstore->data()) {  // the kernel reallocated: adopt its memory, no copy
       c10::DataPtr host = astore->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
       dstore->set_data_ptr_noswap(adopt_host_memory(std::move(host), astore->nbytes(), dev.device().index()));
+      // the alias storage keeps viewing it, so a second written argument over the same storage is in sync
+      astore->set_data_ptr_noswap(c10::DataPtr(dstore->mutable_data(), c10::Device(c10::kCPU)));
     }
     dstore->set_nbytes(astore->nbytes());
   }
@@ -197,14 +234,41 @@ void sync_written(const at::Tensor& dev, const at::Tensor& alias) {
     dimpl->set_sizes_and_strides(alias.sizes(), alias.strides(), alias.storage_offset());
 }
 
-void check_int64_range(OpEntry& e, const at::Tensor& host) {
-  if (e.warned_int64 || host.scalar_type() != at::kLong || host.numel() == 0) return;
+struct Int64Range {
+  int64_t lo = 0, hi = 0;
+  bool outside = false;  // some value does not fit int32
+};
+
+Int64Range int64_range(const at::Tensor& host) {
+  if (host.scalar_type() != at::kLong || host.numel() == 0) return {};
   auto [lo, hi] = at::aminmax(host);
-  if (lo.item<int64_t>() < std::numeric_limits<int32_t>::min() || hi.item<int64_t>() > std::numeric_limits<int32_t>::max()) {
-    e.warned_int64 = true;
-    TORCH_WARN("neuron: ", e.name, " produced int64 values outside the int32 range [", lo.item<int64_t>(), ", ",
-               hi.item<int64_t>(), "]; Trainium computes int64 as 32-bit, so real hardware would wrap them "
-               "(values are kept exact here; TORCHNEURON_DTYPE_POLICY=host silences this)");
+  Int64Range r{lo.item<int64_t>(), hi.item<int64_t>()};
+  r.outside = r.lo < std::numeric_limits<int32_t>::min() || r.hi > std::numeric_limits<int32_t>::max();
+  return r;
+}
+
+// Count (in get_dtype_events) and warn once per op. Call with g_mu held.
+void note_int64(OpEntry& e, const Int64Range& r) {
+  if (!r.outside) return;
+  e.dtype_events++;
+  if (e.warned_int64) return;
+  e.warned_int64 = true;
+  TORCH_WARN("neuron: ", e.name, " produced int64 values outside the int32 range [", r.lo, ", ", r.hi,
+             "]; Trainium computes int64 as 32-bit, so real hardware would wrap them "
+             "(values are kept exact here; TORCHNEURON_DTYPE_POLICY=host silences this)");
+}
+
+void note_fp64(OpEntry& e, bool entered) {  // g_mu held
+  e.dtype_events++;
+  if (e.warned_fp64) return;
+  e.warned_fp64 = true;
+  if (entered) {
+    TORCH_WARN("neuron: ", e.name, " received float64 host values (a Python number or CPU tensor); Trainium has no "
+               "fp64, so they carry float32 precision (rounded to the nearest float32). TORCHNEURON_DTYPE_POLICY=host "
+               "keeps full precision.");
+  } else {
+    TORCH_WARN("neuron: ", e.name, " produced float64 values; Trainium has no fp64, so they carry float32 "
+               "precision (rounded to the nearest float32). TORCHNEURON_DTYPE_POLICY=host keeps full precision.");
   }
 }
 
@@ -229,7 +293,8 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - nargs);
-  const bool trainium = g_dtype_policy.load(std::memory_order_relaxed) == static_cast<int>(DtypePolicy::trainium);
+  const bool trainium =
+      g_dtype_policy.load(std::memory_order_relaxed) == static_cast<int>(DtypePolicy::trainium) && !t_internal_math;
 
   Call c;
   OpEntry* e;
@@ -259,8 +324,10 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   for (size_t i = 0; i < nargs; ++i) {
     for_each_tensor(args[i], [&](const at::Tensor& t) { check_host_operand(c, t, *e); });
-    args[i] = map_tensors(args[i], [&](const at::Tensor& t) { return to_host(c, t); });
+    args[i] = map_tensors(args[i], [&](const at::Tensor& t) { return to_host(c, t, trainium); });
   }
+  if (trainium && c.fp64)
+    for (size_t i : e->scalars) round_host_scalar(c, args[i]);
   for (size_t i : e->generators) {
     if (args[i].isNone()) args[i] = host_generator_of(default_generator(c.device));
     else if (args[i].isGenerator() && args[i].toGenerator().device().type() == kNeuron)
@@ -272,13 +339,14 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       if (at::Tensor* dev = c.alias_to_tensor.find(a.unsafeGetTensorImpl())) written.emplace_back(*dev, a);
     });
 
-  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  with_device_oom(c.device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack); });
 
-  bool rounded = false;
+  bool rounded = c.entered;
+  Int64Range int64;
   auto apply_rules = [&](const at::Tensor& host) {
     if (!trainium) return;
     if (is_fp64(host) && !e->exact) round_to_fp32(host), rounded = true;
-    check_int64_range(*e, host);
+    if (!int64.outside) int64 = int64_range(host);
   };
   for (auto& [dev, alias] : written) {
     apply_rules(alias);  // before sync_written: it may move the alias's memory into the device tensor
@@ -314,15 +382,27 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   };
   for (size_t i = stack->size() - nret; i < stack->size(); ++i) (*stack)[i] = map_tensors((*stack)[i], to_device);
 
-  if (rounded) {
+  if (rounded || int64.outside) {
     std::lock_guard<std::mutex> g(g_mu);
-    e->dtype_events++;
-    if (!e->warned_fp64) {
-      e->warned_fp64 = true;
-      TORCH_WARN("neuron: ", e->name, " produced float64 values; Trainium has no fp64, so they carry float32 "
-                 "precision (rounded to the nearest float32). TORCHNEURON_DTYPE_POLICY=host keeps full precision.");
-    }
+    if (rounded) note_fp64(*e, c.entered);
+    note_int64(*e, int64);
   }
+}
+
+bool set_internal_math(bool on) {
+  bool was = t_internal_math;
+  t_internal_math = on;
+  return was;
+}
+
+void note_device_result(const std::string& name, const at::Tensor& t) {
+  if (g_dtype_policy.load(std::memory_order_relaxed) != static_cast<int>(DtypePolicy::trainium) || t_internal_math ||
+      !is_neuron(t) || !is_fp64(t) || t.numel() == 0)
+    return;
+  round_to_fp32(host_alias(t));
+  std::lock_guard<std::mutex> g(g_mu);
+  auto it = g_outside.try_emplace(name, named_entry(name)).first;
+  note_fp64(it->second, false);
 }
 
 void note_executed(const char* name) {
@@ -331,12 +411,14 @@ void note_executed(const char* name) {
 }
 
 void note_host_to_device(const at::Tensor& host) {
-  if (g_dtype_policy.load(std::memory_order_relaxed) != static_cast<int>(DtypePolicy::trainium)) return;
+  if (g_dtype_policy.load(std::memory_order_relaxed) != static_cast<int>(DtypePolicy::trainium) || t_internal_math)
+    return;
   if (!is_fp64(host) && host.scalar_type() != at::kLong) return;
+  if (is_fp64(host)) round_to_fp32(host);
+  Int64Range int64 = int64_range(host);
   std::lock_guard<std::mutex> g(g_mu);
   OpEntry& copy_in = g_copy_in;
   if (is_fp64(host)) {
-    round_to_fp32(host);
     copy_in.dtype_events++;
     if (!copy_in.warned_fp64) {
       copy_in.warned_fp64 = true;
@@ -344,7 +426,7 @@ void note_host_to_device(const at::Tensor& host) {
                  "TORCHNEURON_DTYPE_POLICY=host keeps full precision.");
     }
   }
-  check_int64_range(copy_in, host);
+  note_int64(copy_in, int64);
 }
 
 int route_to_cpu_kernels() {
@@ -391,6 +473,8 @@ std::vector<std::pair<std::string, int64_t>> dtype_events() {
   for (auto& [s, e] : g_ops)
     if (e.dtype_events) agg[e.name] += e.dtype_events;
   if (g_copy_in.dtype_events) agg[g_copy_in.name] += g_copy_in.dtype_events;
+  for (auto& [n, e] : g_outside)
+    if (e.dtype_events) agg[n] += e.dtype_events;
   return {agg.begin(), agg.end()};
 }
 
@@ -399,6 +483,7 @@ void clear_op_tracking() {
   g_explicit.clear();
   g_copy_in.dtype_events = 0;
   g_copy_in.warned_fp64 = g_copy_in.warned_int64 = false;
+  g_outside.clear();
   for (auto& [s, e] : g_ops) {
     e.executed = e.fallback = e.dtype_events = 0;
     e.warned_fallback = e.warned_fp64 = e.warned_int64 = false;

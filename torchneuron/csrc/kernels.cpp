@@ -5,6 +5,7 @@
 #include <ATen/EmptyTensor.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_reshape_alias_native.h>
+#include <ATen/ops/_to_copy_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/unfold_native.h>
 #include <ATen/ops/view_as_complex_native.h>
@@ -20,19 +21,45 @@
 
 namespace torchneuron {
 
-at::Tensor host_alias(const at::Tensor& t) {
-  const auto& st = t.storage();
-  auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), st.nbytes(),
-                                                    c10::DataPtr(st.mutable_data(), c10::Device(c10::kCPU)),
-                                                    c10::GetCPUAllocator(), /*resizable=*/true);
-  auto a = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(impl)),
-                                                    c10::DispatchKeySet(c10::DispatchKey::CPU), t.dtype());
+at::Tensor host_alias(const at::Tensor& t, const c10::Storage& host_storage) {
+  c10::Storage storage = host_storage;
+  if (!storage) {
+    const auto& st = t.storage();
+    storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(), st.nbytes(), c10::DataPtr(st.mutable_data(), c10::Device(c10::kCPU)),
+        c10::GetCPUAllocator(), /*resizable=*/true));
+  }
+  auto a = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                    t.dtype());
   auto* ai = a.unsafeGetTensorImpl();
   ai->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
   if (t.is_conj()) ai->_set_conj(true);
   if (t.is_neg()) ai->_set_neg(true);
   if (t.unsafeGetTensorImpl()->is_wrapped_number()) ai->set_wrapped_number(true);
   return a;
+}
+
+at::Tensor HostAliases::operator()(const at::Tensor& t) {
+  const auto* dev = t.storage().unsafeGetStorageImpl();
+  for (auto& [d, host] : storages)
+    if (d == dev) return host_alias(t, host);
+  at::Tensor a = host_alias(t);
+  storages.emplace_back(dev, a.storage());
+  return a;
+}
+
+c10::DeviceIndex check_same_device(const char* op, at::ArrayRef<at::Tensor> tensors) {
+  c10::DeviceIndex device = -1;
+  for (const at::Tensor& t : tensors)
+    if (t.defined() && t.device().type() == kNeuron) {
+      device = t.device().index();
+      break;
+    }
+  for (const at::Tensor& t : tensors)
+    TORCH_CHECK(!t.defined() || (t.device().type() == kNeuron && t.device().index() == device),
+                "Expected all tensors to be on the same device, but found at least two devices, neuron:",
+                static_cast<int>(device), " and ", t.device(), "! (in ", op, ")");
+  return device;
 }
 
 at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device) {
@@ -90,8 +117,9 @@ at::Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride, std::opti
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   TORCH_CHECK(self.layout() == at::kStrided && dst.layout() == at::kStrided,
               "neuron: copies support only strided tensors, got ", self.layout(), " -> ", dst.layout());
-  at::Tensor d = on_host(dst);
-  d.copy_(on_host(self));
+  HostAliases host;  // a copy within one storage shares its CPU storage: ATen's overlap check sees it
+  at::Tensor d = is_neuron(dst) ? host(dst) : dst;
+  d.copy_(is_neuron(self) ? host(self) : self);
   if (is_neuron(dst) && !is_neuron(self)) note_host_to_device(d);
   return dst;
 }
@@ -124,7 +152,11 @@ const at::Tensor& resize_(const at::Tensor& self, at::IntArrayRef size, std::opt
 
 at::Tensor& set_storage(at::Tensor& self, at::Storage source, int64_t offset, at::IntArrayRef size,
                         at::IntArrayRef stride) {
-  TORCH_CHECK(source.device().type() == kNeuron, "neuron: set_ expects a neuron storage, got one on ", source.device());
+  // CUDA's (checkSetStorage) message: a tensor never changes device through set_
+  TORCH_CHECK(self.storage().is_alias_of(source) || self.storage().device() == source.device(),
+              "Attempted to set the storage of a tensor on device \"", self.storage().device(),
+              "\" to a storage on different device \"", source.device(),
+              "\".  This is no longer allowed; the devices must match.");
   auto* impl = self.unsafeGetTensorImpl();
   if (!self.storage().is_alias_of(source)) impl->set_storage_keep_dtype(source);
   impl->set_sizes_and_strides(size, stride, offset);
@@ -151,24 +183,29 @@ at::Tensor& set_empty(at::Tensor& self) {
 at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
                        at::IntArrayRef output_padding, int64_t groups) {
+  auto dev = check_same_device("aten::convolution", {input, weight, bias.value_or(at::Tensor())});
   note_executed("aten::convolution");
   at::AutoDispatchBelowADInplaceOrView below;
   std::optional<at::Tensor> b = bias && bias->defined() ? std::optional<at::Tensor>(on_host(*bias)) : std::nullopt;
-  auto out = at::convolution(on_host(input), on_host(weight), b, stride, padding, dilation, transposed,
-                             output_padding, groups);
-  return adopt_host_tensor(out, input.device().index());
+  auto out = with_device_oom(dev, [&] {
+    return at::convolution(on_host(input), on_host(weight), b, stride, padding, dilation, transposed,
+                           output_padding, groups);
+  });
+  return adopt_host_tensor(out, dev);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
     at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed, at::IntArrayRef output_padding,
     int64_t groups, std::array<bool, 3> mask) {
+  auto dev = check_same_device("aten::convolution_backward", {grad_output, input, weight});
   note_executed("aten::convolution_backward");
   at::AutoDispatchBelowADInplaceOrView below;
   std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
-  auto [gi, gw, gb] = at::convolution_backward(on_host(grad_output), on_host(input), on_host(weight), bias_sizes,
-                                               stride, padding, dilation, transposed, output_padding, groups, mask);
-  auto dev = input.device().index();
+  auto [gi, gw, gb] = with_device_oom(dev, [&] {
+    return at::convolution_backward(on_host(grad_output), on_host(input), on_host(weight), bias_sizes, stride,
+                                    padding, dilation, transposed, output_padding, groups, mask);
+  });
   auto back = [&](const at::Tensor& t) { return t.defined() ? adopt_host_tensor(t, dev) : t; };
   return {back(gi), back(gw), back(gb)};
 }
@@ -202,7 +239,36 @@ at::Tensor& dropout_(at::Tensor& input, double p, bool train) {
   return input;
 }
 
+// Sparse compressed tensors (CSR/CSC/BSR/BSC) are refused at the move, as COO tensors are: ATen would build a
+// neuron tensor of that layout without dispatching to the device, and nothing could read it afterwards.
+at::Tensor sparse_compressed_to_copy(const at::Tensor& self, std::optional<at::ScalarType> dtype,
+                                     std::optional<at::Layout> layout, std::optional<at::Device> device,
+                                     std::optional<bool> pin_memory, bool non_blocking,
+                                     std::optional<at::MemoryFormat> memory_format) {
+  TORCH_CHECK_NOT_IMPLEMENTED(!device || device->type() != kNeuron, "neuron: ", self.layout(),
+                              " tensors are not supported; the neuron device stores only strided (dense) tensors "
+                              "(convert with .to_dense() first)");
+  return at::native::_to_copy(self, dtype, layout, device, pin_memory, non_blocking, memory_format);
+}
+
+void refuse_sparse_compressed(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "neuron: sparse compressed (CSR/CSC/BSR/BSC) tensors are not supported (in ",
+                              op.schema().name(), "); the neuron device stores only strided (dense) tensors");
+}
+
 }  // namespace
+
+// A move to `neuron` or a constructor given device="neuron" dispatches on SparseCsrPrivateUse1 (BackendSelect adds
+// the target's layout and backend), where ATen's composite kernels would build the tensor without the device.
+TORCH_LIBRARY_IMPL(aten, SparseCsrPrivateUse1, m) {
+  m.impl("_to_copy", sparse_compressed_to_copy);
+  for (const char* ctor : {"sparse_compressed_tensor.comp_plain_value", "sparse_compressed_tensor.comp_plain_value_size",
+                           "_sparse_compressed_tensor_unsafe", "_sparse_compressed_tensor_with_dims"})
+    m.impl(ctor, torch::CppFunction::makeFromBoxedFunction<&refuse_sparse_compressed>());
+}
+TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&refuse_sparse_compressed>());
+}
 
 TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
   m.impl("dropout", dropout);

@@ -39,6 +39,10 @@ PYBIND11_MODULE(_C, m) {
     TORCH_CHECK(t.device().type() == kNeuron, "_host_alias expects a neuron tensor, got one on ", t.device());
     return host_alias(t);
   }, "A CPU tensor over the same memory as a neuron tensor (zero-copy; keep the neuron tensor alive while using it).");
+  m.def("_set_internal_math", &set_internal_math,
+        "Skip the dtype policy on this thread (PyTorch's own printing math); returns the previous setting.");
+  m.def("_note_device_result", &note_device_result,
+        "Apply the dtype policy to a neuron tensor computed outside the op fallback (a collective's reduction).");
   bind_boundary(m);
   m.def("_set_data", [](const at::Tensor& self, const at::Tensor& data) {
     // `self.data = data` between the host and a neuron device, which PyTorch refuses because its list of

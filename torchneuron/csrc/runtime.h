@@ -32,6 +32,21 @@ c10::DeviceAllocator* neuron_allocator();
 c10::DataPtr adopt_host_memory(c10::DataPtr host, size_t nbytes, c10::DeviceIndex device);
 // The device whose memory contains `ptr`, or -1.
 c10::DeviceIndex device_of_pointer(const void* ptr);
+// Run a CPU kernel whose buffers become memory of `device`: a host allocation failure inside it is the device
+// running out of memory, so it raises torch.OutOfMemoryError (naming the device) like any device allocation.
+[[noreturn]] void throw_host_oom(c10::DeviceIndex device, const c10::Error& host_error);
+bool is_host_oom(const c10::Error& e);
+template <class F>
+decltype(auto) with_device_oom(c10::DeviceIndex device, F&& f) {
+  try {
+    return f();
+  } catch (const c10::OutOfMemoryError&) {
+    throw;
+  } catch (const c10::Error& e) {
+    if (is_host_oom(e)) throw_host_oom(device, e);
+    throw;
+  }
+}
 
 // ---- hooks.cpp: hooks and generators ----
 void register_hooks();
@@ -47,6 +62,12 @@ void set_policies(DtypePolicy dtype, FallbackPolicy fallback);
 void set_op_tables(const std::vector<std::string>& native, const std::vector<std::string>& exact);
 void note_executed(const char* name);              // an explicit kernel ran on the device
 void note_host_to_device(const at::Tensor& host);  // data entered the device: apply the dtype policy
+// `device_tensor` was computed outside the fallback (a collective's reduction): apply the dtype policy to it,
+// counted under `name`.
+void note_device_result(const std::string& name, const at::Tensor& device_tensor);
+// While set on this thread, ops skip the dtype policy: PyTorch's own tensor printing computes its layout in
+// float64 and must neither warn about nor count the user's program (the values printed are the device's).
+bool set_internal_math(bool on);  // returns the previous value
 void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // Ops with both a CPU kernel and a device-generic composite kernel would take the composite on `neuron`
 // (a different algorithm, different rounding, and an extra out= round trip). Route them to the CPU kernel
@@ -60,8 +81,19 @@ void clear_op_tracking();
 
 // ---- shared helpers (kernels.cpp) ----
 // A CPU tensor that aliases the device tensor's memory (same bytes, sizes, strides, offset): the zero-copy
-// bridge onto ATen CPU kernels.
-at::Tensor host_alias(const at::Tensor& device_tensor);
+// bridge onto ATen CPU kernels. Pass `host_storage`, the CPU storage already made for the same device storage
+// in this op call, so that all aliases of one device storage share one CPU storage: ATen's overlap checks
+// (has_internal_overlap, assert_no_partial_overlap, is_alias_of) compare storages.
+at::Tensor host_alias(const at::Tensor& device_tensor, const c10::Storage& host_storage = {});
+// Within one op call: the CPU aliases of device tensors, one CPU storage per device storage (see host_alias).
+struct HostAliases {
+  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 4> storages;  // device -> CPU storage
+  at::Tensor operator()(const at::Tensor& device_tensor);
+};
+// CUDA's device check for explicit kernels: every defined tensor is on the neuron device of the first neuron
+// tensor (returned), else RuntimeError "Expected all tensors to be on the same device, but found at least two
+// devices, ...".
+c10::DeviceIndex check_same_device(const char* op, at::ArrayRef<at::Tensor> tensors);
 // A device tensor over the memory of a CPU tensor produced by a kernel (adopted, no copy).
 at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device);
 // A neuron tensor over `storage` with the metadata (and conj/neg bits) of `like`.

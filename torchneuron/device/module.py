@@ -64,6 +64,7 @@ def register() -> None:
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
     _keep_parameters_on_conversion()
     _refuse_sharing_between_processes()
+    _print_without_dtype_events()
     # Backward runs on the calling thread, as on the CPU. PyTorch gives each accelerator an autograd worker
     # thread so host and device work overlap; this device executes on the host synchronously, so that thread
     # only adds a hand-off (~190 us per backward call on a 2-core box). Thread-local: set for the importing
@@ -168,6 +169,21 @@ def _refuse_sharing_between_processes() -> None:
 
 def _raise_unshareable(message: str) -> None:
     raise RuntimeError(message)
+
+
+def _print_without_dtype_events() -> None:
+    """Printing a tensor must not report the user's program: torch/_tensor_str.py lays out numbers with float64
+    math (max/min ratios, rounding checks) that would trip the float64 rule on the first print. That math runs
+    with the dtype policy off; the values printed are the device's, already held to the policy."""
+    import torch._tensor_str as tensor_str
+
+    def _str(self, *args, **kwargs):
+        was = _C._set_internal_math(True)
+        try:
+            return plain(self, *args, **kwargs)
+        finally:
+            _C._set_internal_math(was)
+    plain, tensor_str._str = tensor_str._str, functools.wraps(tensor_str._str)(_str)
 
 
 def is_available() -> bool:

@@ -8,6 +8,7 @@ that died or hangs fails that exchange (or the transfer) within the group's time
 """
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import weakref
@@ -73,6 +74,15 @@ def _divide(tensors: Tensors, n: int) -> None:
     """AVG's last step, on host views: it runs on gloo's thread when the transfer completes."""
     for t in map(host_view, tensors):
         t.copy_(t.div(n) if t.is_floating_point() else t.div(n, rounding_mode="trunc"))
+
+
+def _finish_reduction(name: str, tensors: Tensors, divisor: int | None) -> None:
+    """After a reduction: AVG's division, then the dtype policy, since the sum is a new value computed for the
+    device (float64 sums carry float32 precision, as any device op's results)."""
+    if divisor is not None:
+        _divide(tensors, divisor)
+    for t in tensors:
+        _C._note_device_result(f"c10d::{name}", t)
 
 
 def _future(work: dist.Work) -> torch.futures.Future:
@@ -269,7 +279,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             for t in tensors:
                 t.mul_(scale)
         opts.reduceOp = op
-        finish = None if divisor is None else (lambda: _divide(tensors, divisor))
+        finish = functools.partial(_finish_reduction, name, tensors, divisor)
         return self._run(name, lambda: call(_views(tensors), opts), list(tensors), finish)
 
     def allreduce(self, tensors: Tensors, opts: Any = None) -> Work:
@@ -322,7 +332,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         if scale is not None:  # never scale the caller's input in place
             inputs = [[i * scale for i in chunks] for chunks in inputs]
         opts.reduceOp = op
-        finish = None if divisor is None else (lambda: _divide(outputs, divisor))
+        finish = functools.partial(_finish_reduction, name, outputs, divisor)
         return self._run(name, lambda: [self._gloo.reduce_scatter([host_view(o)], [_views(chunks)], opts)
                                         for o, chunks in zip(outputs, inputs)], list(outputs), finish, inputs)
 

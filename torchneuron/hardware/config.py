@@ -52,6 +52,10 @@ def parse_core_list(text: str, available: int) -> list[int]:
         if not lo.isdigit() or (hi and not hi.isdigit()):
             raise ConfigError(f"NEURON_RT_VISIBLE_CORES={text!r}: expected a list like '0-3' or '0,2'")
         cores.extend(range(int(lo), int(hi or lo) + 1))
+    repeated = sorted({c for c in cores if cores.count(c) > 1})
+    if repeated:  # one physical core would appear as two devices, each claiming its whole memory
+        raise ConfigError(f"NEURON_RT_VISIBLE_CORES={text!r} names core(s) {repeated} more than once; "
+                          "list each logical core once")
     bad = [c for c in cores if c >= available]
     if bad or not cores:
         raise ConfigError(f"NEURON_RT_VISIBLE_CORES={text!r} names cores {bad or '(none)'}, but the modelled "

@@ -19,7 +19,8 @@ def get_fallback_ops() -> dict[str, int]:
 
 
 def get_dtype_events() -> dict[str, int]:
-    """Ops whose float64 results were held to float32 precision under TORCHNEURON_DTYPE_POLICY=trainium."""
+    """Dtype-rule events per op under TORCHNEURON_DTYPE_POLICY=trainium: float64 results or host values held to
+    float32 precision, and int64 results outside the int32 range."""
     return dict(_C._dtype_events())
 
 
