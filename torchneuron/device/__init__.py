@@ -1,9 +1,5 @@
 """`torch.neuron`: the device module of the neuron backend, with the names of `torch.cuda` and AWS TorchNeuron."""
 from . import memory, random, streams  # noqa: F401  (torch.neuron.memory, ...)
-
-# torch.utils.checkpoint saves and restores a device's RNG state only if its module says it is initialised (it
-# reads torch.cuda._initialized); the modelled devices are ready at registration.
-_initialized = True
 from .memory import (  # noqa: F401
     empty_cache,
     max_memory_allocated,
@@ -64,3 +60,7 @@ from .streams import (  # noqa: F401
     wait_event,
     wait_stream,
 )
+
+# torch.utils.checkpoint saves and restores a device's RNG state only if its module says it is initialised (it
+# reads torch.cuda._initialized); the modelled devices are ready at registration.
+_initialized = True
