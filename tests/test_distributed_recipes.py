@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 VOCAB, DIM, HEADS, KV_HEADS, SEQ, LAYERS = 64, 32, 4, 2, 16, 2
 
 
-# ---- a Llama-style decoder (RMSNorm, rotary embeddings, SDPA with GQA, SwiGLU) ----
+# ---- a Llama-style decoder (RMSNorm, rotary embeddings, grouped-query SDPA, SwiGLU) ----
 
 def rotary(seq: int, head_dim: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
@@ -51,7 +51,8 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = (w(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        k, v = (t.repeat_interleave(HEADS // KV_HEADS, 1) for t in (k, v))  # GQA as torchtitan: repeat_kv
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).flatten(2))
 
 

@@ -2,13 +2,12 @@
 // efficient attention uses, `_scaled_dot_product_efficient_attention` (masks, causal, dropout, scale), because
 // DTensor has sharding rules for it (tensor/sequence parallel shard the heads) and the compiler and cost model know
 // it. The neuron kernels compute it with the CPU's numerics: the CPU flash kernel (forward and backward) wherever
-// the CPU's own SDPA would take it, the CPU's math op otherwise (dropout with the neuron generator's mask, GQA
-// the CPU flash kernel does not take), with the gradient of the math formula. What the fused op cannot express
-// (inputs that are not 4-D, unsupported dtypes, head counts GQA cannot group, GQA while torch.compile traces, or
-// sdpa_kernel excluding it) takes the math decomposition, counted as aten::_scaled_dot_product_attention_math in get_executed_ops().
+// the CPU's own SDPA would take it, the CPU's math op otherwise (attention dropout, with the neuron generator's
+// mask), with the gradient of the math formula. What the fused op cannot express
+// (inputs that are not 4-D, unsupported dtypes, GQA's unequal head counts, or sdpa_kernel excluding it) takes the
+// math decomposition, counted as aten::_scaled_dot_product_attention_math in get_executed_ops().
 #include <ATen/native/transformers/attention.h>
 #include <ATen/native/transformers/sdp_utils_cpp.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -30,10 +29,9 @@ int64_t choose_sdp(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
             fused_dtype(q) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type();
   if (ok) {
     int64_t hq = q.sym_size(1).guard_int(__FILE__, __LINE__), hk = k.sym_size(1).guard_int(__FILE__, __LINE__);
-    // GQA: the fused op's meta kernel gives the key/value gradients the query's head count, so while a dispatch
-    // mode traces (torch.compile's fake tensors) grouped heads take math; eager (DTensor included) takes the op.
-    bool gqa_ok = enable_gqa && hk > 0 && hq % hk == 0 && !c10::impl::TorchDispatchModeTLS::any_modes_set();
-    ok = k.sym_size(1) == v.sym_size(1) && (hq == hk || gqa_ok);
+    // GQA (fewer key/value heads) takes math: the fused op's meta kernel, which DTensor's sharding propagation
+    // and torch.compile's fake tensors use, gives the key/value gradients the query's head count.
+    ok = hq == hk && k.sym_size(1) == v.sym_size(1);
   }
   if (ok && at::globalContext().userEnabledMemEfficientSDP())  // torch.nn.attention.sdpa_kernel may exclude it
     return static_cast<int64_t>(SDPBackend::efficient_attention);
@@ -51,8 +49,7 @@ std::optional<at::Tensor> on_host(const std::optional<at::Tensor>& t) {
 bool cpu_takes_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& bias, double p, bool causal, std::optional<double> scale) {
   if (p > 0) return false;
-  bool gqa = q.size(1) != k.size(1);
-  return at::_fused_sdp_choice(q, k, v, bias, p, causal, scale, gqa) == static_cast<int64_t>(SDPBackend::flash_attention);
+  return at::_fused_sdp_choice(q, k, v, bias, p, causal, scale) == static_cast<int64_t>(SDPBackend::flash_attention);
 }
 
 // The dropout keep-mask [B, H, L, S] from counters (offset + i), as every neuron random op draws.
@@ -71,14 +68,10 @@ double scale_of(const at::Tensor& q, std::optional<double> scale) {
   return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
 }
 
-at::Tensor repeat_heads(const at::Tensor& t, int64_t heads) {
-  return t.size(1) == heads ? t : t.repeat_interleave(heads / t.size(1), 1);
-}
-
 // Attention scores in float: scale * q k^T + bias, causal positions (top-left aligned, as the CPU) at -inf.
 at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& bias, bool causal,
                   double scale) {
-  auto s = at::matmul(q.to(at::kFloat), repeat_heads(k, q.size(1)).to(at::kFloat).transpose(-2, -1)).mul_(scale);
+  auto s = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)).mul_(scale);
   if (bias) s.add_(bias->to(at::kFloat));
   if (causal) s.masked_fill_(at::ones({q.size(2), k.size(2)}, s.options().dtype(at::kBool)).triu_(1), -INFINITY);
   return s;
@@ -114,7 +107,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
       seed = s.seed, offset = s.offset;
       mask = keep_mask(seed, offset, {B, H, L, k.size(2)}, p);
     }
-    out = std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, b, p, causal, mask, scale, H != k.size(1)));
+    out = std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, b, p, causal, mask, scale));
     if (compute_lse) lse.narrow(2, 0, L).copy_(scores(q, k, b, causal, scale_of(q, scale)).logsumexp(-1));
   }
   auto dev = query.device().index();
@@ -126,23 +119,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> math_backward(
     const at::Tensor& go, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& b, double p, bool causal, double scale, uint64_t seed, uint64_t offset) {
-  const int64_t H = q.size(1), group = H / k.size(1);
   auto P = at::softmax(scores(q, k, b, causal, scale), -1);
   auto drop = p > 0 ? keep_mask(seed, offset, P.sizes(), p).to(at::kFloat).div_(1.0 - p) : at::Tensor();
   auto Pd = drop.defined() ? P * drop : P;
-  auto g = go.to(at::kFloat), ve = repeat_heads(v, H).to(at::kFloat), ke = repeat_heads(k, H).to(at::kFloat);
+  auto g = go.to(at::kFloat), ve = v.to(at::kFloat), ke = k.to(at::kFloat);
   auto gv = at::matmul(Pd.transpose(-2, -1), g);
   auto dP = at::matmul(g, ve.transpose(-2, -1));
   if (drop.defined()) dP.mul_(drop);
   auto dS = P * (dP - (dP * P).sum(-1, true));
   auto gq = at::matmul(dS, ke).mul_(scale);
   auto gk = at::matmul(dS.transpose(-2, -1), q.to(at::kFloat)).mul_(scale);
-  auto fold = [&](const at::Tensor& t) {  // GQA: a shared key/value head gets the sum over its query heads
-    return group == 1 ? t : t.unflatten(1, {k.size(1), group}).sum(2);
-  };
   at::Tensor gb;
   if (b) gb = at::sum_to(dS, b->sizes()).to(b->scalar_type());
-  return {gq.to(q.scalar_type()), fold(gk).to(k.scalar_type()), fold(gv).to(v.scalar_type()), gb};
+  return {gq.to(q.scalar_type()), gk.to(k.scalar_type()), gv.to(v.scalar_type()), gb};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention_backward(
