@@ -37,8 +37,15 @@ def test_small_gpt_with_dropout_is_reproducible():
     assert torchneuron.get_fallback_ops() == {}
 
 
+def _cnn_without_dropout() -> SmallCNN:
+    model = SmallCNN()
+    model.head[1].p = 0.0  # its nn.Dropout: the neuron generator draws other masks than the CPU's
+    return model
+
+
 def test_cnn_trains_like_cpu():
-    cpu, dev = _compare(SmallCNN, lambda: (image_batch(16, torch.Generator().manual_seed(i)) for i in range(20)))
+    cpu, dev = _compare(_cnn_without_dropout,
+                        lambda: (image_batch(16, torch.Generator().manual_seed(i)) for i in range(20)))
     assert dev[-1] < dev[0]
     torch.testing.assert_close(dev, cpu, rtol=1e-5, atol=1e-5)
     assert torchneuron.get_fallback_ops() == {}
