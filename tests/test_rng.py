@@ -1,14 +1,69 @@
-"""RNG: per-device generators, seeding, state save/restore, and numbers identical to the CPU's."""
+"""RNG: per-device counter-based (Philox4x32-10) generators with CUDA's [seed, offset] state, seeding, state
+save/restore, and numbers checked against an independent Python implementation of Philox."""
+import pytest
 import torch
 import torch.nn as nn
 
+M32 = 0xFFFFFFFF
 
-def test_manual_seed_gives_cpu_identical_streams():
+
+def philox(key: tuple[int, int], ctr: tuple[int, int, int, int]) -> list[int]:
+    """Philox4x32-10 (Salmon et al., SC'11), written from the paper's round function."""
+    c, (k0, k1) = list(ctr), key
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & M32, (p0 >> 32) ^ c[3] ^ k1, p0 & M32]
+        k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
+    return c
+
+
+def reference_uniform(seed: int, offset: int, n: int) -> torch.Tensor:
+    """What element i of a neuron random op draws: counter offset + i, 53 bits of words 0-1, in (0, 1)."""
+    out = []
+    for i in range(n):
+        w = philox((seed & M32, seed >> 32), ((offset + i) & M32, (offset + i) >> 32, 0, 0))
+        out.append((((w[1] << 32 | w[0]) >> 11) + 0.5) / 2.0**53)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def state_of(gen_state: torch.Tensor) -> tuple[int, int]:
+    return gen_state[:8].view(torch.int64).item(), gen_state[8:].view(torch.int64).item()
+
+
+def test_reference_philox_matches_random123_known_answers():
+    assert philox((0, 0), (0, 0, 0, 0)) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    assert philox((M32, M32), (M32,) * 4) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    assert philox((0xA4093822, 0x299F31D0), (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344)) == [
+        0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_rand_is_philox_of_seed_and_position():
     torch.manual_seed(7)
-    dev = torch.randn(1000, device="neuron")
-    torch.manual_seed(7)
-    cpu = torch.randn(1000)
-    assert torch.equal(dev.cpu(), cpu)
+    assert torch.equal(torch.rand(10, device="neuron", dtype=torch.float64).cpu(), reference_uniform(7, 0, 10))
+    # the next op starts at the next multiple of 4 (CUDA's offset rule, which DTensor's increments follow)
+    assert torch.equal(torch.rand(3, device="neuron").cpu(), reference_uniform(7, 12, 3).float())
+
+
+def test_state_is_cudas_seed_offset_layout():
+    torch.neuron.manual_seed(11)
+    state = torch.neuron.get_rng_state()
+    assert state.dtype == torch.uint8 and state.device.type == "cpu" and state.numel() == 16
+    assert state_of(state) == (11, 0)
+    torch.randn(10, device="neuron")
+    assert state_of(torch.neuron.get_rng_state()) == (11, 12)
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        torch.neuron.set_rng_state(torch.zeros(5056, dtype=torch.uint8))
+
+
+def test_values_depend_only_on_counter_position():
+    """A shard drawn at the offset of its first element equals that slice of the whole tensor (DTensor's rule)."""
+    torch.manual_seed(5)
+    state = torch.neuron.get_rng_state()
+    whole = torch.randn(4, 8, device="neuron")
+    shard = state.clone()
+    shard[8:] = torch.tensor([16], dtype=torch.int64).view(torch.uint8)
+    torch.neuron.set_rng_state(shard)
+    assert torch.equal(torch.randn(2, 8, device="neuron").cpu(), whole[2:].cpu())
 
 
 def test_device_generator_is_independent_of_cpu_generator():
@@ -24,7 +79,6 @@ def test_neuron_manual_seed_and_state_roundtrip():
     torch.neuron.manual_seed(11)
     assert torch.neuron.initial_seed() == 11
     state = torch.neuron.get_rng_state()
-    assert state.dtype == torch.uint8 and state.device.type == "cpu"
     a = torch.randn(8, device="neuron")
     torch.neuron.set_rng_state(state)
     assert torch.equal(a, torch.randn(8, device="neuron"))
@@ -46,38 +100,79 @@ def test_explicit_generator_object():
     g = torch.Generator(device="neuron")
     assert g.device == torch.device("neuron:0")
     g.manual_seed(42)
-    a = torch.randn(6, device="neuron", generator=g)
-    c = torch.Generator().manual_seed(42)
-    assert torch.equal(a.cpu(), torch.randn(6, generator=c))
+    a = torch.rand(6, device="neuron", generator=g, dtype=torch.float64)
+    assert torch.equal(a.cpu(), reference_uniform(42, 0, 6))
     g.manual_seed(42)
-    assert torch.equal(torch.randn(6, device="neuron", generator=g), a)
+    assert torch.equal(torch.rand(6, device="neuron", generator=g, dtype=torch.float64), a)
     assert torch.Generator(device="neuron:2").device.index == 2
 
 
-def test_dropout_and_init_match_cpu():
-    torch.manual_seed(0)
-    cpu = nn.Linear(16, 16)
-    torch.manual_seed(0)
-    dev = nn.Linear(16, 16, device="neuron")
-    assert torch.equal(dev.weight.cpu(), cpu.weight)
-    x = torch.randn(32, 16)
-    torch.manual_seed(1)
-    y_cpu = nn.functional.dropout(x, 0.5)
-    torch.manual_seed(1)
-    y_dev = nn.functional.dropout(x.neuron(), 0.5)
-    assert torch.equal(y_dev.cpu(), y_cpu)
+def test_cpu_generator_is_rejected_like_cuda():
+    g = torch.Generator()
+    msg = "Expected a 'neuron' device type for generator but found 'cpu'"
+    with pytest.raises(RuntimeError, match=msg):
+        torch.randn(3, device="neuron", generator=g)
+    with pytest.raises(RuntimeError, match=msg):  # an op without a counter-based kernel (host fallback)
+        torch.multinomial(torch.ones(4, device="neuron"), 2, generator=g)
 
 
-def test_random_ops_cover_distributions():
+def test_init_and_dropout_follow_the_reference():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8, device="neuron")  # kaiming_uniform_: uniform_(-b, b) with b = 1/sqrt(16)
+    b = 1 / 16**0.5
+    assert torch.equal(lin.weight.cpu().flatten(), (reference_uniform(0, 0, 128) * (2 * b) - b).float())
+    torch.manual_seed(1)
+    x = torch.ones(32, 16, device="neuron")
+    keep = reference_uniform(1, 0, 512).view(32, 16) < 0.5
+    assert torch.equal(nn.functional.dropout(x, 0.5).cpu(), keep.float() * 2)
+
+
+def test_distributions():
     torch.manual_seed(2)
-    draws = [torch.randint(0, 10, (5,), device="neuron"), torch.randperm(7, device="neuron"),
-             torch.empty(5, device="neuron").exponential_(), torch.bernoulli(torch.full((5,), 0.3, device="neuron")),
-             torch.multinomial(torch.ones(6, device="neuron"), 3)]
-    torch.manual_seed(2)
-    ref = [torch.randint(0, 10, (5,)), torch.randperm(7), torch.empty(5).exponential_(),
-           torch.bernoulli(torch.full((5,), 0.3)), torch.multinomial(torch.ones(6), 3)]
-    for d, r in zip(draws, ref):
-        assert d.is_neuron and torch.equal(d.cpu(), r)
+    n = 200_000
+    z = torch.randn(n, device="neuron").cpu()
+    assert abs(z.mean()) < 0.01 and abs(z.std() - 1) < 0.01
+    u = torch.empty(n, device="neuron").uniform_(-2, 3).cpu()
+    assert u.min() >= -2 and u.max() < 3 and abs(u.mean() - 0.5) < 0.02
+    assert abs(torch.empty(n, device="neuron").exponential_(2.0).cpu().mean() - 0.5) < 0.01
+    assert abs(torch.bernoulli(torch.full((n,), 0.3, device="neuron")).cpu().mean() - 0.3) < 0.01
+    r = torch.randint(3, 10, (n,), device="neuron").cpu()
+    assert r.min() == 3 and r.max() == 9 and r.dtype == torch.int64
+    assert torch.equal(torch.randperm(50, device="neuron").cpu().sort().values, torch.arange(50))
+    m = torch.multinomial(torch.tensor([0.0, 1, 1, 1], device="neuron"), 3).cpu()
+    assert sorted(m.tolist()) == [1, 2, 3]
+    h = torch.randn(1000, device="neuron", dtype=torch.bfloat16)
+    assert h.dtype == torch.bfloat16 and h.isfinite().all()
+
+
+def test_same_seed_same_draws_every_op():
+    def draws():
+        torch.manual_seed(9)
+        return [torch.randint(0, 10, (5,), device="neuron"), torch.randperm(7, device="neuron"),
+                torch.empty(5, device="neuron").exponential_(), torch.multinomial(torch.ones(6, device="neuron"), 3),
+                torch.normal(torch.zeros(5, device="neuron"), 1.0), torch.rand(5, device="neuron")]
+    for a, b in zip(draws(), draws()):
+        assert a.is_neuron and torch.equal(a.cpu(), b.cpu())
+
+
+def test_checkpoint_recomputes_the_same_dropout():
+    """torch.utils.checkpoint saves and restores the device state (get_device_states/set_device_states)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32, device="neuron")
+    x = torch.randn(16, 32, device="neuron", requires_grad=True)
+
+    def block(t):
+        return nn.functional.dropout(lin(t), 0.5).relu()
+
+    grads = []
+    for use_checkpoint in (False, True):
+        torch.manual_seed(1)
+        y = checkpoint(block, x, use_reentrant=False) if use_checkpoint else block(x)
+        (g,) = torch.autograd.grad(y.square().sum(), x)
+        grads.append(g.cpu())
+    assert torch.equal(grads[0], grads[1])
 
 
 def test_seed_is_random():
@@ -102,7 +197,7 @@ def test_rng_state_calls_inside_compiled_code_run_eagerly():
     out = torch.compile(f, backend="neuron")(torch.ones(3, device="neuron"))
     assert torch.equal(torch.neuron.get_rng_state(), before)  # restored by freeze_rng_state
     torch.manual_seed(42)
-    assert torch.equal(out.cpu(), torch.randn(3) + 1)
+    assert torch.equal(out, torch.randn(3, device="neuron") + 1)
 
 
 def test_seeding_does_not_import_dynamo():
@@ -112,3 +207,27 @@ def test_seeding_does_not_import_dynamo():
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.stdout.strip() == "False", out.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="inside compiled kernels the recomputed draw runs on host aliases, so "
+                   "AOTAutograd's run_and_save_rng_state saves the CPU generator: masks are consistent between "
+                   "forward and backward but not eager's (docs/device.md, RNG)")
+def test_compiled_checkpoint_recomputes_the_same_dropout():
+    """Under torch.compile, AOTAutograd saves the neuron state before a recomputed dropout and replays it in the
+    backward (run_and_save_rng_state / run_with_rng_state): gradients equal eager checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32, device="neuron")
+
+    def f(x):
+        return checkpoint(lambda t: nn.functional.dropout(lin(t), 0.5).relu(), x, use_reentrant=False).square().sum()
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="neuron")):
+        x = torch.linspace(-1, 1, 16 * 32, device="neuron").view(16, 32).requires_grad_()
+        torch.manual_seed(1)
+        fn(x).backward()
+        grads.append(x.grad.cpu())
+    assert grads[0].abs().sum() > 0
+    assert torch.equal(grads[0], grads[1])

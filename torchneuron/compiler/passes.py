@@ -245,8 +245,23 @@ def lift_rng(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
         report.rng_prologue.append(n.name)
 
 
+EAGER_FUSED = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
+
+
+def eager_fused_attention(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
+    """Fused attention (what F.scaled_dot_product_attention dispatches to on neuron) runs as its device kernel
+    between the compiled kernels, with eager's numerics: Inductor's host lowering of the op expects CUDA's outputs
+    (its philox seed and offset are host tensors, which a host kernel cannot return as device values)."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
+                and base_name(n.target.name()) in EAGER_FUSED:
+            report.eager_nodes[n.name] = f"{n.target}: fused attention runs as the device kernel"
+            for u in (n, *(u for u in n.users if u.target is operator.getitem)):  # with its tuple's items
+                u.meta["neuron_eager"] = True
+
+
 Pass = Callable[[fx.GraphModule, Report, Lifted], None]
-PASSES: list[Pass] = [classify, round_float64, lift_constants, lift_rng]
+PASSES: list[Pass] = [classify, round_float64, lift_constants, lift_rng, eager_fused_attention]
 
 
 def run(gm: fx.GraphModule) -> tuple[Report, Lifted]:

@@ -328,10 +328,11 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (trainium && c.fp64)
     for (size_t i : e->scalars) round_host_scalar(c, args[i]);
+  std::vector<at::Generator> drawn;  // neuron generators this op draws from: advanced by its size afterwards
   for (size_t i : e->generators) {
-    if (args[i].isNone()) args[i] = host_generator_of(default_generator(c.device));
-    else if (args[i].isGenerator() && args[i].toGenerator().device().type() == kNeuron)
-      args[i] = host_generator_of(args[i].toGenerator());
+    if (!args[i].isNone() && !args[i].isGenerator()) continue;
+    drawn.push_back(args[i].isNone() ? default_generator(c.device) : args[i].toGenerator());
+    args[i] = host_generator_of(drawn.back());  // refuses a generator of another device, as CUDA does
   }
   std::vector<std::pair<at::Tensor, at::Tensor>> written;  // (device tensor, its CPU alias)
   for (size_t i : e->writes)
@@ -340,6 +341,12 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     });
 
   with_device_oom(c.device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack); });
+  if (!drawn.empty()) {
+    uint64_t n = 0;
+    for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i)
+      for_each_tensor((*stack)[i], [&](const at::Tensor& t) { n = std::max<uint64_t>(n, t.numel()); });
+    for (auto& g : drawn) advance_generator(g, n);
+  }
 
   bool rounded = c.entered;
   Int64Range int64;

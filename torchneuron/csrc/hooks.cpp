@@ -1,15 +1,17 @@
 // PrivateUse1 hooks: what generic PyTorch code asks of an accelerator (availability, generators, pinned host
 // memory, the device of a pointer, storage resizing).
 //
-// Generators: each neuron device has its own mt19937 engine, the CPU's engine, so a model seeded identically
-// draws identical numbers on `neuron` and on `cpu` (dropout masks, initialisation). A neuron generator wraps a CPU
-// generator because the ATen CPU kernels the device runs on accept only CPU generators.
+// Generators: counter-based (Philox4x32-10) with CUDA's state layout, 16 bytes [seed: uint64, offset: uint64].
+// Element i of a random op draws from counter (offset + i) alone, so a value depends only on (seed, position):
+// this is what DTensor's parallel RNG, torch.utils.checkpoint and compiled RNG rely on (docs/device.md, RNG).
+// The price: neuron no longer draws the CPU's (mt19937) numbers for the same seed, as CUDA does not.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/GeneratorForPrivateuseone.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -21,26 +23,49 @@ namespace torchneuron {
 namespace {
 
 struct NeuronGenerator final : public c10::GeneratorImpl {
-  explicit NeuronGenerator(c10::DeviceIndex index)
+  explicit NeuronGenerator(c10::DeviceIndex index, uint64_t seed = c10::default_rng_seed_val)
       : c10::GeneratorImpl(c10::Device(kNeuron, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
-        host(at::make_generator<at::CPUGeneratorImpl>(c10::default_rng_seed_val)) {}
+        seed_(seed) {}
 
-  void set_current_seed(uint64_t seed) override { host.set_current_seed(seed); }
-  void set_offset(uint64_t offset) override { host.set_offset(offset); }
-  uint64_t get_offset() const override { return host.get_offset(); }
-  uint64_t current_seed() const override { return host.current_seed(); }
-  uint64_t seed() override { return host.seed(); }
-  void set_state(const c10::TensorImpl& state) override { host.unsafeGetGeneratorImpl()->set_state(state); }
-  c10::intrusive_ptr<c10::TensorImpl> get_state() const override { return host.unsafeGetGeneratorImpl()->get_state(); }
+  void set_current_seed(uint64_t seed) override { seed_ = seed, offset_ = 0; }
+  void set_offset(uint64_t offset) override { offset_ = offset; }
+  uint64_t get_offset() const override { return offset_; }
+  uint64_t current_seed() const override { return seed_; }
+  uint64_t seed() override {
+    set_current_seed(c10::detail::getNonDeterministicRandom());
+    return seed_;
+  }
+  // CUDA's layout, which DTensor's _PhiloxState and checkpointing code read and write.
+  void set_state(const c10::TensorImpl& state) override {
+    TORCH_CHECK(state.dtype() == caffe2::TypeMeta::Make<uint8_t>() && state.numel() == 16,
+                "RNG state must be a torch.ByteTensor of 16 bytes [seed: uint64, offset: uint64] (the neuron "
+                "generator's state, as CUDA's), got ", state.numel(), " elements of ", state.dtype());
+    const auto* bytes = static_cast<const uint8_t*>(state.data());
+    std::memcpy(&seed_, bytes, 8);
+    std::memcpy(&offset_, bytes + 8, 8);
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    auto t = at::empty({16}, at::TensorOptions().dtype(at::kByte));
+    auto* bytes = t.data_ptr<uint8_t>();
+    std::memcpy(bytes, &seed_, 8);
+    std::memcpy(bytes + 8, &offset_, 8);
+    return t.getIntrusivePtr();
+  }
   NeuronGenerator* clone_impl() const override {
-    auto* g = new NeuronGenerator(device().index());
-    g->host = host.clone();
+    auto* g = new NeuronGenerator(device().index(), seed_);
+    g->offset_ = offset_;
     return g;
   }
   static c10::DeviceType device_type() { return kNeuron; }
 
-  at::Generator host;
+  uint64_t seed_, offset_ = 0;
 };
+
+NeuronGenerator* check_neuron_generator(const at::Generator& gen) {
+  TORCH_CHECK(gen.defined() && gen.device().type() == kNeuron, "Expected a 'neuron' device type for generator but "
+              "found '", gen.defined() ? gen.device().type() : c10::DeviceType::CPU, "'");
+  return static_cast<NeuronGenerator*>(gen.unsafeGetGeneratorImpl());
+}
 
 at::Generator make_generator(c10::DeviceIndex index) {
   c10::DeviceIndex dev = index < 0 ? current_device() : index;
@@ -132,9 +157,26 @@ const at::Generator& default_generator(c10::DeviceIndex index) {
   return gens[dev];
 }
 
+PhiloxSlice reserve_philox(const std::optional<at::Generator>& gen, c10::DeviceIndex device, uint64_t n) {
+  const at::Generator& g = gen.has_value() && gen->defined() ? *gen : default_generator(device);
+  auto* impl = check_neuron_generator(g);
+  std::lock_guard<std::mutex> lock(impl->mutex_);
+  PhiloxSlice slice{impl->seed_, impl->offset_};
+  impl->offset_ += (n + 3) / 4 * 4;  // CUDA's offsets are multiples of 4; DTensor's increments are too
+  return slice;
+}
+
 at::Generator host_generator_of(const at::Generator& gen) {
-  TORCH_CHECK(gen.device().type() == kNeuron, "expected a neuron generator, got one for ", gen.device());
-  return static_cast<NeuronGenerator*>(gen.unsafeGetGeneratorImpl())->host;
+  auto* impl = check_neuron_generator(gen);
+  std::lock_guard<std::mutex> lock(impl->mutex_);
+  auto w = philox(impl->seed_, impl->offset_);
+  return at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(w[0]) | static_cast<uint64_t>(w[1]) << 32);
+}
+
+void advance_generator(const at::Generator& gen, uint64_t n) {
+  auto* impl = check_neuron_generator(gen);
+  std::lock_guard<std::mutex> lock(impl->mutex_);
+  impl->offset_ += (std::max<uint64_t>(n, 1) + 3) / 4 * 4;
 }
 
 void register_hooks() {

@@ -6,6 +6,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -51,8 +52,29 @@ decltype(auto) with_device_oom(c10::DeviceIndex device, F&& f) {
 // ---- hooks.cpp: hooks and generators ----
 void register_hooks();
 const at::Generator& default_generator(c10::DeviceIndex index);
-// The CPU generator that draws the numbers for a neuron generator (the CPU kernels require a CPU generator).
+// Philox4x32-10: the four 32-bit words of counter `counter` under key `seed`.
+inline std::array<uint32_t, 4> philox(uint64_t seed, uint64_t counter) {
+  uint32_t c[4] = {static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), 0, 0};
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    uint64_t p0 = uint64_t{0xD2511F53} * c[0], p1 = uint64_t{0xCD9E8D57} * c[2];
+    uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c[1] ^ k0, n2 = static_cast<uint32_t>(p0 >> 32) ^ c[3] ^ k1;
+    c[0] = n0, c[1] = static_cast<uint32_t>(p1), c[2] = n2, c[3] = static_cast<uint32_t>(p0);
+    k0 += 0x9E3779B9, k1 += 0xBB67AE85;
+  }
+  return {c[0], c[1], c[2], c[3]};
+}
+// The counters a random op of n elements owns: element i draws philox(seed, offset + i). Advances the generator
+// (the default one of `device` when `gen` is empty) by n rounded up to a multiple of 4, as CUDA's offsets are.
+// A generator of another device type is refused with CUDA's message.
+struct PhiloxSlice {
+  uint64_t seed, offset;
+};
+PhiloxSlice reserve_philox(const std::optional<at::Generator>& gen, c10::DeviceIndex device, uint64_t n);
+// Random ops without a counter-based kernel run on the host: a CPU generator seeded from the neuron generator's
+// next counter, and the neuron generator then advanced by the op's element count.
 at::Generator host_generator_of(const at::Generator& neuron_gen);
+void advance_generator(const at::Generator& neuron_gen, uint64_t n);
 
 // ---- fallback.cpp: policies and op tracking ----
 enum class DtypePolicy : int { trainium = 0, host = 1 };

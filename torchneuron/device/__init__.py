@@ -60,3 +60,7 @@ from .streams import (  # noqa: F401
     wait_event,
     wait_stream,
 )
+
+# torch.utils.checkpoint saves and restores a device's RNG state only if its module says it is initialised (it
+# reads torch.cuda._initialized); the modelled devices are ready at registration.
+_initialized = True

@@ -11,7 +11,8 @@ NATIVE_OPS: dict[str, tuple[str, ...]] = {
     "tensor": (
         "mm", "bmm", "addmm", "addbmm", "baddbmm", "addmv", "mv", "dot", "vdot", "matmul", "linear",
         "convolution", "convolution_backward", "_convolution", "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_mm",
+        "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward", "_scaled_mm",
     ),
     "vector": (
         "add", "sub", "mul", "div", "neg", "abs", "sign", "sgn", "reciprocal", "pow", "sqrt", "rsqrt", "square",

@@ -1,0 +1,106 @@
+"""F.scaled_dot_product_attention on `neuron` runs the fused `_scaled_dot_product_efficient_attention` (the op DTensor
+shards and the compiler knows), forward and backward equal to the CPU's SDPA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchneuron
+
+CASES = {  # name: (q heads, kv heads, query length, key length, kwargs)
+    "plain": (4, 4, 8, 8, {}),
+    "causal": (4, 4, 8, 8, {"is_causal": True}),
+    "causal_rectangular": (4, 4, 6, 10, {"is_causal": True}),
+    "float_mask": (4, 4, 8, 8, {"attn_mask": "float"}),
+    "bool_mask": (4, 4, 8, 8, {"attn_mask": "bool"}),
+    "scale": (4, 4, 8, 8, {"scale": 0.3}),
+}
+
+
+def inputs(hq: int, hk: int, lq: int, lk: int, kw: dict, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, hq, lq, 16, generator=g, dtype=dtype)
+    k, v = (torch.randn(2, hk, lk, 16, generator=g, dtype=dtype) for _ in range(2))
+    kw = dict(kw)
+    if kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.randn(lq, lk, generator=g, dtype=dtype)
+    elif kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(2, 1, lq, lk, generator=g) > 0.3
+    return q, k, v, kw
+
+
+def run(q, k, v, kw, device):
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    kw = {n: (t.to(device) if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    out = F.scaled_dot_product_attention(*leaves, **kw)
+    out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape).to(device, out.dtype))
+    return [t.detach().cpu() for t in (out, *(x.grad for x in leaves))]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_attention_equals_cpu(case):
+    q, k, v, kw = inputs(*CASES[case])
+    torchneuron.clear_op_tracking()
+    dev = run(q, k, v, kw, "neuron")
+    ops = torchneuron.get_executed_ops()
+    assert ops.get("aten::_scaled_dot_product_efficient_attention") == 1
+    assert ops.get("aten::_scaled_dot_product_efficient_attention_backward") == 1
+    for d, c in zip(dev, run(q, k, v, kw, "cpu")):
+        torch.testing.assert_close(d, c, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_equals_cpu():
+    q, k, v, kw = inputs(4, 4, 8, 8, {"is_causal": True}, torch.bfloat16)
+    for d, c in zip(run(q, k, v, kw, "neuron"), run(q, k, v, kw, "cpu")):
+        torch.testing.assert_close(d, c, rtol=1.6e-2, atol=1e-2)
+
+
+def test_dropout_masks_come_from_the_neuron_generator():
+    """With dropout the fused op draws its [B, H, L, S] keep-mask from the neuron generator; the backward redraws
+    the same mask from the (seed, offset) the forward returned: gradients match the math formula with that mask."""
+    q, k, v, _ = inputs(2, 2, 8, 8, {})
+    torch.manual_seed(3)
+    state = torch.neuron.get_rng_state()
+    dev = run(q, k, v, {"dropout_p": 0.4}, "neuron")
+    torch.neuron.set_rng_state(state)
+    keep = torch.empty(2, 2, 8, 8, device="neuron").bernoulli_(0.6).bool().cpu()  # the same counters
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    att = (leaves[0] @ leaves[1].transpose(-2, -1) / 4).softmax(-1)
+    out = (att * keep / 0.6) @ leaves[2]
+    out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+    for d, c in zip(dev, [out.detach(), *(x.grad for x in leaves)]):
+        torch.testing.assert_close(d, c, rtol=1e-5, atol=1e-6)
+
+
+def test_what_the_fused_op_cannot_do_takes_math_counted():
+    q = torch.randn(3, 8, 16, device="neuron")  # 3-D inputs: the fused op takes (batch, heads, seq, dim)
+    torchneuron.clear_op_tracking()
+    out = F.scaled_dot_product_attention(q, q, q)
+    assert torchneuron.get_executed_ops().get("aten::_scaled_dot_product_attention_math") == 1
+    torch.testing.assert_close(out.cpu(), F.scaled_dot_product_attention(q.cpu(), q.cpu(), q.cpu()))
+
+
+def test_gqa_takes_math_counted():
+    """enable_gqa with fewer key/value heads: the fused op's meta kernel (DTensor's sharding propagation, compile)
+    cannot express it, so it runs the math decomposition, equal to the CPU's."""
+    q, k, v, kw = inputs(4, 2, 8, 8, {"enable_gqa": True, "is_causal": True})
+    torchneuron.clear_op_tracking()
+    dev = run(q, k, v, kw, "neuron")
+    assert torchneuron.get_executed_ops().get("aten::_scaled_dot_product_attention_math") == 1
+    for d, c in zip(dev, run(q, k, v, kw, "cpu")):
+        torch.testing.assert_close(d, c, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [{"is_causal": True}, {"enable_gqa": True}], ids=["causal", "gqa"])
+def test_compiled_attention_equals_eager(kw):
+    q, k, v, kw = inputs(4, 2 if "enable_gqa" in kw else 4, 8, 8, kw)
+
+    def f(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **kw).relu().sum()
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="neuron")):
+        leaves = [t.to("neuron").requires_grad_() for t in (q, k, v)]
+        fn(*leaves).backward()
+        grads.append([x.grad.cpu() for x in leaves])
+    for e, c in zip(*grads):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,175 @@
+// F.scaled_dot_product_attention on neuron: the backend's _fused_sdp_choice picks the fused op CUDA's memory-
+// efficient attention uses, `_scaled_dot_product_efficient_attention` (masks, causal, dropout, scale), because
+// DTensor has sharding rules for it (tensor/sequence parallel shard the heads) and the compiler and cost model know
+// it. The neuron kernels compute it with the CPU's numerics: the CPU flash kernel (forward and backward) wherever
+// the CPU's own SDPA would take it, the CPU's math op otherwise (attention dropout, with the neuron generator's
+// mask), with the gradient of the math formula. What the fused op cannot express
+// (inputs that are not 4-D, unsupported dtypes, GQA's unequal head counts, or sdpa_kernel excluding it) takes the
+// math decomposition, counted as aten::_scaled_dot_product_attention_math in get_executed_ops().
+#include <ATen/native/transformers/attention.h>
+#include <ATen/native/transformers/sdp_utils_cpp.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "runtime.h"
+
+namespace torchneuron {
+namespace {
+
+using sdp::SDPBackend;
+
+int64_t choose_sdp(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const std::optional<at::Tensor>& mask, double p, bool causal, std::optional<double> scale,
+                   bool enable_gqa) {
+  auto fused_dtype = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
+  };
+  bool ok = q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && !q.is_nested() && !k.is_nested() && !v.is_nested() &&
+            fused_dtype(q) && k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type();
+  if (ok) {
+    int64_t hq = q.sym_size(1).guard_int(__FILE__, __LINE__), hk = k.sym_size(1).guard_int(__FILE__, __LINE__);
+    // GQA (fewer key/value heads) takes math: the fused op's meta kernel, which DTensor's sharding propagation
+    // and torch.compile's fake tensors use, gives the key/value gradients the query's head count.
+    ok = hq == hk && k.sym_size(1) == v.sym_size(1);
+  }
+  if (ok && at::globalContext().userEnabledMemEfficientSDP())  // torch.nn.attention.sdpa_kernel may exclude it
+    return static_cast<int64_t>(SDPBackend::efficient_attention);
+  note_executed("aten::_scaled_dot_product_attention_math");
+  return static_cast<int64_t>(SDPBackend::math);
+}
+
+at::Tensor on_host(const at::Tensor& t) { return t.defined() && t.device().type() == kNeuron ? host_alias(t) : t; }
+std::optional<at::Tensor> on_host(const std::optional<at::Tensor>& t) {
+  return t && t->defined() ? std::optional<at::Tensor>(on_host(*t)) : std::nullopt;
+}
+
+// Would the CPU's SDPA run these (host) inputs through its flash kernel? Dropout never: the mask must come from
+// the neuron generator, which only the math op accepts.
+bool cpu_takes_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& bias, double p, bool causal, std::optional<double> scale) {
+  if (p > 0) return false;
+  return at::_fused_sdp_choice(q, k, v, bias, p, causal, scale) == static_cast<int64_t>(SDPBackend::flash_attention);
+}
+
+// The dropout keep-mask [B, H, L, S] from counters (offset + i), as every neuron random op draws.
+at::Tensor keep_mask(uint64_t seed, uint64_t offset, at::IntArrayRef sizes, double p) {
+  auto m = at::empty(sizes, at::TensorOptions().dtype(at::kBool));
+  bool* d = m.data_ptr<bool>();
+  const double keep = 1.0 - p;
+  for (int64_t i = 0, n = m.numel(); i < n; ++i) {
+    auto w = philox(seed, offset + static_cast<uint64_t>(i));
+    d[i] = (static_cast<double>((static_cast<uint64_t>(w[1]) << 32 | w[0]) >> 11) + 0.5) * 0x1p-53 < keep;
+  }
+  return m;
+}
+
+double scale_of(const at::Tensor& q, std::optional<double> scale) {
+  return scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+}
+
+// Attention scores in float: scale * q k^T + bias, causal positions (top-left aligned, as the CPU) at -inf.
+at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& bias, bool causal,
+                  double scale) {
+  auto s = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)).mul_(scale);
+  if (bias) s.add_(bias->to(at::kFloat));
+  if (causal) s.masked_fill_(at::ones({q.size(2), k.size(2)}, s.options().dtype(at::kBool)).triu_(1), -INFINITY);
+  return s;
+}
+
+// The fused op's layout, (B, L, H, E) transposed to (B, H, L, E), which its meta kernel promises.
+at::Tensor fused_layout(const at::Tensor& t) {
+  if (t.transpose(1, 2).is_contiguous()) return t;
+  return at::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2).copy_(t);
+}
+
+at::Tensor scalar_long(uint64_t v) { return at::scalar_tensor(static_cast<int64_t>(v), at::kLong); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& bias,
+    bool compute_lse, double p, bool causal, std::optional<double> scale) {
+  note_executed("aten::_scaled_dot_product_efficient_attention");
+  at::AutoDispatchBelowADInplaceOrView below;
+  auto q = host_alias(query), k = on_host(key), v = on_host(value);
+  auto b = on_host(bias);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  auto lse = at::zeros({B, H, compute_lse ? (L + 31) / 32 * 32 : 0}, q.options().dtype(at::kFloat));
+  uint64_t seed = 0, offset = 0;
+  at::Tensor out;
+  if (cpu_takes_flash(q, k, v, b, p, causal, scale)) {
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, b, scale);
+    out = o;
+    if (compute_lse) lse.narrow(2, 0, L).copy_(l);
+  } else {
+    std::optional<at::Tensor> mask;
+    if (p > 0) {
+      auto s = reserve_philox(std::nullopt, query.device().index(), B * H * L * k.size(2));
+      seed = s.seed, offset = s.offset;
+      mask = keep_mask(seed, offset, {B, H, L, k.size(2)}, p);
+    }
+    out = std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, b, p, causal, mask, scale));
+    if (compute_lse) lse.narrow(2, 0, L).copy_(scores(q, k, b, causal, scale_of(q, scale)).logsumexp(-1));
+  }
+  auto dev = query.device().index();
+  return {adopt_host_tensor(fused_layout(out), dev),
+          adopt_host_tensor(lse, dev), scalar_long(seed), scalar_long(offset)};
+}
+
+// The gradient of the math formula: P = softmax(S), O = (P * keep / (1 - p)) V.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> math_backward(
+    const at::Tensor& go, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const std::optional<at::Tensor>& b, double p, bool causal, double scale, uint64_t seed, uint64_t offset) {
+  auto P = at::softmax(scores(q, k, b, causal, scale), -1);
+  auto drop = p > 0 ? keep_mask(seed, offset, P.sizes(), p).to(at::kFloat).div_(1.0 - p) : at::Tensor();
+  auto Pd = drop.defined() ? P * drop : P;
+  auto g = go.to(at::kFloat), ve = v.to(at::kFloat), ke = k.to(at::kFloat);
+  auto gv = at::matmul(Pd.transpose(-2, -1), g);
+  auto dP = at::matmul(g, ve.transpose(-2, -1));
+  if (drop.defined()) dP.mul_(drop);
+  auto dS = P * (dP - (dP * P).sum(-1, true));
+  auto gq = at::matmul(dS, ke).mul_(scale);
+  auto gk = at::matmul(dS.transpose(-2, -1), q.to(at::kFloat)).mul_(scale);
+  at::Tensor gb;
+  if (b) gb = at::sum_to(dS, b->sizes()).to(b->scalar_type());
+  return {gq.to(q.scalar_type()), gk.to(k.scalar_type()), gv.to(v.scalar_type()), gb};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& bias, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& philox_seed,
+    const at::Tensor& philox_offset, double p, std::array<bool, 4> grad_input_mask, bool causal,
+    std::optional<double> scale) {
+  note_executed("aten::_scaled_dot_product_efficient_attention_backward");
+  at::AutoDispatchBelowADInplaceOrView below;
+  auto q = host_alias(query), k = on_host(key), v = on_host(value), go = on_host(grad_out);
+  auto b = on_host(bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
+  at::Tensor gq, gk, gv, gb;
+  if (!grad_input_mask[3] && cpu_takes_flash(q, k, v, b, p, causal, scale)) {
+    auto l = on_host(lse).narrow(2, 0, q.size(2)).contiguous();
+    std::tie(gq, gk, gv) =
+        at::_scaled_dot_product_flash_attention_for_cpu_backward(go, q, k, v, on_host(out), l, p, causal, b, scale);
+  } else {
+    auto seed = static_cast<uint64_t>(on_host(philox_seed).item<int64_t>());
+    auto offset = static_cast<uint64_t>(on_host(philox_offset).item<int64_t>());
+    std::tie(gq, gk, gv, gb) = math_backward(go, q, k, v, b, p, causal, scale_of(q, scale), seed, offset);
+  }
+  auto dev = query.device().index();
+  auto back = [&](const at::Tensor& t, bool want) {
+    return want && t.defined() ? adopt_host_tensor(fused_layout(t), dev) : at::Tensor();
+  };
+  at::Tensor grad_bias = grad_input_mask[3] && gb.defined() ? adopt_host_tensor(gb.contiguous(), dev) : at::Tensor();
+  return {back(gq, grad_input_mask[0]), back(gk, grad_input_mask[1]), back(gv, grad_input_mask[2]), grad_bias};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_scaled_dot_product_efficient_attention", efficient_attention);
+  m.impl("_scaled_dot_product_efficient_attention_backward", efficient_attention_backward);
+}
+
+}  // namespace torchneuron
+
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &torchneuron::choose_sdp)
+}

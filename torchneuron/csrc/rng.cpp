@@ -1,0 +1,187 @@
+// Counter-based random kernels: element i (in the tensor's logical row-major order) of a random op draws only from
+// Philox counter (offset + i) of the generator (hooks.cpp), so a value depends on (seed, offset + position) alone.
+// A DTensor shard drawn at DTensor's shard offset therefore holds exactly the values of the same slice of the
+// unsharded tensor. Each kernel makes the values in float64 on the host and writes them with a cast.
+// Random ops not listed here (multinomial, randperm, poisson, normal with tensor arguments, ...) run as host
+// fallbacks with a CPU generator seeded from the next counter (fallback.cpp).
+#include <ATen/Parallel.h>
+#include <c10/util/MathConstants.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "runtime.h"
+
+namespace torchneuron {
+namespace {
+
+// 53 random bits -> a double in the open interval (0, 1): logs and divisions by it are always finite.
+inline double unit(uint32_t lo, uint32_t hi) {
+  return (static_cast<double>((static_cast<uint64_t>(hi) << 32 | lo) >> 11) + 0.5) * 0x1p-53;
+}
+
+struct Draws {
+  at::Tensor u1, u2;  // float64, shaped like the target; u2 only when asked for (from the counter's other words)
+  at::Tensor bits;    // int64 raw 64-bit words, only when asked for
+};
+
+enum class Want { one, two, bits };
+
+Draws draw(const at::Tensor& self, const std::optional<at::Generator>& gen, Want want) {
+  const int64_t n = self.numel();
+  auto s = reserve_philox(gen, self.device().index(), static_cast<uint64_t>(n));
+  Draws d;
+  auto opts = at::TensorOptions().dtype(want == Want::bits ? at::kLong : at::kDouble);
+  (want == Want::bits ? d.bits : d.u1) = at::empty(self.sizes(), opts);
+  if (want == Want::two) d.u2 = at::empty(self.sizes(), opts);
+  double* a = want == Want::bits ? nullptr : d.u1.data_ptr<double>();
+  double* b = want == Want::two ? d.u2.data_ptr<double>() : nullptr;
+  int64_t* w64 = want == Want::bits ? d.bits.data_ptr<int64_t>() : nullptr;
+  at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      auto w = philox(s.seed, s.offset + static_cast<uint64_t>(i));
+      if (w64) w64[i] = static_cast<int64_t>(static_cast<uint64_t>(w[1]) << 32 | w[0]);
+      if (a) a[i] = unit(w[0], w[1]);
+      if (b) b[i] = unit(w[2], w[3]);
+    }
+  });
+  return d;
+}
+
+// The tensor the kernel fills: complex tensors are filled as their real view (as ATen does).
+at::Tensor target(const at::Tensor& self) { return self.is_complex() ? at::view_as_real(self) : self; }
+
+at::Tensor& write(at::Tensor& self, const at::Tensor& values, const char* name) {
+  note_executed(name);
+  host_alias(target(self)).copy_(values);
+  return self;
+}
+
+at::Tensor normal_values(const at::Tensor& t, const std::optional<at::Generator>& gen) {
+  auto d = draw(t, gen, Want::two);  // Box-Muller on the element's own two uniforms
+  return d.u1.log_().mul_(-2.0).sqrt_().mul_(d.u2.mul_(2.0 * c10::pi<double>).cos_());
+}
+
+void check_floating(const at::Tensor& self, const char* name) {
+  TORCH_CHECK(at::isFloatingType(self.scalar_type()) || at::isComplexType(self.scalar_type()), name,
+              " expects a floating point tensor, but got ", self.scalar_type());
+}
+
+at::Tensor& uniform_(at::Tensor& self, double from, double to, std::optional<at::Generator> gen) {
+  check_floating(self, "uniform_");
+  TORCH_CHECK(from <= to, "uniform_ expects to return a [from, to) range, but found from=", from, " > to=", to);
+  at::Tensor t = target(self);
+  auto v = draw(t, gen, Want::one).u1.mul_(to - from).add_(from).to(t.scalar_type());
+  v.masked_fill_(v.ge(to).logical_and_(v.gt(from)), from);  // rounding to the dtype can reach `to`: [from, to)
+  return write(self, v, "aten::uniform_");
+}
+
+at::Tensor& normal_(at::Tensor& self, double mean, double std, std::optional<at::Generator> gen) {
+  check_floating(self, "normal_");
+  TORCH_CHECK(std >= 0.0, "normal expects std >= 0.0, but found std ", std);
+  at::Tensor t = target(self);
+  if (self.is_complex()) std /= std::sqrt(2.0);
+  return write(self, normal_values(t, gen).mul_(std).add_(mean), "aten::normal_");
+}
+
+at::Tensor& log_normal_(at::Tensor& self, double mean, double std, std::optional<at::Generator> gen) {
+  check_floating(self, "log_normal_");
+  TORCH_CHECK(std > 0.0, "log_normal_ expects std > 0.0, but found std=", std);
+  return write(self, normal_values(self, gen).mul_(std).add_(mean).exp_(), "aten::log_normal_");
+}
+
+at::Tensor& exponential_(at::Tensor& self, double lambd, std::optional<at::Generator> gen) {
+  check_floating(self, "exponential_");
+  TORCH_CHECK(lambd > 0.0, "exponential_ expects lambda > 0.0, but found lambda=", lambd);
+  return write(self, draw(self, gen, Want::one).u1.log_().div_(-lambd), "aten::exponential_");
+}
+
+at::Tensor& cauchy_(at::Tensor& self, double median, double sigma, std::optional<at::Generator> gen) {
+  check_floating(self, "cauchy_");
+  TORCH_CHECK(sigma > 0.0, "cauchy_ expects sigma > 0.0, but found sigma=", sigma);
+  auto u = draw(self, gen, Want::one).u1;
+  return write(self, u.sub_(0.5).mul_(c10::pi<double>).tan_().mul_(sigma).add_(median), "aten::cauchy_");
+}
+
+at::Tensor& geometric_(at::Tensor& self, double p, std::optional<at::Generator> gen) {
+  TORCH_CHECK(0 < p && p < 1, "geometric_ expects p to be in (0, 1), but got p=", p);
+  auto u = draw(self, gen, Want::one).u1;
+  return write(self, u.log_().div_(std::log1p(-p)).ceil_(), "aten::geometric_");
+}
+
+at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Generator> gen) {
+  TORCH_CHECK(0 <= p && p <= 1, "bernoulli_ expects p to be in [0, 1], but got p=", p);
+  return write(self, draw(self, gen, Want::one).u1.lt(p), "aten::bernoulli_");
+}
+
+at::Tensor& bernoulli_tensor(at::Tensor& self, const at::Tensor& p, std::optional<at::Generator> gen) {
+  at::Tensor probs = p.device().type() == kNeuron ? host_alias(p) : p;
+  auto u = draw(self, gen, Want::one).u1;
+  return write(self, u.lt(probs.to(at::kDouble).expand(self.sizes())), "aten::bernoulli_");
+}
+
+at::Tensor bernoulli(const at::Tensor& self, std::optional<at::Generator> gen) {
+  auto out = at::empty_like(self, at::MemoryFormat::Contiguous);
+  return bernoulli_tensor(out, self, gen);
+}
+
+at::Tensor bernoulli_p(const at::Tensor& self, double p, std::optional<at::Generator> gen) {
+  auto out = at::empty_like(self, at::MemoryFormat::Contiguous);
+  return bernoulli_float(out, p, gen);
+}
+
+// Integers in [from, to), or [from, the dtype's largest exactly representable integer] without `to`: each element
+// reduces its own 64-bit word modulo the range.
+at::Tensor& random_from_to(at::Tensor& self, int64_t from, std::optional<int64_t> to, std::optional<at::Generator> gen) {
+  uint64_t range;  // 0 stands for 2^64
+  if (to) {
+    TORCH_CHECK(from < *to, "random_ expects 'from' to be less than 'to', but got from=", from, " >= to=", *to);
+    range = static_cast<uint64_t>(*to) - static_cast<uint64_t>(from);
+  } else {
+    auto st = self.scalar_type();
+    int64_t top = st == at::kBool ? 1
+                  : at::isFloatingType(st)
+                      ? (int64_t{1} << (st == at::kDouble ? 53 : st == at::kFloat ? 24 : st == at::kHalf ? 11 : 8))
+                      : c10::isIntegralType(st, false) ? AT_DISPATCH_INTEGRAL_TYPES(st, "random_", [] {
+                          return static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
+                        })
+                      : std::numeric_limits<int64_t>::max();
+    TORCH_CHECK(from <= top, "random_ expects 'from' to be at most ", top, " for ", st, ", but got from=", from);
+    range = static_cast<uint64_t>(top) - static_cast<uint64_t>(from) + 1;
+  }
+  auto bits = draw(self, gen, Want::bits).bits;
+  if (range != 0) {
+    auto* w = bits.data_ptr<int64_t>();
+    for (int64_t i = 0, n = bits.numel(); i < n; ++i)
+      w[i] = static_cast<int64_t>(static_cast<uint64_t>(from) + static_cast<uint64_t>(w[i]) % range);
+  }
+  return write(self, bits, "aten::random_");
+}
+
+at::Tensor& random_to(at::Tensor& self, int64_t to, std::optional<at::Generator> gen) {
+  return random_from_to(self, 0, to, gen);
+}
+at::Tensor& random_full(at::Tensor& self, std::optional<at::Generator> gen) {
+  return random_from_to(self, 0, std::nullopt, gen);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("uniform_", uniform_);
+  m.impl("normal_", normal_);
+  m.impl("log_normal_", log_normal_);
+  m.impl("exponential_", exponential_);
+  m.impl("cauchy_", cauchy_);
+  m.impl("geometric_", geometric_);
+  m.impl("bernoulli_.float", bernoulli_float);
+  m.impl("bernoulli_.Tensor", bernoulli_tensor);
+  m.impl("bernoulli", bernoulli);
+  m.impl("bernoulli.p", bernoulli_p);
+  m.impl("random_.from", random_from_to);
+  m.impl("random_.to", random_to);
+  m.impl("random_", random_full);
+}
+
+}  // namespace torchneuron
