@@ -143,8 +143,8 @@ def test_fused_cell_backward_kernels_match_autograd():
     hy, cy, ws = torch.ops.aten._thnn_fused_lstm_cell(ig, hg, cx, b1, b2)
     ghy, gcy = torch.randn_like(hy), torch.randn_like(cy)
     auto = torch.autograd.grad((hy * ghy).sum() + (cy * gcy).sum(), inputs)
-    g_gates, g_cx, g_b = torch.ops.aten._thnn_fused_lstm_cell_backward_impl(ghy, gcy, cx.detach(), cy.detach(), ws.detach(),
-                                                                   True)
+    aten = torch.ops.aten
+    g_gates, g_cx, g_b = aten._thnn_fused_lstm_cell_backward_impl(ghy, gcy, cx.detach(), cy.detach(), ws.detach(), True)
     for a, b in zip((g_gates, g_gates, g_cx, g_b, g_b), auto):
         torch.testing.assert_close(a.cpu(), b.cpu(), **TOL)
 

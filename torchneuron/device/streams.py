@@ -11,7 +11,6 @@ import torch
 
 from .module import _checked, _device_t
 
-
 PRIORITY_RANGE = (0, -1)  # (lowest, highest), as torch.cuda.Stream.priority_range(); lower is higher priority
 _priorities: dict[tuple[int, int], int] = {}  # (device, stream id) -> priority, for streams made with one
 
