@@ -6,8 +6,11 @@ same numbers.
 """
 from __future__ import annotations
 
+import itertools
+import re
 import unittest
 
+import pytest
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.testing._internal.opinfo.core import DecorateInfo
@@ -20,9 +23,9 @@ def op_id(op) -> str:
 OPS = {op_id(op): op for op in op_db}
 
 
-def pytorch_skips_compare_cpu(op) -> bool:
-    """OpInfo entries PyTorch excludes from its own test_compare_cpu (on some device)."""
-    return any(isinstance(d, DecorateInfo) and d.test_name == "test_compare_cpu" and
+def pytorch_skips_compare_cpu(op, test_name: str = "test_compare_cpu") -> bool:
+    """OpInfo entries PyTorch excludes from its own `test_name` (on some device)."""
+    return any(isinstance(d, DecorateInfo) and d.test_name == test_name and
                any(getattr(x, "__name__", "") in ("skip", "decorator") or x is unittest.expectedFailure
                    for x in d.decorators)
                for d in op.decorators)
@@ -108,3 +111,129 @@ def compare_backward(op, dtype: torch.dtype, atol: float, rtol: float) -> bool:
                                        msg=lambda m: f"{op_id(op)} backward: {m}")
         return True
     return False
+
+
+# ---- the deeper checks: other dtypes, non-contiguous samples, out= and in-place variants, error inputs ----
+
+def first_samples(op, dtype: torch.dtype, n: int):
+    return list(itertools.islice(op.sample_inputs("neuron", dtype, requires_grad=False), n))
+
+
+def compare_samples(op, dtype: torch.dtype, n: int, atol: float, rtol: float, noncontiguous: bool = False) -> int:
+    """compare_forward on the first `n` samples, optionally with every tensor made non-contiguous on both devices."""
+    done = 0
+    for sample in first_samples(op, dtype, n):
+        cpu_sample = on_cpu(sample)
+        if noncontiguous:
+            sample, cpu_sample = sample.noncontiguous(), cpu_sample.noncontiguous()
+            try:
+                ref = seeded_call(op, cpu_sample)
+            except RuntimeError as e:  # kernels that require contiguous inputs: neuron must refuse them too
+                with pytest.raises(type(e)):
+                    seeded_call(op, sample)
+                done += 1
+                continue
+        else:
+            ref = seeded_call(op, cpu_sample)
+        dev = seeded_call(op, sample)
+        torch.testing.assert_close(to_cpu_tree(dev), ref, atol=atol, rtol=rtol, equal_nan=True, check_device=False,
+                                   msg=lambda m, d=done: f"{op_id(op)} {dtype} sample {d}: {m}")
+        done += 1
+    return done
+
+
+def on_cpu(sample):
+    """The sample with its tensors and any device arguments (factory ops' device="neuron") moved to the CPU."""
+    cpu = sample.transform(to_cpu)
+    cpu.kwargs = {k: to_cpu(v) for k, v in cpu.kwargs.items()}
+    return cpu
+
+
+def _raw_call(fn, sample, seed: int = 1234, **kwargs):
+    torch.manual_seed(seed)
+    return fn(sample.input, *sample.args, **sample.kwargs, **kwargs)
+
+
+def _empty_out(like, device: str, shaped: bool):
+    """out= arguments for a result: correctly shaped ones, or empty ones the op must resize."""
+    if isinstance(like, torch.Tensor):
+        return torch.empty(like.shape if shaped else (0,), dtype=like.dtype, device=device)
+    if isinstance(like, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in like):
+        return tuple(_empty_out(t, device, shaped) for t in like)
+    return None
+
+
+def compare_out(op, dtype: torch.dtype, n: int, atol: float, rtol: float) -> int:
+    """op(..., out=...) on neuron writes what the CPU writes, into the given tensors (shaped, then empty)."""
+    done = 0
+    for sample in first_samples(op, dtype, n):
+        cpu_sample = on_cpu(sample)
+        try:
+            expected = _raw_call(op, cpu_sample)
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            continue  # the CPU cannot run this sample either
+        for shaped in (True, False):
+            cpu_out, dev_out = _empty_out(expected, "cpu", shaped), _empty_out(expected, "neuron", shaped)
+            if cpu_out is None:
+                return done
+            _raw_call(op, cpu_sample, out=cpu_out)
+            res = _raw_call(op, sample, out=dev_out)
+            if isinstance(dev_out, torch.Tensor):
+                assert res is dev_out, f"{op_id(op)}: out= returned a different tensor than the one passed"
+            torch.testing.assert_close(to_cpu_tree(dev_out), cpu_out, atol=atol, rtol=rtol, equal_nan=True,
+                                       check_device=False,
+                                       msg=lambda m, s=shaped: f"{op_id(op)} out= (shaped={s}): {m}")
+        done += 1
+    return done
+
+
+def compare_inplace(op, dtype: torch.dtype, n: int, atol: float, rtol: float) -> int:
+    """The in-place variant leaves the input as on the CPU, or raises the CPU's exception type."""
+    inplace = op.get_inplace()
+    done = 0
+    for sample in first_samples(op, dtype, n):
+        if not isinstance(sample.input, torch.Tensor):
+            continue
+        cpu_sample = on_cpu(sample)
+        try:
+            _raw_call(inplace, cpu_sample)
+            cpu_error = None
+        except Exception as e:  # noqa: BLE001 - compared with the device's exception below
+            cpu_error = e
+        if cpu_error is not None:
+            try:
+                _raw_call(inplace, sample)
+            except Exception as e:  # noqa: BLE001
+                assert isinstance(e, type(cpu_error)), f"{op_id(op)} in-place: CPU raised {cpu_error!r}, neuron {e!r}"
+            else:
+                raise AssertionError(f"{op_id(op)} in-place: CPU raised {cpu_error!r}, neuron did not")
+            done += 1
+            continue
+        res = _raw_call(inplace, sample)
+        assert res is sample.input, f"{op_id(op)}: the in-place variant returned a different tensor"
+        torch.testing.assert_close(sample.input.cpu(), cpu_sample.input, atol=atol, rtol=rtol, equal_nan=True,
+                                   msg=lambda m: f"{op_id(op)} in-place: {m}")
+        done += 1
+    return done
+
+
+def check_error_inputs(op) -> int:
+    """Every declared error input the CPU rejects raises the declared exception type and message (the entries made
+    for a non-CPU device declare CUDA's). Entries are made on each device alike, so aliasing (overlap) is kept."""
+    done = 0
+    for cpu_ei, ei in zip(op.error_inputs("cpu"), op.error_inputs("neuron")):
+        try:
+            _raw_call(op, cpu_ei.sample_input)
+        except Exception:  # noqa: BLE001
+            pass
+        else:
+            continue  # entries that raise only on some other device (the CPU accepts them too)
+        try:
+            _raw_call(op, ei.sample_input)
+        except Exception as e:  # noqa: BLE001
+            assert isinstance(e, ei.error_type), f"{op_id(op)}: expected {ei.error_type.__name__}, got {e!r}"
+            assert re.search(ei.error_regex, str(e)), f"{op_id(op)}: message {str(e)!r} !~ {ei.error_regex!r}"
+        else:
+            raise AssertionError(f"{op_id(op)}: expected {ei.error_type.__name__} ({ei.error_regex!r}), no error")
+        done += 1
+    return done

@@ -50,11 +50,11 @@ def test_host_tensor_in_device_op_is_an_error_but_scalars_are_fine():
 
 
 def test_invalid_indices():
-    with pytest.raises(IndexError, match="valid indices are 0..3"):
+    with pytest.raises(torch.AcceleratorError, match="valid indices are 0..3"):
         torch.empty(1, device="neuron:4")
-    with pytest.raises((IndexError, RuntimeError)):
+    with pytest.raises(torch.AcceleratorError):
         torch.neuron.set_device(7)
-    with pytest.raises(IndexError):
+    with pytest.raises(AssertionError, match="Invalid device id"):  # as torch.cuda.get_device_properties
         torch.neuron.get_device_properties(5)
     assert torch.neuron.current_device() == 0
 

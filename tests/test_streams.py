@@ -84,5 +84,45 @@ def test_elapsed_time_requires_recorded_events():
 
 
 def test_stream_on_invalid_device():
-    with pytest.raises(IndexError, match="valid indices are 0..3"):
+    with pytest.raises(torch.AcceleratorError, match="invalid device ordinal 8.*valid indices are 0..3"):
         torch.neuron.Stream(device=8)
+
+
+def test_record_stream_with_caching_allocator_meaning():
+    """record_stream (pipelines, FSDP): the use on the side stream is recorded; this device's work is complete when
+    issued, so once the tensor dies its block is cached and reused at once, and the statistics stay exact."""
+    side = torch.neuron.Stream()
+    base = torch.neuron.memory_allocated()
+    with torch.neuron.stream(side):
+        x = torch.empty(1024, device="neuron").fill_(1.0)  # a 4 KiB block of the caching allocator
+    x.record_stream(torch.neuron.current_stream())
+    x.record_stream(side)
+    y = x * 2  # memory adopted from the CPU kernel: also the allocator's
+    y.record_stream(side)
+    torch.empty(0, device="neuron").record_stream(side)  # no block at all
+    assert torch.neuron.memory_allocated() == base + 2 * 4096
+    ptr = x.data_ptr()
+    del x, y
+    assert torch.neuron.memory_allocated() == base
+    assert torch.empty(1024, device="neuron").data_ptr() == ptr  # reused without waiting
+    with pytest.raises(RuntimeError, match="expected a neuron stream"):
+        torch.ones(2, device="neuron").record_stream(torch.Stream(device="cpu"))
+
+
+def test_stream_priorities_and_generic_api():
+    hi, lo, clamped = (torch.neuron.Stream(priority=p) for p in (-1, 0, -9))
+    assert (hi.priority, lo.priority, clamped.priority) == (-1, 0, -1)  # clamped to the range, like CUDA
+    assert torch.neuron.Stream.priority_range() == (0, -1) and torch.neuron.default_stream().priority == 0
+    assert hi != lo and hi.query() and lo.query()
+    hi.wait_stream(lo)
+    hi.synchronize()
+    g, e = torch.Stream(device="neuron", priority=-1), torch.Event(device="neuron")
+    e.record(g)
+    g.wait_event(e)
+    e.synchronize()
+    assert e.query() and g.query()
+    with torch.neuron.stream(hi):
+        assert torch.neuron.current_stream() == hi and torch.neuron.current_stream().priority == -1
+    torch.neuron.set_stream(lo)
+    assert torch.neuron.current_stream() == lo
+    torch.neuron.set_stream(torch.neuron.default_stream())

@@ -1,7 +1,8 @@
 // Device memory of the modelled NeuronCores: host memory handed out under each core's capacity.
 // A caching allocator like CUDA's: freed blocks stay reserved for reuse (reserved >= allocated), the cache is
 // released before reporting out-of-memory, and every CUDA statistic is kept per device.
-// Execution is synchronous, so a freed block is safe to reuse at once and recordStream has nothing to defer.
+// Execution is synchronous, so a freed block is safe to reuse at once and recordStream (Tensor.record_stream) only
+// validates: nothing has to wait for another stream.
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 
@@ -129,7 +130,19 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     for (auto& [dev, pool] : free_) release_cached(dev);
   }
 
-  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  // CUDA's meaning: a block used on another stream is not reused until that stream's work is done. Work here is
+  // complete when issued, so the block is reusable as soon as it is freed; the use is validated (a neuron stream,
+  // memory of this allocator) and nothing has to be deferred.
+  void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
+    if (!ptr.get()) return;  // empty tensors own no block
+    TORCH_CHECK(stream.device_type() == kNeuron, "record_stream: expected a neuron stream, got a ",
+                stream.device_type(), " stream");
+    check_device_index(stream.device_index());
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = live_.find(reinterpret_cast<uintptr_t>(ptr.get()));
+    TORCH_CHECK(it != live_.end() && it->second->in_use,
+                "record_stream: the tensor's memory was not allocated by the neuron allocator");
+  }
 
   DeviceStats getDeviceStats(c10::DeviceIndex dev) override {
     check_device_index(dev);

@@ -436,6 +436,11 @@ void note_host_to_device(const at::Tensor& host) {
   note_int64(copy_in, int64);
 }
 
+// Composite kernels that refuse every device but CPU/CUDA/XPU (a device-type TORCH_CHECK in ATen; the list comes
+// from searching ATen's sources and messages, see docs/device.md). Routed through the fallback, the CPU's entry runs
+// the same composite on the host aliases, where the check passes.
+const std::unordered_set<std::string> kDeviceCheckedComposites = {"mode.values"};
+
 int route_to_cpu_kernels() {
   static std::unique_ptr<torch::Library> lib;
   if (lib) return -1;
@@ -445,12 +450,13 @@ int route_to_cpu_kernels() {
   for (const auto& name : d.getAllOpNames()) {
     if (name.name.rfind("aten::", 0) != 0) continue;
     auto op = d.findOp(name);
-    if (!op || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
-        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
-        !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
-          op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)))
-      continue;
     std::string n_ = name.name.substr(6) + (name.overload_name.empty() ? "" : "." + name.overload_name);
+    if (!op || op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) continue;
+    if (!kDeviceCheckedComposites.count(n_) &&
+        (!op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+         !(op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+           op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))))
+      continue;
     lib->impl(n_.c_str(), torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>());
     ++n;
   }

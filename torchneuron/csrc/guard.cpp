@@ -5,6 +5,7 @@
 // time the work issued between them took.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <array>
 #include <atomic>
@@ -107,11 +108,19 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void synchronizeDevice(const DeviceIndex device) const override {
     if (device >= 0) check_device_index(device);
   }
-  void recordDataPtrOnStream(const c10::DataPtr&, const Stream&) const override {}
+  void recordDataPtrOnStream(const c10::DataPtr& ptr, const Stream& s) const override {
+    neuron_allocator()->recordStream(ptr, s);
+  }
 };
+
+// Tensor.record_stream (a CUDA-only kernel in ATen): the use of the storage's block on `s` goes to the allocator,
+// which says why nothing has to wait.
+void record_stream(at::Tensor& self, c10::Stream s) { neuron_allocator()->recordStream(self.storage().data_ptr(), s); }
 
 }  // namespace
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl)
+
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) { m.impl("record_stream", record_stream); }
 
 }  // namespace torchneuron

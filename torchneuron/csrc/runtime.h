@@ -24,7 +24,7 @@ c10::DeviceIndex device_count() noexcept;
 int64_t device_capacity(c10::DeviceIndex index);
 c10::DeviceIndex current_device();
 void set_current_device(c10::DeviceIndex index);  // validates the index
-void check_device_index(c10::DeviceIndex index);  // throws IndexError naming the valid range (or the reason)
+void check_device_index(c10::DeviceIndex index);  // throws torch.AcceleratorError (as CUDA) naming the valid range
 
 // ---- allocator.cpp: caching device allocator with capacity ----
 c10::DeviceAllocator* neuron_allocator();
@@ -93,7 +93,8 @@ bool set_internal_math(bool on);  // returns the previous value
 void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // Ops with both a CPU kernel and a device-generic composite kernel would take the composite on `neuron`
 // (a different algorithm, different rounding, and an extra out= round trip). Route them to the CPU kernel
-// through the fallback instead, so the device computes exactly what the CPU does. Returns how many.
+// through the fallback instead, so the device computes exactly what the CPU does; likewise the composites ATen
+// guards with a device-type check that excludes PrivateUse1 (mode.values). Returns how many.
 int route_to_cpu_kernels();
 // (name, count) pairs
 std::vector<std::pair<std::string, int64_t>> executed_ops();

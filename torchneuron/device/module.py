@@ -299,16 +299,23 @@ class NeuronDeviceProperties:
                 f"chip={self.chip_index} ({self.chip}), instance={self.instance})")
 
 
+def _invalid_device_message(idx: int) -> str:
+    return (f"neuron error: invalid device ordinal {idx}: this process sees {device_count()} neuron device(s), "
+            f"valid indices are 0..{device_count() - 1} (see NEURON_RT_VISIBLE_CORES and TORCHNEURON_INSTANCE)")
+
+
 def _checked(device: _device_t) -> int:
+    """The device's index; an invalid one raises torch.AcceleratorError (a RuntimeError), as CUDA's calls do."""
     idx = _index(device)
     if not 0 <= idx < device_count():
-        raise IndexError(f"Invalid neuron device index {idx}: this process sees {device_count()} neuron device(s), "
-                         f"valid indices are 0..{device_count() - 1}")
+        raise torch.AcceleratorError(_invalid_device_message(idx))
     return idx
 
 
 def get_device_properties(device: _device_t = None) -> NeuronDeviceProperties:
-    idx = _checked(device)
+    idx = _index(device)
+    if not 0 <= idx < device_count():  # torch.cuda.get_device_properties raises AssertionError("Invalid device id")
+        raise AssertionError(f"Invalid device id: {_invalid_device_message(idx)}")
     cfg = config()
     core = cfg.visible_cores[idx]
     return NeuronDeviceProperties(
@@ -324,7 +331,7 @@ def get_device_name(device: _device_t = None) -> str:
 
 def get_device_capability(device: _device_t = None) -> tuple[int, int]:
     """The NeuronCore version as (major, 0): v2 on trn1, v3 on trn2, v4 on trn3."""
-    _checked(device)
+    get_device_properties(device)  # validates the index as CUDA does
     return int(config().chip.core_version.rsplit("v", 1)[1]), 0
 
 

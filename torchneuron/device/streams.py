@@ -11,14 +11,33 @@ import torch
 
 from .module import _checked, _device_t
 
+PRIORITY_RANGE = (0, -1)  # (lowest, highest), as torch.cuda.Stream.priority_range(); lower is higher priority
+_priorities: dict[tuple[int, int], int] = {}  # (device, stream id) -> priority, for streams made with one
+
 
 class Stream(torch.Stream):
-    """A neuron stream: `torch.neuron.Stream(device=None, priority=0)`, usable as a context manager."""
+    """A neuron stream: `torch.neuron.Stream(device=None, priority=0)`, usable as a context manager.
+
+    Priorities are clamped to PRIORITY_RANGE like CUDA's and reported by `.priority`; with every op complete when
+    issued they order nothing.
+    """
 
     def __new__(cls, device: _device_t = None, priority: int = 0, **kwargs: Any) -> Stream:
         if "stream_id" in kwargs:  # re-wrapping an existing stream
             return super().__new__(cls, **kwargs)
-        return super().__new__(cls, device=torch.device("neuron", _checked(device)), priority=priority)
+        priority = max(PRIORITY_RANGE[1], min(PRIORITY_RANGE[0], priority))
+        s = super().__new__(cls, device=torch.device("neuron", _checked(device)), priority=priority)
+        if priority:
+            _priorities[s.device_index, s.stream_id] = priority
+        return s
+
+    @property
+    def priority(self) -> int:
+        return _priorities.get((self.device_index, self.stream_id), 0)
+
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        return PRIORITY_RANGE
 
     def wait_event(self, event: torch.Event | Event) -> None:
         super().wait_event(_unwrap(event))

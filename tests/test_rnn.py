@@ -1,0 +1,200 @@
+"""The RNN family on neuron (ATen takes the fused cells for accelerator inputs): forward and backward against the
+same module on the CPU, for each configuration nn.LSTM / nn.GRU / nn.RNN accept, the cells, packed sequences,
+autocast and torch.compile."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def run(module: nn.Module, device: str, x: torch.Tensor, h=None, seed: int = 0):
+    """Output, final state and parameter gradients of sum(output) + sum(state) on `device`."""
+    m = copy.deepcopy(module).to(device)
+    xd = x.detach().to(device).requires_grad_()
+    torch.manual_seed(seed)  # the same dropout draws on both devices
+    args = (xd,) if h is None else (xd, tuple(t.to(device) for t in h) if isinstance(h, tuple) else h.to(device))
+    out, state = m(*args)
+    loss = out.sum() + sum(s.sum() for s in (state if isinstance(state, tuple) else (state,)))
+    loss.backward()
+    grads = {n: p.grad.cpu() for n, p in m.named_parameters()}
+    return out.detach().cpu(), [s.detach().cpu() for s in (state if isinstance(state, tuple) else (state,))], \
+        xd.grad.cpu(), grads
+
+
+def assert_same(dev, ref, **tol):
+    for a, b in zip(dev[:3], ref[:3]):
+        torch.testing.assert_close(a, b, **(tol or TOL))
+    assert dev[3].keys() == ref[3].keys()
+    for n in ref[3]:
+        torch.testing.assert_close(dev[3][n], ref[3][n], **(tol or TOL), msg=lambda m, n=n: f"grad {n}: {m}")
+
+
+def make(kind: str, **kw) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "LSTM":
+        return nn.LSTM(4, 6, **kw)
+    if kind == "GRU":
+        return nn.GRU(4, 6, **kw)
+    return nn.RNN(4, 6, nonlinearity=kind.split("_")[1], **kw)
+
+
+KINDS = ["LSTM", "GRU", "RNN_tanh", "RNN_relu"]
+CONFIGS = {
+    "plain": {},
+    "2layer_bidir": dict(num_layers=2, bidirectional=True),
+    "batch_first_nobias": dict(batch_first=True, bias=False),
+    "dropout": dict(num_layers=3, dropout=0.5),
+}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_module_matches_cpu(kind, config):
+    m = make(kind, **CONFIGS[config])
+    x = torch.randn(5, 3, 4)
+    assert_same(run(m, "neuron", x), run(m, "cpu", x))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_initial_state_and_unbatched_input(kind):
+    m = make(kind, num_layers=2)
+    h = torch.randn(2, 3, 6)
+    h = (h, torch.randn(2, 3, 6)) if kind == "LSTM" else h
+    x = torch.randn(5, 3, 4)
+    assert_same(run(m, "neuron", x, h), run(m, "cpu", x, h))
+    x1 = torch.randn(5, 4)  # unbatched: (seq, feature)
+    assert_same(run(m, "neuron", x1), run(m, "cpu", x1))
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_lstm_proj_size(bidirectional):
+    m = make("LSTM", num_layers=2, proj_size=3, bidirectional=bidirectional)
+    x = torch.randn(5, 3, 4)
+    dev, ref = run(m, "neuron", x), run(m, "cpu", x)
+    assert dev[0].shape[-1] == 3 * (1 + bidirectional)
+    assert_same(dev, ref)
+
+
+class Packed(nn.Module):
+    """An RNN over a padded batch of different lengths, through pack_padded_sequence."""
+
+    def __init__(self, rnn: nn.Module, lengths: torch.Tensor):
+        super().__init__()
+        self.rnn, self.lengths = rnn, lengths
+
+    def forward(self, x):
+        packed = pack_padded_sequence(x, self.lengths, batch_first=True, enforce_sorted=False)
+        out, state = self.rnn(packed)
+        return pad_packed_sequence(out, batch_first=True)[0], state
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_sequences(kind):
+    m = Packed(make(kind, batch_first=True, num_layers=2, bidirectional=True), torch.tensor([5, 2, 4]))
+    x = torch.randn(3, 5, 4)
+    assert_same(run(m, "neuron", x), run(m, "cpu", x))
+
+
+def test_flatten_parameters_keeps_results():
+    m = make("LSTM", num_layers=2)
+    x = torch.randn(5, 3, 4)
+    ref = run(m, "cpu", x)
+    dev = m.to("neuron")
+    dev.flatten_parameters()  # a no-op outside cuDNN, as on the CPU; must not fail or change anything
+    assert_same(run(dev, "neuron", x), ref)
+
+
+@pytest.mark.parametrize("cell", ["LSTMCell", "GRUCell", "RNNCell_tanh", "RNNCell_relu"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_cells_match_cpu(cell, bias):
+    torch.manual_seed(0)
+    name, _, act = cell.partition("_")
+    m = getattr(nn, name)(4, 6, bias=bias, **({"nonlinearity": act} if act else {}))
+    x, h, c = torch.randn(3, 4), torch.randn(3, 6), torch.randn(3, 6)
+
+    def go(device):
+        md = copy.deepcopy(m).to(device)
+        xd = x.to(device).requires_grad_()
+        state = (h.to(device), c.to(device)) if name == "LSTMCell" else h.to(device)
+        out = md(xd, state)
+        outs = out if isinstance(out, tuple) else (out,)
+        sum(o.sum() * (i + 1) for i, o in enumerate(outs)).backward()
+        return [o.detach().cpu() for o in outs] + [xd.grad.cpu()] + [p.grad.cpu() for p in md.parameters()]
+
+    for a, b in zip(go("neuron"), go("cpu")):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_fused_cell_backward_kernels_match_autograd():
+    """The CUDA-style backward kernels (for direct callers) agree with autograd through the fused forward."""
+    torch.manual_seed(0)
+
+    def leaves(*shapes):
+        return [torch.randn(*s, device="neuron").requires_grad_() for s in shapes]
+
+    ig, hg, cx, b1, b2 = inputs = leaves((3, 24), (3, 24), (3, 6), (24,), (24,))
+    hy, cy, ws = torch.ops.aten._thnn_fused_lstm_cell(ig, hg, cx, b1, b2)
+    ghy, gcy = torch.randn_like(hy), torch.randn_like(cy)
+    auto = torch.autograd.grad((hy * ghy).sum() + (cy * gcy).sum(), inputs)
+    aten = torch.ops.aten
+    g_gates, g_cx, g_b = aten._thnn_fused_lstm_cell_backward_impl(ghy, gcy, cx.detach(), cy.detach(), ws.detach(), True)
+    for a, b in zip((g_gates, g_gates, g_cx, g_b, g_b), auto):
+        torch.testing.assert_close(a.cpu(), b.cpu(), **TOL)
+
+    ig, hg, hx, b1, b2 = inputs = leaves((3, 18), (3, 18), (3, 6), (18,), (18,))
+    hy, ws = torch.ops.aten._thnn_fused_gru_cell(ig, hg, hx, b1, b2)
+    ghy = torch.randn_like(hy)
+    auto = torch.autograd.grad((hy * ghy).sum(), inputs)
+    manual = torch.ops.aten._thnn_fused_gru_cell_backward(ghy, ws.detach(), True)
+    for a, b in zip(manual, auto):
+        torch.testing.assert_close(a.cpu(), b.cpu(), **TOL)
+
+
+def test_inference_mode():
+    m = make("GRU", num_layers=2)
+    x = torch.randn(5, 3, 4)
+    with torch.inference_mode():
+        dev, ref = m.to("neuron")(x.to("neuron"))[0].cpu(), copy.deepcopy(m).cpu()(x)[0]
+    torch.testing.assert_close(dev, ref, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_autocast_bf16(kind):
+    """Under autocast the cells compute in bfloat16 (as on CUDA, where the RNN runs in the autocast dtype)."""
+    m = make(kind, num_layers=2)
+    x = torch.randn(5, 3, 4)
+    md = copy.deepcopy(m).to("neuron")
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        out, _ = md(x.to("neuron"))
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    ref, _ = m(x)
+    torch.testing.assert_close(out.float().cpu(), ref.detach(), atol=3e-2, rtol=3e-2)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in md.parameters())
+
+
+@pytest.mark.parametrize("allow_rnn", [False, True])
+def test_compiled_matches_cpu(allow_rnn):
+    """torch.compile: by default Dynamo runs RNN modules eagerly around the graph; allow_rnn traces them."""
+    torch._dynamo.reset()
+    m = nn.Sequential(nn.Linear(4, 4), make("LSTM", num_layers=2, batch_first=True))
+    x = torch.randn(3, 2, 4)  # traced with allow_rnn, the graph unrolls every step: keep the sequence short
+    ref = run(m, "cpu", x)
+    dev = copy.deepcopy(m).to("neuron")
+    with torch._dynamo.config.patch(allow_rnn=allow_rnn):
+        compiled = torch.compile(dev, backend="neuron")
+        xd = x.to("neuron").requires_grad_()
+        out, (h, c) = compiled(xd)
+        (out.sum() + h.sum() + c.sum()).backward()
+    torch.testing.assert_close(out.detach().cpu(), ref[0], **TOL)
+    torch.testing.assert_close(xd.grad.cpu(), ref[2], **TOL)
+    for n, p in dev.named_parameters():
+        torch.testing.assert_close(p.grad.cpu(), ref[3][n], **TOL)
+    torch._dynamo.reset()
