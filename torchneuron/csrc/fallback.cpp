@@ -256,6 +256,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (c.device < 0) c.device = current_device();
   c10::DeviceGuard guard(c10::Device(kNeuron, c.device));
+  KernelEvent event(e->name.c_str(), c.device, &schema, c10::ArrayRef<c10::IValue>(args, nargs));  // torch.profiler
 
   for (size_t i = 0; i < nargs; ++i) {
     for_each_tensor(args[i], [&](const at::Tensor& t) { check_host_operand(c, t, *e); });
@@ -314,6 +315,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   };
   for (size_t i = stack->size() - nret; i < stack->size(); ++i) (*stack)[i] = map_tensors((*stack)[i], to_device);
 
+  event.end(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nret, nret));
   if (rounded) {
     std::lock_guard<std::mutex> g(g_mu);
     e->dtype_events++;

@@ -7,6 +7,8 @@
 
 namespace torchneuron {
 void bind_boundary(py::module_& m);  // boundary.cpp
+void bind_profiler(py::module_& m);  // profiler.cpp
+void bind_memory_history(py::module_& m);  // memory_history.cpp
 }  // namespace torchneuron
 
 namespace {
@@ -39,5 +41,7 @@ PYBIND11_MODULE(_C, m) {
     return host_alias(t);
   }, "A CPU tensor over the same memory as a neuron tensor (zero-copy; keep the neuron tensor alive while using it).");
   bind_boundary(m);
+  bind_profiler(m);
+  bind_memory_history(m);
   m.def("_device_capacity", [](int index) { return device_capacity(static_cast<c10::DeviceIndex>(index)); });
 }
