@@ -98,7 +98,7 @@ class Kernel:
     def __init__(self, call: Any, device_inputs: list[int], outputs: list[int | None], name: str = "kernel",
                  graph: fx.GraphModule | None = None):
         self.call, self.device_inputs, self.outputs = call, device_inputs, outputs
-        self.name, self.graph = f"neuron::{name}", graph  # the graph: for the cost model (profilers)
+        self.name, self.graph = name, graph  # the graph: for the cost model (profilers)
         self._boxed_call = True
 
     def __call__(self, args: list) -> list:

@@ -33,7 +33,7 @@ def cost(batch: list[tuple[str, bool, list, list]]) -> list[tuple[float, int, st
 
 def record_kernel(kernel: Any, args: list) -> list:
     """Run a compiled kernel as a host op (a record_function scope named after it) and record it as one device
-    event costed from its FX graph (cached per kernel: its shapes are static)."""
+    event, neuron::<its name>, costed from its FX graph (cached per kernel: its shapes are static)."""
     ins = [args[i] for i in kernel.device_inputs]
     device = ins[0].device.index if ins else 0
     c = getattr(kernel, "_device_cost", None)
@@ -42,5 +42,5 @@ def record_kernel(kernel: Any, args: list) -> list:
     with torch.profiler.record_function(kernel.name):
         start = time.time_ns()
         out = kernel.run(args)
-        _C._record_device_event(kernel.name, device, start, time.time_ns(), *_row(c))
+        _C._record_device_event(f"neuron::{kernel.name}", device, start, time.time_ns(), *_row(c))
     return out
