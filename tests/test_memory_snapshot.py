@@ -118,3 +118,29 @@ def test_invalid_fraction_errors_like_cuda():
         torch.neuron.set_per_process_memory_fraction(0.5, device=99)
     with pytest.raises(RuntimeError, match="context must be"):
         torch.neuron.memory._record_memory_history(context="bogus")
+
+
+def test_state_only_and_max_entries():
+    torch.neuron.memory._record_memory_history("state", stacks="python", clear_history=True)
+    try:
+        b, _, addr_b = allocate_and_free()
+        snap = torch.neuron.memory._snapshot()
+        assert snap["device_traces"][0] == []  # "state": no event history, only the live blocks' stacks
+        (blk,) = next(s for s in snap["segments"] if s["address"] == addr_b)["blocks"]
+        assert any(f["name"] == "allocate_and_free" for f in blk["frames"])
+        torch.neuron.memory._record_memory_history(max_entries=2, stacks="python", clear_history=True)
+        b2, addr_a, _ = allocate_and_free()
+        assert [e["action"] for e in torch.neuron.memory._snapshot()["device_traces"][0]] == [
+            "free_requested", "free_completed"]
+    finally:
+        torch.neuron.memory._record_memory_history(None)
+    del b, b2
+
+
+def test_oom_is_an_event_in_the_history(history, fraction):
+    torch.neuron.set_per_process_memory_fraction(16 * MiB / torch.neuron.get_device_properties(0).total_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        torch.empty(32 * MiB, dtype=torch.uint8, device="neuron")
+    (oom,) = [e for e in torch.neuron.memory._snapshot()["device_traces"][0] if e["action"] == "oom"]
+    assert oom["size"] == 32 * MiB and 0 <= oom["device_free"] <= 16 * MiB
+    assert "OutOfMemoryError" in _memory_viz.trace(torch.neuron.memory._snapshot())
