@@ -6,7 +6,7 @@ import os
 os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
 
 from setuptools import setup  # noqa: E402
-from torch.utils.cpp_extension import BuildExtension, CppExtension  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, include_paths  # noqa: E402
 
 here = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(glob.glob(os.path.join("torchneuron", "csrc", "*.cpp")))
@@ -16,7 +16,8 @@ setup(
         CppExtension(
             "torchneuron._C",
             sources,
-            include_dirs=[os.path.join(here, "torchneuron", "csrc")],
+            # kineto: the activity-profiler plugin interface torch.profiler's device track goes through
+            include_dirs=[os.path.join(here, "torchneuron", "csrc"), os.path.join(include_paths()[0], "kineto")],
             extra_compile_args=["-O2", "-std=c++17", "-Wno-unused-parameter"],
         )
     ],

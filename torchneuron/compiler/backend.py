@@ -263,7 +263,7 @@ def _compile_graph(session: Session, gm: fx.GraphModule, example_inputs: list, *
     kernels = []
     if not report.eager_nodes:
         session.stage = f"{stage} kernel 0 (Inductor)"
-        c = compile_kernel(gm, inputs, session.cache, kwargs)
+        c = compile_kernel(gm, inputs, session.cache, kwargs, f"{session.name}_{stage}_kernel0")
         kernels.append(c)
         body, strides = c.kernel, c.output_strides
     else:
@@ -277,7 +277,7 @@ def _compile_graph(session: Session, gm: fx.GraphModule, example_inputs: list, *
             out = sub.graph.output_node()
             out.meta["user_visible_output_idxs"] = list(range(len(out.args[0])))  # keep the graph's strides
             c = compile_kernel(sub, [p.meta["val"] for p in sub.graph.nodes if p.op == "placeholder"],
-                               session.cache, kwargs)
+                               session.cache, kwargs, f"{session.name}_{stage}_kernel{len(kernels)}")
             kernels.append(c)
             setattr(top, sub_name, partition.KernelModule(c.kernel, single))
         body = partition.run_top(top)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,14 +95,29 @@ class Kernel:
     inputs and fresh memory is adopted by the neuron allocator, copied only when something besides the results
     holds it (`_C._device_results`)."""
 
-    def __init__(self, call: Any, device_inputs: list[int], outputs: list[int | None]):
+    def __init__(self, call: Any, device_inputs: list[int], outputs: list[int | None], name: str = "kernel",
+                 graph: fx.GraphModule | None = None):
         self.call, self.device_inputs, self.outputs = call, device_inputs, outputs
+        self.name, self.graph = name, graph  # the graph: for the cost model (profilers)
         self._boxed_call = True
 
     def __call__(self, args: list) -> list:
+        if OBSERVERS:  # torchneuron.profiler.profile(ops=False)
+            return OBSERVERS[-1](self, args)
+        if _C._tracing_device():  # torch.profiler with ProfilerActivity.PrivateUse1
+            from ..profiler.kineto import record_kernel
+
+            return record_kernel(self, args)
+        return self.run(args)
+
+    def run(self, args: list) -> list:
         inputs = [args[i] for i in self.device_inputs]  # keeps the memory behind the host views alive
         _C._host_args(args, self.device_inputs)
         return _C._device_results(self.call(args), self.outputs, inputs)
+
+
+# Calls that run a kernel in place of Kernel.run (fn(kernel, args) -> results): the profiler's hook.
+OBSERVERS: list[Callable[[Kernel, list], list]] = []
 
 
 @dataclass
@@ -113,7 +129,8 @@ class Compiled:
     source: str
 
 
-def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner_kwargs: dict) -> Compiled:
+def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner_kwargs: dict,
+                   name: str = "kernel") -> Compiled:
     """Compile one kernel graph (neuron, after the passes) through Inductor for the host, or load it from the
     cache."""
     from torch._inductor.codecache import PyCodeCache
@@ -139,7 +156,7 @@ def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner
             if call is None:
                 call = PyCodeCache.load(source).call
                 cache.store(key, {"graph": gm.code, "source": source, "output_strides": strides})
-    return Compiled(Kernel(call, device_inputs, outputs), strides, entry is not None,
+    return Compiled(Kernel(call, device_inputs, outputs, name, gm), strides, entry is not None,
                     time.perf_counter() - start, source)
 
 

@@ -56,10 +56,11 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     check_device_index(dev);
     if (n == 0) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
     size_t size = (n + kRound - 1) / kRound * kRound;
+    auto ctx = memory_context(MemoryAction::alloc);
     std::lock_guard<std::mutex> g(mu_);
     Block* b = take_cached(dev, size);
     if (!b) {
-      reserve_or_throw(dev, size, n);
+      reserve_or_throw(dev, size, n, ctx);
       void* p = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
       if (!p) throw_oom(dev, n, "the host could not provide the memory");
       b = new Block{p, size, n, dev, true, {}};
@@ -67,27 +68,33 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       auto& st = stats_[dev];
       bump(st.segment, 1, true), bump(st.reserved_bytes, size, true);
       st.num_device_alloc++;
+      history(MemoryAction::segment_alloc, b, ctx);
     }
     b->requested = n;
     note_alloc(b);
+    history(MemoryAction::alloc, b, ctx);
     return {b->ptr, b->ptr, &delete_block, c10::Device(kNeuron, dev)};
   }
 
   c10::DataPtr adopt(c10::DataPtr host, size_t n, c10::DeviceIndex dev) {
     void* p = host.get();
     if (n == 0 || !p) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
+    auto ctx = memory_context(MemoryAction::alloc);
     std::lock_guard<std::mutex> g(mu_);
-    reserve_or_throw(dev, n, n);
+    reserve_or_throw(dev, n, n, ctx);
     auto* b = new Block{p, n, n, dev, true, std::move(host)};
     live_[reinterpret_cast<uintptr_t>(p)] = b;
     auto& st = stats_[dev];
     bump(st.segment, 1, true), bump(st.reserved_bytes, n, true);
     st.num_device_alloc++;
+    history(MemoryAction::segment_alloc, b, ctx);
     note_alloc(b);
+    history(MemoryAction::alloc, b, ctx);
     return {p, p, &delete_block, c10::Device(kNeuron, dev)};
   }
 
   void release(void* ptr) {
+    auto ctx = memory_context(MemoryAction::free_requested);
     std::lock_guard<std::mutex> g(mu_);
     auto it = live_.find(reinterpret_cast<uintptr_t>(ptr));
     TORCH_INTERNAL_ASSERT(it != live_.end() && it->second->in_use, "neuron: freeing unknown pointer");
@@ -97,6 +104,8 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     bump(st.allocated_bytes, b->size, false), bump(st.active_bytes, b->size, false);
     bump(st.requested_bytes, b->requested, false);
     b->in_use = false;
+    history(MemoryAction::free_requested, b, ctx);  // execution is synchronous: the free completes at once
+    history(MemoryAction::free_completed, b, ctx);
     if (b->host) {  // adopted host memory goes back to the host allocator, it is not cached
       live_.erase(it);
       drop_segment(b);
@@ -198,6 +207,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   void drop_segment(Block* b) {
+    history(MemoryAction::segment_free, b, nullptr);
     auto& st = stats_[b->device];
     bump(st.segment, 1, false), bump(st.reserved_bytes, b->size, false);
     st.num_device_free++;
@@ -214,9 +224,11 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     pool.clear();
   }
 
-  // Make room for a new segment of `size` bytes within the core's capacity, or raise torch.OutOfMemoryError.
-  void reserve_or_throw(c10::DeviceIndex dev, size_t size, size_t requested) {
-    size_t cap = device_capacity(dev);
+  // Make room for a new segment of `size` bytes within the core's capacity (times the process's memory
+  // fraction), or raise torch.OutOfMemoryError.
+  void reserve_or_throw(c10::DeviceIndex dev, size_t size, size_t requested,
+                        const std::shared_ptr<c10::GatheredContext>& ctx) {
+    size_t cap = limit(dev);
     auto& st = stats_[dev];
     if (st.reserved_bytes[0].current + size <= cap) return;
     if (!free_[dev].empty()) {
@@ -225,15 +237,40 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       if (st.reserved_bytes[0].current + size <= cap) return;
     }
     st.num_ooms++;
+    if (g_recording_memory.load(std::memory_order_relaxed)) {
+      size_t used = st.reserved_bytes[0].current;
+      record_memory_event(MemoryAction::oom, dev, 0, requested, ctx, cap > used ? cap - used : 0);
+    }
     throw_oom(dev, requested, nullptr);
+  }
+
+  // The bytes this process may reserve on the device.
+  size_t limit(c10::DeviceIndex dev) {
+    double f = fraction(dev);
+    size_t cap = device_capacity(dev);
+    return f >= 1.0 ? cap : static_cast<size_t>(static_cast<double>(cap) * f);
+  }
+
+  double fraction(c10::DeviceIndex dev) {
+    auto it = fraction_.find(dev);
+    return it == fraction_.end() ? 1.0 : it->second;
+  }
+
+  void history(MemoryAction action, const Block* b, const std::shared_ptr<c10::GatheredContext>& ctx) {
+    if (g_recording_memory.load(std::memory_order_relaxed))
+      record_memory_event(action, b->device, reinterpret_cast<uintptr_t>(b->ptr), b->size, ctx);
   }
 
   [[noreturn]] void throw_oom(c10::DeviceIndex dev, size_t requested, const char* why) {
     auto& st = stats_[dev];
     size_t cap = device_capacity(dev);
+    double f = fraction(dev);
+    std::string frac = f < 1.0 ? "; the per-process memory fraction " + c10::str(f) + " limits this process to " +
+                                     fmt_bytes(limit(dev)) + " (torch.neuron.set_per_process_memory_fraction)"
+                               : "";
     TORCH_CHECK_WITH(OutOfMemoryError, false, "neuron:", static_cast<int>(dev), " out of memory: tried to allocate ",
                      fmt_bytes(requested), " (", requested, " bytes); the device has a capacity of ", fmt_bytes(cap),
-                     ", of which ", fmt_bytes(st.allocated_bytes[0].current), " is allocated by PyTorch and ",
+                     frac, ", of which ", fmt_bytes(st.allocated_bytes[0].current), " is allocated by PyTorch and ",
                      fmt_bytes(st.reserved_bytes[0].current), " reserved. ",
                      why ? why : "Free tensors, lower the batch size, or model a larger core "
                                  "(TORCHNEURON_MEMORY_LIMIT / TORCHNEURON_INSTANCE).");
@@ -243,6 +280,23 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   std::map<uintptr_t, Block*> live_;  // every block owned by the allocator, in use or cached
   std::unordered_map<c10::DeviceIndex, std::multimap<size_t, Block*>> free_;
   std::unordered_map<c10::DeviceIndex, DeviceStats> stats_;
+  std::unordered_map<c10::DeviceIndex, double> fraction_;
+
+ public:
+  void set_fraction(c10::DeviceIndex dev, double f) {
+    std::lock_guard<std::mutex> g(mu_);
+    fraction_[dev] = f;
+  }
+  double get_fraction(c10::DeviceIndex dev) {
+    std::lock_guard<std::mutex> g(mu_);
+    return fraction(dev);
+  }
+  std::vector<BlockView> blocks() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<BlockView> out;
+    for (const auto& [addr, b] : live_) out.push_back({b->device, addr, b->size, b->requested, b->in_use});
+    return out;
+  }
 };
 
 NeuronAllocator g_allocator;
@@ -271,6 +325,18 @@ void throw_host_oom(c10::DeviceIndex device, const c10::Error& host_error) {
   g_allocator.host_oom(device, requested, "The host could not provide the memory for the kernel's result (" +
                                               msg.substr(0, msg.find('\n')) + ").");
 }
+
+void set_memory_fraction(c10::DeviceIndex device, double fraction) {
+  check_device_index(device);
+  g_allocator.set_fraction(device, fraction);
+}
+
+double memory_fraction(c10::DeviceIndex device) {
+  check_device_index(device);
+  return g_allocator.get_fraction(device);
+}
+
+std::vector<BlockView> allocator_blocks() { return g_allocator.blocks(); }
 
 REGISTER_ALLOCATOR(kNeuron, &g_allocator)
 

@@ -321,6 +321,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (c.device < 0) c.device = current_device();
   c10::DeviceGuard guard(c10::Device(kNeuron, c.device));
+  KernelEvent event(e->name.c_str(), c.device, &schema, c10::ArrayRef<c10::IValue>(args, nargs));  // torch.profiler
 
   for (size_t i = 0; i < nargs; ++i) {
     for_each_tensor(args[i], [&](const at::Tensor& t) { check_host_operand(c, t, *e); });
@@ -389,6 +390,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   };
   for (size_t i = stack->size() - nret; i < stack->size(); ++i) (*stack)[i] = map_tensors((*stack)[i], to_device);
 
+  event.end(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nret, nret));
   if (rounded || int64.outside) {
     std::lock_guard<std::mutex> g(g_mu);
     if (rounded) note_fp64(*e, c.entered);

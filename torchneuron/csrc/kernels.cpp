@@ -117,9 +117,12 @@ at::Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride, std::opti
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   TORCH_CHECK(self.layout() == at::kStrided && dst.layout() == at::kStrided,
               "neuron: copies support only strided tensors, got ", self.layout(), " -> ", dst.layout());
+  const at::Tensor& on_device = is_neuron(dst) ? dst : self;
+  KernelEvent event("aten::copy_", on_device.device().index(), nullptr, {self});  // a DMA transfer
   HostAliases host;  // a copy within one storage shares its CPU storage: ATen's overlap check sees it
   at::Tensor d = is_neuron(dst) ? host(dst) : dst;
   d.copy_(is_neuron(self) ? host(self) : self);
+  event.end({dst});
   if (is_neuron(dst) && !is_neuron(self)) note_host_to_device(d);
   return dst;
 }
@@ -185,13 +188,16 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight, const 
                        at::IntArrayRef output_padding, int64_t groups) {
   auto dev = check_same_device("aten::convolution", {input, weight, bias.value_or(at::Tensor())});
   note_executed("aten::convolution");
+  KernelEvent event("aten::convolution", input.device().index(), nullptr, {input, weight, bias});
   at::AutoDispatchBelowADInplaceOrView below;
   std::optional<at::Tensor> b = bias && bias->defined() ? std::optional<at::Tensor>(on_host(*bias)) : std::nullopt;
   auto out = with_device_oom(dev, [&] {
     return at::convolution(on_host(input), on_host(weight), b, stride, padding, dilation, transposed,
                            output_padding, groups);
   });
-  return adopt_host_tensor(out, dev);
+  auto res = adopt_host_tensor(out, dev);
+  event.end({res});
+  return res;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
@@ -200,6 +206,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
     int64_t groups, std::array<bool, 3> mask) {
   auto dev = check_same_device("aten::convolution_backward", {grad_output, input, weight});
   note_executed("aten::convolution_backward");
+  KernelEvent event("aten::convolution_backward", input.device().index(), nullptr, {grad_output, input, weight});
   at::AutoDispatchBelowADInplaceOrView below;
   std::vector<int64_t> bias_sizes{transposed ? weight.size(1) * groups : weight.size(0)};
   auto [gi, gw, gb] = with_device_oom(dev, [&] {
@@ -207,7 +214,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
                                     padding, dilation, transposed, output_padding, groups, mask);
   });
   auto back = [&](const at::Tensor& t) { return t.defined() ? adopt_host_tensor(t, dev) : t; };
-  return {back(gi), back(gw), back(gb)};
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> res{back(gi), back(gw), back(gb)};
+  event.end({std::get<0>(res), std::get<1>(res), std::get<2>(res)});
+  return res;
 }
 
 // Mirrors ATen's CPU native_dropout exactly, drawing the mask from the device generator.

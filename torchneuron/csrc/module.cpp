@@ -7,6 +7,8 @@
 
 namespace torchneuron {
 void bind_boundary(py::module_& m);  // boundary.cpp
+void bind_profiler(py::module_& m);  // profiler.cpp
+void bind_memory_history(py::module_& m);  // memory_history.cpp
 }  // namespace torchneuron
 
 namespace {
@@ -62,5 +64,7 @@ PYBIND11_MODULE(_C, m) {
     }
     self.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
   }, "self.data = data across the host/neuron boundary (what Module.to does for CUDA; PyTorch refuses it here).");
+  bind_profiler(m);
+  bind_memory_history(m);
   m.def("_device_capacity", [](int index) { return device_capacity(static_cast<c10::DeviceIndex>(index)); });
 }

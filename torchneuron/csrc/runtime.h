@@ -48,6 +48,27 @@ decltype(auto) with_device_oom(c10::DeviceIndex device, F&& f) {
     throw;
   }
 }
+// torch.neuron.set_per_process_memory_fraction: this process may reserve at most fraction x capacity.
+void set_memory_fraction(c10::DeviceIndex device, double fraction);
+double memory_fraction(c10::DeviceIndex device);
+// The allocator's blocks (each is its own segment: the allocator never splits), for memory snapshots.
+struct BlockView {
+  c10::DeviceIndex device;
+  uintptr_t address;
+  size_t size, requested;
+  bool in_use;
+};
+std::vector<BlockView> allocator_blocks();
+
+// ---- memory_history.cpp: allocation history and snapshots (torch.neuron.memory._record_memory_history) ----
+enum class MemoryAction { alloc, free_requested, free_completed, segment_alloc, segment_free, oom };
+extern std::atomic<bool> g_recording_memory;
+// The stack of the current allocation or free, when history recording asks for one (else null). Call it
+// before taking the allocator's lock: gathering Python frames may take the GIL.
+std::shared_ptr<c10::GatheredContext> memory_context(MemoryAction action);
+// Called under the allocator's lock, in the order the allocator acts.
+void record_memory_event(MemoryAction action, c10::DeviceIndex device, uintptr_t addr, size_t size,
+                         const std::shared_ptr<c10::GatheredContext>& context, size_t device_free = 0);
 
 // ---- hooks.cpp: hooks and generators ----
 void register_hooks();
@@ -121,5 +142,33 @@ c10::DeviceIndex check_same_device(const char* op, at::ArrayRef<at::Tensor> tens
 at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device);
 // A neuron tensor over `storage` with the metadata (and conj/neg bits) of `like`.
 at::Tensor device_tensor_like(const c10::Storage& storage, const at::Tensor& like);
+
+// ---- profiler.cpp: device events for torch.profiler (ProfilerActivity.PrivateUse1) ----
+extern std::atomic<bool> g_tracing_device;  // a trace of the device is recording
+struct KernelRecord;
+// One kernel the device executes, kept as a device event while a trace records: construct it with the inputs
+// before the kernel runs and call end() with the outputs. With no trace recording it costs one relaxed load.
+class KernelEvent {
+ public:
+  KernelEvent(const char* name, c10::DeviceIndex device, const c10::FunctionSchema* schema,
+              c10::ArrayRef<c10::IValue> inputs) {
+    if (g_tracing_device.load(std::memory_order_relaxed)) begin(name, device, schema, inputs);
+  }
+  void end(c10::ArrayRef<c10::IValue> outputs) {
+    if (rec_) finish(outputs);
+  }
+  ~KernelEvent() {
+    if (rec_) drop();  // the kernel threw: no event
+  }
+  KernelEvent(const KernelEvent&) = delete;
+  KernelEvent& operator=(const KernelEvent&) = delete;
+
+ private:
+  void begin(const char* name, c10::DeviceIndex device, const c10::FunctionSchema* schema,
+             c10::ArrayRef<c10::IValue> inputs);
+  void finish(c10::ArrayRef<c10::IValue> outputs);
+  void drop();
+  KernelRecord* rec_ = nullptr;
+};
 
 }  // namespace torchneuron

@@ -2,16 +2,19 @@
 from . import memory, random, streams  # noqa: F401  (torch.neuron.memory, ...)
 from .memory import (  # noqa: F401
     empty_cache,
+    get_per_process_memory_fraction,
     max_memory_allocated,
     max_memory_reserved,
     mem_get_info,
     memory_allocated,
     memory_reserved,
+    memory_snapshot,
     memory_stats,
     memory_summary,
     reset_accumulated_memory_stats,
     reset_max_memory_allocated,
     reset_peak_memory_stats,
+    set_per_process_memory_fraction,
 )
 from .module import (  # noqa: F401
     NeuronDeviceProperties,

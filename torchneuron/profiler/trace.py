@@ -5,9 +5,10 @@ a table.
 The modelled device runs work in order on one queue per device: an op starts when the host has issued it and
 the previous one has finished, and occupies the engine the cost model assigns it (one trace row per engine).
 Eager ops are seen through a TorchDispatchMode. While such a mode is active Dynamo runs compiled functions
-eagerly (op by op), so to see torch.compile kernels instead profile with `ops=False`: the compiler's kernel
-call is then wrapped to record each kernel as one event, costed from its FX graph when the kernel carries one
-(`kernel.graph`), else as a launch only.
+eagerly (op by op), so to see torch.compile kernels instead profile with `ops=False`: the compiler then runs
+each kernel through this profiler's hook (compiler.kernel.OBSERVERS), which records it as one event costed
+from its FX graph. torch.profiler with ProfilerActivity.PrivateUse1 sees both eager and compiled kernels
+(profiler.kineto).
 """
 from __future__ import annotations
 
@@ -124,21 +125,18 @@ class profile:
         self._unwrap()
 
     def _wrap_compiled_kernels(self):
-        from ..compiler.kernel import Kernel
-
-        call, prof = Kernel.__call__, self
+        from ..compiler.kernel import OBSERVERS
 
         def profiled(kernel, args: list) -> list:
             ins = [args[i] for i in kernel.device_inputs]  # the call consumes `args`
             start = time.perf_counter_ns()
-            out = call(kernel, args)
+            out = kernel.run(args)
             host = time.perf_counter_ns() - start
-            prof._add("neuron::compiled_kernel", ins, out, start, host,
-                      lambda: kernel_cost(getattr(kernel, "graph", None), prof.target))
+            self._add("neuron::compiled_kernel", ins, out, start, host, lambda: kernel_cost(kernel.graph, self.target))
             return out
 
-        Kernel.__call__ = profiled
-        return lambda: setattr(Kernel, "__call__", call)
+        OBSERVERS.append(profiled)
+        return lambda: OBSERVERS.remove(profiled)
 
     def _record(self, func, args, kwargs, out, start: int, host: int) -> None:
         ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
