@@ -90,8 +90,8 @@ def test_not_lock_in(src):
 
 
 def test_guard_keeps_cuda_only_code_on_cuda():
-    src = "import torch\nif torch.cuda.is_available():\n    n = torch.cuda.get_device_name()\n"
-    assert findings(src) == [(2, 4, "NRN010", "suggest"), (3, 9, "NRN092", "suggest")]
+    src = "import torch\nif torch.cuda.is_available():\n    n = torch.cuda.get_device_capability()\n"
+    assert findings(src) == [(2, 4, "NRN010", "suggest"), (3, 9, "NRN090", "report")]
     benign = "import torch\nif torch.cuda.is_available():\n    torch.backends.cudnn.benchmark = True\n"
     assert findings(benign)[0] == (2, 4, "NRN010", "auto")
 
@@ -151,9 +151,10 @@ def test_binary_huge_and_odd_files(tmp_path):
     (tmp_path / "empty.py").write_text("")
     (tmp_path / "notes.txt").write_text("torch.cuda.synchronize()\n")
     rep = check.check_paths([str(tmp_path)])
-    assert [(Path(f.path).name, f.line, f.code) for f in rep.findings] == [("crlf.py", 4, "NRN001"),
+    assert [(Path(f.path).name, f.line, f.code) for f in rep.findings] == [("blob.py", 1, "NRN000"),
+                                                                            ("crlf.py", 4, "NRN001"),
                                                                             ("latin1.py", 4, "NRN040")]
-    assert rep.files == 5 and any("blob.py: skipped, binary" in n for n in rep.notes)
+    assert "null bytes" in rep.findings[0].message and rep.files == 5 and rep.errors == 0
     assert any("huge.py: skipped" in n and "limit" in n for n in rep.notes)
 
 
@@ -187,7 +188,9 @@ def test_internal_errors_are_reported_not_raised(tmp_path, monkeypatch):
         raise RecursionError("deep")
     monkeypatch.setattr(check, "analyze", boom)
     rep = check.check_paths([str(tmp_path)])
-    assert [(f.code, f.message) for f in rep.findings] == [("NRN000", "internal error: RecursionError: deep")]
+    assert [(f.code, f.message) for f in rep.findings] == [
+        ("NRN000", "not analysed: internal error: RecursionError: deep")]
+    assert rep.errors == 1
 
 
 # ---- output -------------------------------------------------------------------------------------------------------

@@ -69,9 +69,10 @@ for name in names:  # one interpreter for all scripts: each import of torch cost
 """
 
 
-def run_all(env: dict[str, str], cwd: Path, scripts: Path = SCRIPTS) -> dict[str, dict]:
-    """{script name: its last JSON line} for every single-process script, run in one interpreter."""
-    names = sorted(REFERENCES)
+def run_all(env: dict[str, str], cwd: Path, scripts: Path = SCRIPTS, names: list[str] | None = None
+            ) -> dict[str, dict]:
+    """{script name: its last JSON line} for every single-process script (or `names`), run in one interpreter."""
+    names = names or sorted(REFERENCES)
     p = run_script([sys.executable, "-c", DRIVER, str(cwd), *(str(scripts / f"{n}.py") for n in names)], env, cwd)
     return dict(zip(names, map(json.loads, p.stdout.splitlines()[-len(names):])))
 

@@ -112,8 +112,8 @@ for name, path, args, env in jobs:
         out[name] = [0, buf.getvalue(), ""]
     except BaseException:
         out[name] = [1, buf.getvalue(), traceback.format_exc()]
-missing = [n for n in names if not hasattr(functools.reduce(
-    lambda m, a: getattr(m, a, None), n.split(".")[1:], torch), "__call__")]
+obj = lambda n: functools.reduce(lambda m, a: getattr(m, a, None), n.split(".")[1:], torch)
+missing = [n for n in names if not (hasattr(obj(n), "__call__") or isinstance(obj(n), torch.dtype))]
 print(json.dumps({"runs": out, "missing": missing}))
 """
 REFERENCE = """

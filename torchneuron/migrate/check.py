@@ -5,22 +5,29 @@ Static only: nothing here imports torch, so it runs fast, anywhere, and never ne
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import functools
+import io
 import json
+import multiprocessing
 import os
 import re
+import signal
 import sys
+import threading
 import time
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+import tokenize
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 import libcst as cst
 from libcst._nodes.internal import CodegenState
 
-from .rules import BENIGN, RULES, SEEDERS, TRIGGER, VENDORS, Rule
+from .rules import BENIGN, RULES, TRIGGER, VENDORS, Rule, shown
 
 MAX_BYTES = 2 << 20  # larger files are generated or data, not code to migrate
 SKIP_DIRS = {"__pycache__", "node_modules", "venv", "site-packages"}
@@ -58,6 +65,7 @@ class Site:
     index_arg: int | None = None  # ... or the position of the argument holding it
     guarded: bool = False  # already inside `if torch.{cuda,accelerator}.is_available():`
     keep_func: bool = False  # the replacement calls the same function: keep the user's spelling of it
+    quote: str = '"'  # for the strings the rewrite adds: one an enclosing f-string does not use (before 3.12)
 
 
 @dataclass
@@ -85,6 +93,7 @@ class Matcher:
         self.imports: dict[str, Rule] = {}
         self.strings: list[Rule] = []
         self.guarded_strings: list[Rule] = []
+        self.assigned_strings: list[Rule] = []
         self.args: dict[str, list[ArgPattern]] = {}  # key: qualified name, "prefix.*", ".method" or "*"
         self.ladder: Rule | None = None
         for rule in rules:
@@ -108,6 +117,8 @@ class Matcher:
             kind = "any" if callee == "*" else "method" if callee.startswith(".") else \
                 "prefix" if callee.endswith(".*") else "exact"
             self.args.setdefault(callee, []).append(ArgPattern(rule, specs, "guarded" if guarded else kind))
+        elif pat == "<assigned str>":
+            self.assigned_strings.append(rule)
         elif pat == "<str>":
             (self.guarded_strings if guarded else self.strings).append(rule)
         elif pat == "<ladder>":
@@ -195,8 +206,8 @@ def _walk(node: cst.CSTNode) -> Iterator[cst.CSTNode]:
 # ---- literals ---------------------------------------------------------------------------------------------------
 
 def literal(node: cst.CSTNode) -> tuple[str, cst.BaseExpression | None] | None:
-    """A string literal's text and the device index it carries: "cuda:1" -> 1, f"cuda:{r}" / "cuda:{}".format(r)
-    -> r (read as "cuda:{}"). None for anything else."""
+    """A string literal's text and the device index it carries: "cuda:1" -> 1, f"cuda:{r}", "cuda:{}".format(r),
+    "cuda:%d" % r and "cuda:" + str(r) -> r (read as "cuda:{}"). None for anything else."""
     if isinstance(node, cst.SimpleString):
         try:
             v = node.evaluated_value
@@ -210,11 +221,24 @@ def literal(node: cst.CSTNode) -> tuple[str, cst.BaseExpression | None] | None:
         exprs = [p.expression for p in node.parts if isinstance(p, cst.FormattedStringExpression)]
         text = "".join(p.value if isinstance(p, cst.FormattedStringText) else "{}" for p in node.parts)
         return text, exprs[0] if text == "cuda:{}" else None
+    if isinstance(node, cst.BinaryOperation) and isinstance(node.left, cst.SimpleString) and \
+            not _is_str(node.right) and (lit := literal(node.left)):
+        if isinstance(node.operator, cst.Modulo) and not isinstance(node.right, (cst.Tuple, cst.Dict)) and \
+                len(re.findall("%", lit[0])) == 1 and (text := re.sub(r"%[dis]", "{}", lit[0])) != lit[0]:
+            return text, node.right if text == "cuda:{}" else None
+        if isinstance(node.operator, cst.Add):
+            arg = node.right.args[0].value if isinstance(node.right, cst.Call) and _dotted(node.right.func) == "str" \
+                and len(node.right.args) == 1 and not node.right.args[0].keyword else None
+            return lit[0] + "{}", arg if lit[0] == "cuda:" else None
+        return None
     if (isinstance(node, cst.Call) and isinstance(node.func, cst.Attribute) and node.func.attr.value == "format"
             and isinstance(node.func.value, cst.SimpleString) and len(node.args) == 1 and not node.args[0].keyword
             and not node.args[0].star and (lit := literal(node.func.value)) and lit[0].count("{}") == 1):
         return lit[0], node.args[0].value if lit[0] == "cuda:{}" else None
     return None
+
+
+DEVICE_NAME = re.compile(r"(?i)(^|[._])(\w*_)?(dev|device|devices|loc|map_location)(_\w*)?$")
 
 
 def _value_ok(rule: Rule, node: cst.BaseExpression) -> bool:
@@ -293,13 +317,20 @@ class _Visitor:
         self.statements: dict[int, cst.SimpleStatementLine] = {}  # id(call) -> its one-call statement line
         self.decorators: set[int] = set()
         self.with_items: set[int] = set()
-        self.seeded: set[int] = set()
+        self.assigned: dict[int, str] = {}  # id(value of an assignment) -> its target, dotted
         self.elifs: set[int] = set()
+        self.fquotes: list[str] = []  # the quotes of the single-quoted f-strings around the current node
         self.module: cst.Module | None = None
 
     def walk(self, node: cst.CSTNode) -> None:
         visit = _visit_fn(type(self), type(node))
         if visit is not None and visit(self, node) is False:
+            return
+        if isinstance(node, cst.FormattedString):
+            self.fquotes.append(node.quote)
+            for c in _kids(node):
+                self.walk(c)
+            self.fquotes.pop()
             return
         if isinstance(node, (cst.If, cst.IfExp)):
             self._guarded(node.test, node.body)
@@ -343,6 +374,9 @@ class _Visitor:
         if rule.fix != "auto":
             return None, None
         s = Site(rule, target, call, guarded=self.guard_depth > 0, **kw)
+        if (quote := free_quote(self.fquotes, rule.replacement + (rule.indexed or ""))) is None:
+            return None, NO_QUOTE
+        s.quote = quote
         tpl = template(rule)
         if call is not None and isinstance(tpl, cst.Call):
             s.keep_func = _dotted(tpl.func) in self.qnames(call.func)
@@ -375,38 +409,13 @@ class _Visitor:
     # -- structure
     def visit_Module(self, node: cst.Module) -> None:
         self.module = node
-        self._scan_block(node.body)
 
-    def visit_IndentedBlock(self, node: cst.IndentedBlock) -> None:
-        self._scan_block(node.body)
+    def visit_Assign(self, node: cst.Assign | cst.AnnAssign) -> None:
+        targets = [t.target for t in node.targets] if isinstance(node, cst.Assign) else [node.target]
+        if node.value is not None and len(targets) == 1 and (name := _dotted(targets[0])):
+            self.assigned |= {id(b): name for b in _branches(node.value, self)}
 
-    def _scan_block(self, body: Iterable[cst.CSTNode]) -> None:
-        """Mark CUDA seeding calls that sit among seeding statements next to `torch.manual_seed(same)`."""
-        run: list[cst.CSTNode] = []
-        for stmt in [*body, None]:
-            if stmt is not None and self._neutral(stmt):
-                run.append(stmt)
-                continue
-            calls = [s.value for line in run for s in line.body if isinstance(s, cst.Expr)]
-            code = lambda c: self.module.code_for_node(c.args[0].value) if len(c.args) == 1 else None
-            seeds = {code(c) for c in calls if self.qnames(c.func) & {"torch.manual_seed", "torch.random.manual_seed"}}
-            self.seeded |= {id(c) for c in calls if code(c) in seeds - {None}}
-            run = []
-
-    def _neutral(self, stmt: cst.CSTNode) -> bool:
-        """Seeding calls and flag assignments: statements that draw nothing from the CPU generator."""
-        if not isinstance(stmt, cst.SimpleStatementLine):
-            return False
-        for s in stmt.body:
-            if isinstance(s, cst.Expr) and isinstance(s.value, cst.Call) and self.qnames(s.value.func) & set(SEEDERS):
-                continue
-            if isinstance(s, cst.Assign) and all(
-                    any(q.startswith(("torch.backends.", "os.environ")) for q in self.qnames(
-                        t.target.value if isinstance(t.target, cst.Subscript) else t.target))
-                    for t in s.targets):
-                continue
-            return False
-        return True
+    visit_AnnAssign = visit_Assign
 
     def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
         if len(node.body) == 1 and isinstance(node.body[0], cst.Expr) and isinstance(node.body[0].value, cst.Call):
@@ -480,7 +489,8 @@ class _Visitor:
     def visit_Call(self, node: cst.Call) -> None:
         self.calls[id(node.func)] = node
         method = node.func.attr.value if isinstance(node.func, cst.Attribute) else None
-        if method and (rule := self.m.methods.get(method)) and not self._module_receiver(node.func.value):
+        if method and (rule := self.m.methods.get(method)) and not self._module_receiver(node.func.value) and not (
+                self.guard_depth and rule.replacement.startswith(f"x.{method}(")):  # guarded: the rewrite is a no-op
             site, why = self.site(rule, node, node, subject="receiver")
             self.hit(rule, node.func.attr, site, why)
         qnames = self.qnames(node.func) if isinstance(node.func, (cst.Name, cst.Attribute)) else set()
@@ -517,6 +527,7 @@ class _Visitor:
         values = [v for v in (_branches(subject.value, self) if literal_value else [subject.value])
                   if _value_ok(pat.rule, v)]
         self.claimed |= {id(v) for v in values} | {id(v.func.value) for v in values if isinstance(v, cst.Call)}
+        self.claimed |= {id(v.left) for v in values if isinstance(v, cst.BinaryOperation)}
         return values
 
     def _arg_hit(self, rule: Rule, call: cst.Call, value: cst.BaseExpression | None) -> None:
@@ -548,11 +559,33 @@ class _Visitor:
             self._string(node, lit)
 
     def _string(self, node: cst.BaseExpression, lit: tuple[str, cst.BaseExpression | None]) -> None:
-        rules = (self.m.guarded_strings if self.guard_depth else []) + self.m.strings
+        target = self.assigned.get(id(node))
+        assigned = self.m.assigned_strings if target and (lit[1] is not None or DEVICE_NAME.search(target)) else []
+        rules = (self.m.guarded_strings if self.guard_depth else []) + assigned + self.m.strings
         if rule := next((r for r in rules if re.fullmatch(r.value, lit[0])), None):
             self.claimed.add(id(node))
             site, why = self.site(rule, node, None, subject="value", index=lit[1])
+            if site and "{}" in lit[0] and lit[1] is None:
+                site, why = None, "the index is not a number (`str(i)` or a number is)"
             self.hit(rule, node, site, why)
+
+    def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
+        if id(node) not in self.claimed and (lit := literal(node)):
+            self.claimed.add(id(node.left))
+            self._string(node, lit)
+
+
+NO_QUOTE = "inside f-strings that use both quote characters, the strings of the rewrite would end them before " \
+    "Python 3.12"
+
+
+def free_quote(fquotes: Iterable[str], replacement: str) -> str | None:
+    """The quote for the strings a rewrite adds inside f-strings quoted with `fquotes`: before Python 3.12 an
+    expression in a single-quoted f-string cannot use its quote. None when both are taken."""
+    taken = {q for q in fquotes if len(q) == 1}
+    if '"' not in replacement or '"' not in taken:
+        return '"'
+    return "'" if "'" not in taken else None
 
 
 def _find_arg(call: cst.Call, name: str, pos: int | None) -> cst.Arg | None:
@@ -574,12 +607,17 @@ def _branches(node: cst.BaseExpression, v: _Visitor) -> list[cst.BaseExpression]
 # named conditions for `Rule.only`: when the rewrite keeps the program's meaning, and what to say otherwise
 ONLY: dict[str, tuple[Any, str]] = {
     "int_arg": (lambda v, s: bool(s.call.args) and not _is_str(a := s.call.args[0].value) and not (
-        isinstance(a, cst.Call) and v.qnames(a.func) & {"torch.device"}), "the device is not an integer index"),
+        isinstance(a, cst.Call) and v.qnames(a.func) & {"torch.device"} and any(_is_str(b.value) for b in a.args)),
+        "the device names CUDA (a string or `torch.device(\"cuda\", ...)`)"),
     "no_device": (lambda v, s: all(_is_none(a.value) for k, a in zip(s.kw, s.call.args)
                                    if (k or (a.keyword and a.keyword.value)) == "device"), "it names a CUDA device"),
     "with_item": (lambda v, s: id(s.call) in v.with_items and len(s.call.args) == 1,
                   "not a `with torch.cuda.stream(s):` item"),
-    "seeded": (lambda v, s: id(s.call) in v.seeded, "no `torch.manual_seed` with the same seed next to it"),
+    "no_keyword": (lambda v, s: all(a.keyword is None and not _is_str(a.value) for a in s.call.args),
+                   "a keyword or string argument (the replacement takes a device index or `torch.device`)"),
+    "no_args": (lambda v, s: not s.call.args, "arguments"),
+    "one_arg": (lambda v, s: len(s.call.args) == 1 and s.call.args[0].keyword is None and not s.call.args[0].star,
+                "arguments besides the message"),
 }
 
 
@@ -588,7 +626,15 @@ ONLY: dict[str, tuple[Any, str]] = {
 def analyze(source: bytes | str, path: str = "<string>", noqa: bool = True, keep_tree: bool = False) -> Analysis:
     """Parse `source` and return its findings, sorted; `keep_tree` keeps the tree and rewrite sites for `fix`."""
     text = source if isinstance(source, str) else source.decode("utf-8", "replace")
-    if not re.search(TRIGGER, text) and _compiles(source):  # nothing to find: the C parser's word is enough
+    if isinstance(source, bytes) and (bad := _undecodable(source)):
+        return Analysis(path, [Finding(path, 1, 1, "NRN000", f"not analysed: {bad}", "report")])
+    if "\0" in text:
+        return Analysis(path, [Finding(path, text.count("\n", 0, text.index("\0")) + 1, 1, "NRN000",
+                                       "not analysed: null bytes (a binary file, not Python source)", "report")])
+    tree, too_big = _size_guard(source, text)
+    if too_big:  # libcst would overflow its stack (signal 11) or take minutes: report instead
+        return Analysis(path, [Finding(path, too_big[0], 1, "NRN000", f"not analysed: {too_big[1]}", "report")])
+    if tree is not None and not re.search(TRIGGER, text):  # nothing to find: the C parser's word is enough
         return Analysis(path, [])
     try:
         module = cst.parse_module(source)
@@ -612,7 +658,7 @@ def analyze(source: bytes | str, path: str = "<string>", noqa: bool = True, keep
     for rule, node, site, why in v.hits:
         line, col = pos.start[id(node)]
         fix = "auto" if site else "suggest" if rule.fix != "report" else "report"
-        msg = rule.message + (f"; use `{rule.replacement}`" if rule.fix == "auto" and rule.replacement else
+        msg = rule.message + (f"; use `{shown(rule.replacement)}`" if rule.fix == "auto" and rule.replacement else
                               f"; {rule.replacement}" if rule.replacement else "; remove it")
         msg += f" [not rewritten: {why}]" if why else ""
         findings.append(Finding(path, line, col + 1, rule.code, msg, fix, site))
@@ -664,12 +710,48 @@ class _Positions(CodegenState):
         pass
 
 
-def _compiles(source: bytes | str) -> bool:
+def _undecodable(source: bytes) -> str | None:
+    """Why Python could not read `source` as text (its PEP 263 encoding, UTF-8 by default), or None."""
     try:
-        ast.parse(source)
-        return True
-    except Exception:  # SyntaxError, or a grammar newer than this Python: let libcst decide
-        return False
+        encoding = tokenize.detect_encoding(io.BytesIO(source).readline)[0]
+    except SyntaxError as e:
+        return f"bad encoding declaration ({e})"
+    try:
+        source.decode(encoding)
+    except (UnicodeDecodeError, LookupError) as e:
+        return f"not valid {encoding} text ({e})"
+    return None
+
+
+MAX_DEPTH = 120  # syntax-tree nesting that libcst, its code generation and our walks handle in the default
+#                  recursion limit (a chain of binary operators nests one level per operator)
+MAX_NODES = 250_000  # syntax-tree size: libcst parses about 10,000 nodes a second
+MAX_LINE = 50_000  # characters on one line, for files Python's parser rejects (the depth is then unknown)
+
+
+def _size_guard(source: bytes | str, text: str) -> tuple[ast.AST | None, tuple[int, str] | None]:
+    """Python's own syntax tree of `source` (None if it does not parse) and, when the file is too deep or too
+    large for libcst, the line and reason. Checked before libcst ever sees the file."""
+    try:
+        tree = ast.parse(source)
+    except (RecursionError, MemoryError):
+        return None, (1, f"nested too deeply for Python's own parser (the limit for analysis is {MAX_DEPTH} levels)")
+    except Exception:  # SyntaxError, null bytes, a grammar newer than this Python: let libcst decide, if small
+        longest = max(((len(line), i) for i, line in enumerate(text.splitlines(), 1)), default=(0, 1))
+        if longest[0] > MAX_LINE:
+            return None, (longest[1], f"line of {longest[0]:,} characters (limit {MAX_LINE:,})")
+        return None, None
+    stack, nodes = [(tree, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        nodes += 1
+        if depth > MAX_DEPTH:
+            return tree, (getattr(node, "lineno", 1), f"expression nested over {MAX_DEPTH} levels deep (e.g. a chain "
+                          f"of thousands of operators); split it to have it checked")
+        stack.extend((c, depth + 1) for c in ast.iter_child_nodes(node))
+    if nodes > MAX_NODES:
+        return tree, (1, f"{nodes:,} syntax-tree nodes (limit {MAX_NODES:,}): generated code?")
+    return tree, None
 
 
 def _downgrade_guards(findings: list[Finding], v: _Visitor, pos: _Positions | None) -> None:
@@ -706,6 +788,7 @@ class Report:
     files: int = 0
     seconds: float = 0.0  # wall clock
     cpu: float = 0.0  # CPU time (workers included): the rate that does not depend on the machine's load
+    errors: int = 0  # files the tool failed on (each also an NRN000 finding)
 
 
 def iter_files(paths: Iterable[str], notes: list[str]) -> Iterator[str]:
@@ -749,35 +832,122 @@ def read_source(path: str, notes: list[str]) -> bytes | None:
     except OSError as e:
         notes.append(f"{path}: unreadable ({e.strerror})")
         return None
-    if b"\0" in data[:8192]:
-        notes.append(f"{path}: skipped, binary")
-        return None
     return data
 
 
-def check_file(path: str) -> tuple[list[Finding], list[str]]:
+FILE_TIMEOUT = 120.0  # seconds for one file: beyond the size guard, a last bound on the time a file can take
+
+
+class FileTimeout(Exception):
+    pass
+
+
+@dataclass
+class FileResult:
+    findings: list[Finding]
+    notes: list[str]
+    error: bool = False  # the tool failed on this file (internal error, timeout, crashed worker): exit code 3
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Raise `FileTimeout` after `seconds` (SIGALRM: only in a main thread, elsewhere no limit)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise FileTimeout
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def tool_error(path: str, what: str) -> Finding:
+    return Finding(path, 1, 1, "NRN000", f"not analysed: {what}", "report")
+
+
+def check_file(path: str) -> FileResult:
     """The findings of one file, and notes on why it was skipped."""
     notes: list[str] = []
     if (data := read_source(path, notes)) is None:
-        return [], notes
+        return FileResult([], notes)
     try:
-        return analyze(data, path).findings, notes
+        with time_limit(FILE_TIMEOUT):
+            return FileResult(analyze(data, path).findings, notes)
+    except FileTimeout:
+        return FileResult([tool_error(path, f"analysis took over {FILE_TIMEOUT:.0f} s")], notes, True)
     except Exception as e:  # a bug of ours must not stop the run: report the file and go on
-        return [Finding(path, 1, 1, "NRN000", f"internal error: {type(e).__name__}: {e}", "report")], notes
+        return FileResult([tool_error(path, f"internal error: {type(e).__name__}: {e}")], notes, True)
+
+
+_STARTED: Any = None  # in a worker: the queue on which it announces each file before analysing it
+
+
+def _start_worker(queue: Any) -> None:
+    global _STARTED
+    _STARTED = queue
+
+
+def _check_in_worker(path: str) -> FileResult:
+    _STARTED.put((os.getpid(), path))
+    return check_file(path)
+
+
+def map_files(fn: Callable[[str], Any], worker_fn: Callable[[str], Any], files: list[str], jobs: int,
+              crashed: Callable[[str], Any]) -> list[Any]:
+    """`fn` over `files`, in order, in `jobs` worker processes (0: one per CPU). A worker that dies (a signal
+    inside a native parser) breaks the pool: the files it had started get `crashed(path)`, the rest are run
+    again in a new pool."""
+    if jobs == 1 or len(files) < 2:
+        return list(map(fn, files))
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    results: dict[str, Any] = {}
+    todo = list(files)
+    while todo:
+        queue = ctx.SimpleQueue()
+        with ProcessPoolExecutor(jobs or None, mp_context=ctx, initializer=_start_worker,
+                                 initargs=(queue,)) as pool:
+            futures = {pool.submit(worker_fn, p): p for p in todo}
+            broken = False
+            for fut in as_completed(futures):
+                try:
+                    results[futures[fut]] = fut.result()
+                except BrokenProcessPool:
+                    broken = True
+        if not broken:
+            break
+        started: dict[int, str] = {}
+        while not queue.empty():
+            pid, p = queue.get()
+            started[pid] = p
+        live = {p.pid for p in multiprocessing.active_children()}
+        for pid, p in started.items():
+            if p not in results and pid not in live:
+                results[p] = crashed(p)
+        rest = [p for p in todo if p not in results]
+        if len(rest) == len(todo):  # no progress and no culprit found: give up on these files, never loop
+            results |= {p: crashed(p) for p in rest}
+        todo = rest
+    return [results[p] for p in files]
+
+
+def _crashed(path: str) -> FileResult:
+    return FileResult([tool_error(path, "the checker's worker process crashed on this file")], [], True)
 
 
 def check_paths(paths: Iterable[str], jobs: int = 1) -> Report:
     """Check every file under `paths`, in `jobs` processes (0: one per CPU), in a stable order."""
     rep, t0, c0 = Report(), time.perf_counter(), _cpu()
     files = list(iter_files(paths, rep.notes))
-    if jobs == 1 or len(files) < 2:
-        results = list(map(check_file, files))
-    else:
-        with ProcessPoolExecutor(jobs or None) as pool:
-            results = list(pool.map(check_file, files, chunksize=4))
-    for findings, notes in results:
-        rep.findings += findings
-        rep.notes += notes
+    for r in map_files(check_file, _check_in_worker, files, jobs, _crashed):
+        rep.findings += r.findings
+        rep.notes += r.notes
+        rep.errors += r.error
     rep.files, rep.seconds, rep.cpu = len(files), time.perf_counter() - t0, _cpu() - c0
     return rep
 
@@ -819,7 +989,8 @@ def format_sarif(rep: Report) -> str:
     notes = [{"level": "note", "message": {"text": n}} for n in rep.notes]
     run = {"tool": {"driver": {"name": "torchneuron", "informationUri": "https://github.com/torchneuron/torchneuron",
                                "rules": rules}},
-           "results": results, "invocations": [{"executionSuccessful": True, "toolExecutionNotifications": notes}]}
+           "results": results,
+           "invocations": [{"executionSuccessful": not rep.errors, "toolExecutionNotifications": notes}]}
     return json.dumps({"$schema": "https://json.schemastore.org/sarif-2.1.0.json", "version": "2.1.0",
                        "runs": [run]}, indent=1) + "\n"
 
@@ -829,10 +1000,15 @@ FORMATS = {"text": format_text, "json": format_json, "sarif": format_sarif}
 
 def run(paths: list[str], fmt: str = "text", jobs: int = 1, out: TextIO | None = None,
         err: TextIO | None = None) -> int:
-    """`torchneuron check`: 1 when something is found, 0 when clean."""
+    """`torchneuron check`: 1 when something is found, 0 when clean, 3 when the tool failed on a file."""
     out, err = out or sys.stdout, err or sys.stderr
     rep = check_paths(paths, jobs)
     for n in rep.notes:
         print(f"note: {n}", file=err)
     out.write(FORMATS[fmt](rep))
-    return 1 if rep.findings else 0
+    if rep.errors:
+        print(f"error: the checker failed on {rep.errors} file(s) (NRN000 'not analysed')", file=err)
+    return TOOL_ERROR if rep.errors else 1 if rep.findings else 0
+
+
+TOOL_ERROR = 3  # exit code: the tool itself failed on some file (2 is a usage error, 1 findings)

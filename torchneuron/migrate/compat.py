@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 _COUNTS: Counter[tuple[str, str]] = Counter()  # (api, "file:line" of the user frame) -> calls
 _QUIET = threading.local()  # inside one counted call (e.g. Module.cuda), its per-tensor redirects are not counted
 _INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["torchneuron"]))
+_TORCH_CODE = _INTERNAL  # callers whose torch.cuda queries are about the host, not the script
 _INTERNAL += (sysconfig.get_paths()["stdlib"] + os.sep, typing_extensions.__file__)  # its @deprecated wrapper
 _enabled = False
 
@@ -46,12 +47,10 @@ def _site() -> str:
     return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "<unknown>"
 
 
-def _record(api: str | Callable[[], str], direct: bool = False) -> None:
-    """Count one redirect. Skipped while Dynamo traces (the redirect is then baked into the graph), inside an
-    already counted call, and for `direct` APIs when torch itself made the call (torch.manual_seed seeding cuda)."""
+def _record(api: str | Callable[[], str]) -> None:
+    """Count one redirect. Skipped while Dynamo traces (the redirect is then baked into the graph) and inside an
+    already counted call."""
     if torch.compiler.is_compiling() or getattr(_QUIET, "on", False):
-        return
-    if direct and sys._getframe(2).f_code.co_filename.startswith(_INTERNAL):
         return
     _COUNTS[(api if isinstance(api, str) else api(), _site())] += 1
 
@@ -266,8 +265,16 @@ def _builds(new: type) -> staticmethod:
     return staticmethod(__new__)
 
 
+def _from_torch() -> bool:
+    """Is the caller of a patched `torch.cuda` function torch or torchneuron itself? Inductor, Dynamo and the
+    rest of PyTorch ask `torch.cuda` about the host (is there CUDA? which architecture?) and must keep getting the
+    real answers, so that every model that compiles without compat mode compiles with it."""
+    return sys._getframe(2).f_code.co_filename.startswith(_TORCH_CODE)
+
+
 def _cuda_functions() -> dict[str, Callable]:
-    """torch.cuda.<name> -> its torch.neuron counterpart (device arguments mapped, call counted)."""
+    """torch.cuda.<name> -> its torch.neuron counterpart (device arguments mapped, call counted) for calls from
+    the script and its libraries; torch's own calls reach the original."""
     n = torch.neuron
     same = ("device_count current_device set_device synchronize current_stream default_stream set_stream stream "
             "device device_of StreamContext memory_allocated memory_reserved max_memory_allocated "
@@ -284,14 +291,67 @@ def _cuda_functions() -> dict[str, Callable]:
         if isinstance(target, type):  # the context-manager classes (device, device_of, StreamContext): not counted
             out[name] = target
             continue
+        orig = getattr(torch.cuda, name)
 
-        def fn(*args, _name=name, _target=target, **kwargs):
+        def fn(*args, _name=name, _target=target, _orig=orig, **kwargs):
+            if _from_torch():
+                return _orig(*args, **kwargs)
             api = f"torch.cuda.{_name}"
-            _record(api, direct=True)
+            _record(api)
             return _target(*(_map_value(a, api) for a in args), **{k: _map_value(v, api) for k, v in kwargs.items()})
         fn.__name__ = fn.__qualname__ = name
         out[name] = fn
     return out
+
+
+_RANGES = threading.local()  # the open NVTX-style ranges of this thread: a push/pop stack and start/end handles
+
+
+def _nvtx_functions() -> dict[str, Callable]:
+    """torch.cuda.nvtx.* -> ranges of the PyTorch profiler (`record_function`), which neuron traces carry.
+    Without this, NVTX annotations raise "NVTX functions not installed" on every non-CUDA build."""
+    from torch.autograd.profiler import record_function
+
+    def state() -> tuple[list, dict]:
+        if not hasattr(_RANGES, "stack"):
+            _RANGES.stack, _RANGES.open, _RANGES.next = [], {}, 0
+        return _RANGES.stack, _RANGES.open
+
+    def range_push(msg: str) -> int:
+        _record("torch.cuda.nvtx.range_push")
+        stack, _ = state()
+        stack.append(record_function(str(msg)).__enter__())
+        return len(stack) - 1
+
+    def range_pop() -> int:
+        _record("torch.cuda.nvtx.range_pop")
+        stack, _ = state()
+        if stack:  # NVTX returns -1 for an unmatched pop rather than raising
+            stack.pop().__exit__(None, None, None)
+        return len(stack) - 1 if stack else -1
+
+    def range_start(msg: str) -> int:
+        _record("torch.cuda.nvtx.range_start")
+        _, open_ = state()
+        _RANGES.next += 1
+        open_[_RANGES.next] = record_function(str(msg)).__enter__()
+        return _RANGES.next
+
+    def range_end(range_id: int) -> None:
+        _record("torch.cuda.nvtx.range_end")
+        if (rf := state()[1].pop(range_id, None)) is not None:
+            rf.__exit__(None, None, None)
+
+    def mark(msg: str) -> None:
+        _record("torch.cuda.nvtx.mark")
+        with record_function(str(msg)):
+            pass
+
+    def range(msg: str, *args: Any, **kwargs: Any) -> record_function:  # a context manager and a decorator
+        _record("torch.cuda.nvtx.range")
+        return record_function(msg.format(*args, **kwargs))
+
+    return {f.__name__: f for f in (range_push, range_pop, range_start, range_end, mark, range)}
 
 
 def _patches() -> list[tuple[Any, str, Callable[[Any], Any]]]:
@@ -332,6 +392,7 @@ def _patches() -> list[tuple[Any, str, Callable[[Any], Any]]]:
                                                                   ("device_id",))),
                  (dist, "init_process_group", lambda f: c10d.init_process_group)]
     rows += [(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **_compat_classes()}.items()]
+    rows += [(torch.cuda.nvtx, name, lambda f, v=v: v) for name, v in _nvtx_functions().items()]
     return rows
 
 
@@ -353,7 +414,7 @@ def enable() -> None:
 def maybe_enable_from_env() -> None:
     """Autoload hook: TORCHNEURON_CUDA_COMPAT=1 enables the mode; TORCHNEURON_PORTING_REPORT=path.json|path.md|-
     writes the porting report at exit."""
-    if os.environ.get("TORCHNEURON_CUDA_COMPAT", "").lower() not in ("1", "true", "yes", "on"):
+    if _enabled or os.environ.get("TORCHNEURON_CUDA_COMPAT", "").lower() not in ("1", "true", "yes", "on"):
         return
     enable()
     dest = os.environ.get("TORCHNEURON_PORTING_REPORT")

@@ -6,6 +6,7 @@ report-only findings are left alone, and a second run changes nothing.
 """
 from __future__ import annotations
 
+import ast
 import contextlib
 import difflib
 import os
@@ -14,7 +15,7 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import TextIO
@@ -24,6 +25,7 @@ from libcst.codemod import CodemodContext
 from libcst.codemod.visitors import RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, Scope, ScopeProvider
 
+from . import check
 from .check import GUARDS, Analysis, Finding, Imports, Site, _dotted, _walk, analyze, iter_files, literal, read_source
 from .rules import Rule
 
@@ -43,6 +45,7 @@ class FixResult:
     applied: list[Finding] = field(default_factory=list)
     remaining: list[Finding] = field(default_factory=list)
     error: str | None = None
+    tool_error: bool = False  # the tool failed (internal error, timeout), not the file
 
 
 @dataclass
@@ -197,12 +200,12 @@ class _Fill(cst.CSTTransformer):
     """Put the matched code into a parsed replacement: `x`, `__index__` and the `...` argument."""
 
     def __init__(self, subject: cst.BaseExpression | None, index: cst.BaseExpression | None,
-                 args: list[cst.Arg] | None):
+                 args: list[cst.Arg] | None, func: cst.BaseExpression | None = None):
         super().__init__()
-        self.subject, self.index, self.args = subject, index, args
+        self.subject, self.index, self.args, self.func = subject, index, args, func
 
     def leave_Name(self, orig: cst.Name, upd: cst.Name) -> cst.BaseExpression:
-        return {"x": self.subject, "__index__": self.index}.get(upd.value) or upd
+        return {"x": self.subject, "__index__": self.index, "__func__": self.func}.get(upd.value) or upd
 
     def leave_Call(self, orig: cst.Call, upd: cst.Call) -> cst.Call:
         i = next((i for i, a in enumerate(upd.args) if isinstance(a.value, cst.Ellipsis)), None)
@@ -219,15 +222,17 @@ class _Fill(cst.CSTTransformer):
 
 
 def instantiate(site: Site, names: Names, subject: cst.BaseExpression | None, index: cst.BaseExpression | None,
-                args: list[cst.Arg] | None) -> cst.CSTNode:
+                args: list[cst.Arg] | None, func: cst.BaseExpression | None = None) -> cst.CSTNode:
     indexed = index is not None and site.rule.indexed is not None
     text = names.fill(site.rule.indexed if indexed else site.rule.replacement, index is not None and not indexed)
+    if site.quote != '"':  # inside a double-quoted f-string: the added strings take the other quote
+        text = re.sub(r'"([^"\\]*)"', lambda m: site.quote + m[1] + site.quote, text)
     tpl = cst.parse_statement(text) if text.startswith("if ") else cst.parse_expression(text)
-    if site.guarded and isinstance(tpl, cst.If):  # already guarded: drop ours
+    if site.guarded and isinstance(tpl, cst.If) and "accelerator" in _code(tpl.test):  # already guarded: drop ours
         tpl = tpl.body.body[0].value
     elif site.guarded and isinstance(tpl, cst.IfExp) and "is_available" in _code(tpl.test):
         tpl = tpl.body
-    return tpl.visit(_Fill(subject, index, args))
+    return tpl.visit(_Fill(subject, index, args, func))
 
 
 # ---- timing events ----------------------------------------------------------------------------------------------
@@ -317,11 +322,19 @@ def _event_use(ref: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode], q, 
         return True
     rule = _event_rule(attr.attr.value)
     if EVENT_GUARDS[attr.attr.value] != "if":
-        return Site(rule, call, call, subject="receiver", keep_func=True)
+        quotes = [n.quote for n in _ancestors(call, parents) if isinstance(n, cst.FormattedString)]
+        if (quote := check.free_quote(quotes, rule.replacement)) is None:
+            return None
+        return Site(rule, call, call, subject="receiver", keep_func=True, quote=quote)
     line = parents.get(expr := parents.get(call))
     if not (isinstance(expr, cst.Expr) and isinstance(line, cst.SimpleStatementLine) and len(line.body) == 1):
         return None
     return Site(rule, line, call, subject="receiver", keep_func=True)
+
+
+def _ancestors(node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode]) -> Iterator[cst.CSTNode]:
+    while (node := parents.get(node)) is not None:
+        yield node
 
 
 def _under_guard(node: cst.CSTNode, parents: Mapping[cst.CSTNode, cst.CSTNode], q) -> bool:
@@ -378,9 +391,13 @@ class _Fixer(cst.CSTTransformer):
         if isinstance(upd, cst.SimpleStatementLine):  # `if available: call(...)` replaces the statement line
             call = upd.body[0].value
             new = self.expression(site, call, call)
-            ws = upd.trailing_whitespace
+            ws, header = upd.trailing_whitespace, cst.TrailingWhitespace()
+            if site.rule.noqa:  # the rewrite must stay as written: exempt its lines from the rules it still matches
+                ws = ws.with_changes(whitespace=cst.SimpleWhitespace("  "), comment=cst.Comment(
+                    f"# noqa: {site.rule.noqa}" + (f" {ws.comment.value.lstrip('#').strip()}" if ws.comment else "")))
+                header = cst.TrailingWhitespace(cst.SimpleWhitespace("  "), cst.Comment(f"# noqa: {site.rule.noqa}"))
             inner = cst.SimpleStatementLine([cst.Expr(new.body.body[0].value)], trailing_whitespace=ws)
-            return new.with_changes(body=cst.IndentedBlock([inner]), leading_lines=upd.leading_lines)
+            return new.with_changes(body=cst.IndentedBlock([inner], header=header), leading_lines=upd.leading_lines)
         if site.rule.replacement == "":  # delete the argument
             return upd.with_changes(args=_drop(upd.args, site.drop))
         call = upd if isinstance(upd, cst.Call) else None
@@ -427,7 +444,7 @@ class _Fixer(cst.CSTTransformer):
         subject = {"value": upd, "receiver": call.func.value if call is not None and
                    isinstance(call.func, cst.Attribute) else None,
                    "arg0": call.args[0].value if call is not None and call.args else None}.get(site.subject)
-        new = instantiate(site, self.names, subject, index, args)
+        new = instantiate(site, self.names, subject, index, args, call.func if call is not None else None)
         root = new.body.body[0].value if isinstance(new, cst.If) else new
         if call is not None and isinstance(root, cst.Call):
             root2 = root.with_changes(whitespace_before_args=call.whitespace_before_args)
@@ -470,22 +487,75 @@ def fix_source(source: bytes | str, path: str = "<string>") -> FixResult:
     parents = wrapper.resolve(ParentNodeProvider)
     todo = [f for f in todo if f.fix == "auto"]
     events = _event_uses(a.module, facts, parents, [f for f in todo if f.code == "NRN041" and not f.site.guarded])
-    sites = {}
-    for f in todo:
-        sites.setdefault(id(f.site.target), f.site)
-    for uses in events.values():
-        for use in uses or ():
-            sites.setdefault(id(use.target), use)
-    fixer = _Fixer(sites, names, parents)
     used_imports = _cuda_imports(wrapper)
-    module = a.module.visit(fixer)
-    module = _remove_unused(module, used_imports)
-    module = _hoist(module, names, add_torch)
-    cst.parse_module(module.code)  # what we write must parse
+
+    def render(fixes: list[Finding]) -> tuple[cst.Module, _Fixer]:
+        sites: dict[int, Site] = {}
+        for f in fixes:
+            sites.setdefault(id(f.site.target), f.site)
+            for use in events.get(id(f.site.target)) or ():
+                sites.setdefault(id(use.target), use)
+        fixer = _Fixer(sites, names, parents)
+        module = _remove_unused(a.module.visit(fixer), used_imports)
+        return _hoist(module, names, add_torch), fixer
+
+    want = grammars(old) or frozenset()
+    module, fixer = render(todo)
+    if (got := grammars(module.code)) is None or not want <= got:  # find the rewrites that break it, drop them
+        for f in todo:
+            alone = grammars(render([f])[0].code)
+            if alone is None or not want <= alone:
+                lost = ", ".join(sorted(want - (alone or frozenset()))) or "any"
+                f.fix = "suggest"
+                f.message += f" [not rewritten: the result would not parse under Python {lost}]"
+        todo = [f for f in todo if f.fix == "auto"]
+        module, fixer = render(todo)
+        if (got := grammars(module.code)) is None or not want <= got:
+            res.error = "the rewrites together would not parse under every Python grammar the file parses under"
+            return res
     res.applied = [f for f in todo if id(f.site.target) in fixer.applied]
     res.remaining = [f for f in a.findings if f not in res.applied]
     res.new, res.data = module.code, module.bytes
     return res
+
+
+GRAMMARS = ("3.10", "3.11", "3.12", "3.13")  # the Python versions the project supports
+
+
+def grammars(code: str) -> frozenset[str] | None:
+    """The supported Python versions whose grammar accepts `code`; None when libcst cannot parse it. 3.12 and
+    3.13 (PEP 701 f-strings) are libcst's grammar; 3.10 and 3.11 are also checked by Python's own parser with
+    `feature_version` and by the pre-3.12 f-string rules (no reused quote, backslash or comment inside)."""
+    try:
+        module = cst.parse_module(code)
+    except Exception:
+        return None
+    ok = {"3.12", "3.13"}
+    if sys.version_info >= (3, 12):
+        try:
+            ast.parse(code)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            ok.discard(f"3.{sys.version_info[1]}")
+    if _old_fstrings(module):
+        for minor in (10, 11):
+            try:
+                ast.parse(code, feature_version=(3, minor))
+                ok.add(f"3.{minor}")
+            except (SyntaxError, ValueError, RecursionError, MemoryError):
+                pass
+    return frozenset(ok)
+
+
+def _old_fstrings(module: cst.Module) -> bool:
+    """Do the f-strings follow the rules before Python 3.12 (which Python >= 3.12's parser no longer checks)?"""
+    for node in _walk(module):
+        if isinstance(node, cst.FormattedString):
+            for part in node.parts:
+                if isinstance(part, cst.FormattedStringExpression):
+                    text = module.code_for_node(part.expression)
+                    if "\\" in text or "#" in text or (len(node.quote) == 1 and node.quote in text):
+                        return False
+    return True
 
 
 def _cuda_imports(wrapper: MetadataWrapper) -> list[tuple[str, str | None, str | None]]:
@@ -571,9 +641,12 @@ def fix_file(path: str, notes: list[str]) -> FixResult | None:
     if (data := read_source(path, notes)) is None:
         return None
     try:
-        return fix_source(data, path)
+        with check.time_limit(check.FILE_TIMEOUT):
+            return fix_source(data, path)
+    except check.FileTimeout:
+        return FixResult(path, "", "", error=f"took over {check.FILE_TIMEOUT:.0f} s", tool_error=True)
     except Exception as e:  # a bug of ours must not stop the run, nor write anything
-        return FixResult(path, "", "", error=f"internal error: {type(e).__name__}: {e}")
+        return FixResult(path, "", "", error=f"internal error: {type(e).__name__}: {e}", tool_error=True)
 
 
 def atomic_write(path: str, data: bytes) -> None:
@@ -599,16 +672,16 @@ def diff(res: FixResult) -> str:
 
 
 def run(paths: list[str], write: bool = False, out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """`torchneuron fix`: print the diff (or write with `write`). 1 if a file failed or, without `write`, if
-    anything would change; 0 otherwise."""
+    """`torchneuron fix`: print the diff (or write with `write`). 3 if the tool failed on a file; 1 if a file
+    could not be rewritten or, without `write`, if anything would change; 0 otherwise."""
     out, err = out or sys.stdout, err or sys.stderr
     notes: list[str] = []
-    changed = failed = applied = left = 0
+    changed = failed = applied = left = errors = 0
     for p in iter_files(paths, notes):
         if (res := fix_file(p, notes)) is None:
             continue
         if res.error:
-            failed += 1
+            failed, errors = failed + 1, errors + res.tool_error
             print(f"{p}: not rewritten: {res.error}", file=err)
             continue
         left += sum(f.fix != "auto" for f in res.remaining)
@@ -629,4 +702,4 @@ def run(paths: list[str], write: bool = False, out: TextIO | None = None, err: T
     verb = "rewrote" if write else "would rewrite"
     print(f"{verb} {changed} files ({applied} fixes); {left} findings need a decision (torchneuron check)",
           file=err)
-    return 1 if failed or (changed and not write) else 0
+    return check.TOOL_ERROR if errors else 1 if failed or (changed and not write) else 0

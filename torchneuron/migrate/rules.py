@@ -9,8 +9,9 @@ Each `Rule.match` entry is a pattern in a small notation, resolved on qualified 
   f(p@i)   f(p=)   f(!p@i)     a call of `f` with parameter `p` (keyword `p` or position `i`), or without it;
                                the first parameter is the subject and, when `value` is set, must match it;
                                `f` may be `prefix.*`, `.method` or `*` (any callable)
-  <str>                        a string literal (f-strings `f"cuda:{i}"` and `"cuda:{}".format(i)` read as
-                               `cuda:{}`), matched against `value`
+  <str>                        a string literal (f-strings `f"cuda:{i}"`, `"cuda:{}".format(i)`, `"cuda:%d" % i`
+                               and `"cuda:" + str(i)` read as `cuda:{}`), matched against `value`
+  <assigned str>               such a string assigned to a variable (bare `"cuda"`: to a device-like name)
   if torch.cuda.is_available(): P     P inside code that only runs when an accelerator is present
   <ladder>   <syntax error>    an if/elif ladder over vendor availability checks; a file that does not parse
 
@@ -20,7 +21,8 @@ most specific wins (guarded, exact name, method, prefix, any callable), then the
 
 `replacement` is device-agnostic PyTorch. For `auto` rules it is also the template `fix` instantiates: `torch`
 and `torch.distributed` become the module's own aliases, `device` the hoisted device (CPU fallback), or
-`torch.device(device.type, i)` when the matched code names an index `i`; `x` is the subject (the receiver of
+`torch.device(device.type, i)` when the matched code names an index `i`; `__func__` the function as the code
+spells it; `x` is the subject (the receiver of
 a method, the first argument of a call, the matched argument); `...` stands for the original arguments, with
 the positional ones named by `params` passed as keywords; an empty replacement deletes the argument. An
 `if torch.accelerator.is_available(): ...` or `... if torch.accelerator.is_available() else ...` guard keeps
@@ -34,13 +36,11 @@ from dataclasses import dataclass
 FIX_KINDS = ("auto", "suggest", "report")
 CUDA = r"cuda(:\d+|:\{\})?"  # a CUDA device string, optionally indexed
 VENDORS = ("cuda", "mps", "xpu", "npu", "mlu", "hpu", "musa", "mtia", "neuron", "xla")  # for <ladder>
-SEEDERS = ("random.seed", "numpy.random.seed", "torch.manual_seed", "torch.random.manual_seed",
-           "torch.cuda.manual_seed", "torch.cuda.manual_seed_all", "torch.mps.manual_seed")
 # no-ops off CUDA: code guarded by `torch.cuda.is_available()` that only does these may run anywhere
-BENIGN = {"NRN030", "NRN031", "NRN032", "NRN033", "NRN034", "NRN035", "NRN060"}
+BENIGN = {"NRN030", "NRN031", "NRN032", "NRN033", "NRN034", "NRN035", "NRN060", "NRN065"}
 # a file none of whose lines matches this cannot trigger a rule: lets `check` skip most files unparsed
 TRIGGER = (r"(?i)cuda|cudnn|cublas|nccl|triton|nvidia|nvml|nvtx|apex|GradScaler|device_ids|output_device|"
-           r"DataParallel|reduce-overhead|max-autotune|\.cu\b")
+           r"DataParallel|reduce-overhead|max-autotune|pin_memory|\.cu\b")
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class Rule:
     whole: bool = False  # the rewrite replaces the whole call, not just its subject argument
     indexed: str | None = None  # the replacement when the matched code names an index (default: `device` in
     #                             `replacement` becomes `torch.device(device.type, i)`)
+    noqa: str | None = None  # codes the rewrite's own lines are exempt from (they must stay as written)
 
     def __post_init__(self):
         assert self.fix in FIX_KINDS, self
@@ -154,6 +155,14 @@ RULES: list[Rule] = [
     "a process environment contract with the CUDA driver; no PyTorch API replaces it",
     'os.environ["CUDA_VISIBLE_DEVICES"] = "0"', value="CUDA_VISIBLE_DEVICES"),
 
+  R("NRN019", "device", ("<assigned str>",), "a CUDA device string assigned to a variable",
+    "device.type", "auto",
+    "the variable names the device the script runs on: the hoisted device's type, with the index kept "
+    "(`f\"cuda:{rank}\"`, `\"cuda:%d\" % rank`, `\"cuda:\" + str(rank)`) except on CPU, where `torch.load` refuses "
+    "`cpu:0`; a bare `\"cuda\"` only for a target named like a device (`device`, `dev`, `args.device`, ...)",
+    'device = f"cuda:{local_rank}"', value=CUDA,
+    indexed='f"{device.type}:{__index__}" if device.type != "cpu" else "cpu"'),
+
   # mixed precision
   R("NRN020", "amp", ("torch.cuda.amp.autocast", "torch.cuda.amp.autocast_mode.autocast"),
     "`torch.cuda.amp.autocast` is deprecated and CUDA-only", "torch.amp.autocast(device.type, ...)", "auto",
@@ -230,10 +239,15 @@ RULES: list[Rule] = [
   R("NRN043", "sync", ("torch.cuda.stream",), "`torch.cuda.stream(s)` context is CUDA-only", "x", "auto",
     "a `torch.Stream` is its own context manager (`with s:`)", "with torch.cuda.stream(s):\n    pass",
     only="with_item"),
-  R("NRN044", "sync", ("torch.cuda.current_stream", "torch.cuda.default_stream"),
-    "current/default CUDA stream", "use `torch.accelerator.current_stream(...)`", "suggest",
-    "the accelerator call raises on CPU-only hosts and there is no generic default stream",
-    "torch.cuda.current_stream().wait_stream(s)"),
+  R("NRN044", "sync", ("torch.cuda.current_stream",), "`torch.cuda.current_stream()` is CUDA-only",
+    "torch.get_device_module(device).current_stream(...)", "auto",
+    "the device module's current stream; on CPU-only hosts `torch.cpu.current_stream()`, whose `wait_stream`, "
+    "`record_event` and `wait_event` do nothing", "torch.cuda.current_stream().wait_stream(s)", only="no_keyword"),
+  R("NRN046", "sync", ("torch.cuda.default_stream",), "`torch.cuda.default_stream()` is CUDA-only",
+    "torch.get_device_module(device).default_stream(...) if torch.accelerator.is_available() else "
+    "torch.cpu.current_stream()", "auto",
+    "the device module's default stream (CUDA, neuron); on CPU-only hosts the CPU's no-op stream",
+    "s = torch.cuda.default_stream()", only="no_keyword"),
   R("NRN045", "sync", ("torch.cuda.ExternalStream", "torch.cuda.StreamContext", "torch.cuda.set_stream",
                        "torch.cuda.set_sync_debug_mode", "torch.cuda.get_stream_from_external"),
     "CUDA stream plumbing", "use `torch.accelerator.set_stream` / `torch.Stream`", "report",
@@ -266,9 +280,9 @@ RULES: list[Rule] = [
     "torch.accelerator.memory_stats(...) if torch.accelerator.is_available() else {}", "auto",
     "same statistics dictionary; empty on CPU-only hosts", "s = torch.cuda.memory_stats()"),
   R("NRN057", "memory", ("torch.cuda.mem_get_info",), "`torch.cuda.mem_get_info()` is CUDA-only",
-    "use `torch.accelerator.get_memory_info(...)`", "suggest",
-    "(free, total) has no meaning on CPU-only hosts, where the accelerator call raises",
-    "free, total = torch.cuda.mem_get_info()"),
+    "torch.accelerator.get_memory_info(...) if torch.accelerator.is_available() else (0, 0)", "auto",
+    "(free, total) of the accelerator; `(0, 0)` on CPU-only hosts, like the memory statistics (code dividing by "
+    "the total needs its own CPU branch)", "free, total = torch.cuda.mem_get_info()", only="no_keyword"),
   R("NRN058", "memory", ("torch.cuda.memory_summary", "torch.cuda.memory_snapshot",
                          "torch.cuda.memory._record_memory_history", "torch.cuda.memory._snapshot",
                          "torch.cuda.memory._dump_snapshot"),
@@ -281,19 +295,31 @@ RULES: list[Rule] = [
     "these configure the CUDA caching allocator itself", "torch.cuda.set_per_process_memory_fraction(0.5)"),
 
   # RNG and checkpoint RNG state
-  R("NRN060", "rng", ("torch.cuda.manual_seed_all", "torch.cuda.manual_seed"),
-    "CUDA-only seeding: other devices stay unseeded", "torch.manual_seed(...)", "auto",
-    "`torch.manual_seed` seeds every device; rewritten only next to a `torch.manual_seed` with the same seed, "
-    "where reseeding the CPU generator changes nothing", "torch.manual_seed(0)\ntorch.cuda.manual_seed_all(0)",
-    only="seeded"),
-  R("NRN061", "rng", ("torch.cuda.get_rng_state", "torch.cuda.get_rng_state_all"),
-    "CUDA RNG state (often saved in checkpoints)",
-    "use `torch.get_device_module(device).get_rng_state()`, stored under `device.type`", "suggest",
-    "checkpoint formats key it by device; the CPU module has no device RNG state",
-    'ckpt["cuda_rng"] = torch.cuda.get_rng_state()'),
-  R("NRN062", "rng", ("torch.cuda.set_rng_state", "torch.cuda.set_rng_state_all"),
-    "restores CUDA RNG state", "use `torch.get_device_module(device).set_rng_state(state)`", "suggest",
-    "the saved state is CUDA's; restoring it on another device is meaningless", "torch.cuda.set_rng_state(s)"),
+  R("NRN060", "rng", ("torch.cuda.manual_seed_all",), "CUDA-only seeding: other devices stay unseeded",
+    "if torch.accelerator.is_available(): torch.get_device_module(device).manual_seed_all(...)", "auto",
+    "seeds what it seeded before, the accelerator's generators (not the CPU's, which `torch.manual_seed` would "
+    "reseed); nothing on CPU-only hosts, as before", "torch.cuda.manual_seed_all(0)"),
+  R("NRN065", "rng", ("torch.cuda.manual_seed",), "CUDA-only seeding: other devices stay unseeded",
+    "if torch.accelerator.is_available(): torch.get_device_module(device).manual_seed(...)", "auto",
+    "seeds the current accelerator's generator, as before on CUDA; nothing on CPU-only hosts",
+    "torch.cuda.manual_seed(0)"),
+  R("NRN061", "rng", ("torch.cuda.get_rng_state",), "CUDA RNG state (often saved in checkpoints)",
+    "torch.get_device_module(device).get_rng_state(...) if torch.accelerator.is_available() else "
+    "torch.empty(0, dtype=torch.uint8)", "auto",
+    "the accelerator generator's state; an empty state on CPU-only hosts, which the matching `set_rng_state` "
+    "rewrite skips (a checkpoint from another device type still needs a decision)",
+    'ckpt["cuda_rng"] = torch.cuda.get_rng_state()', only="no_keyword"),
+  R("NRN066", "rng", ("torch.cuda.get_rng_state_all",), "CUDA RNG states (often saved in checkpoints)",
+    "torch.get_device_module(device).get_rng_state_all() if torch.accelerator.is_available() else []", "auto",
+    "every accelerator generator's state; none on CPU-only hosts", 'ckpt["rng"] = torch.cuda.get_rng_state_all()',
+    only="no_args"),
+  R("NRN062", "rng", ("torch.cuda.set_rng_state",), "restores CUDA RNG state",
+    "if torch.accelerator.is_available(): torch.get_device_module(device).set_rng_state(...)", "auto",
+    "restores the accelerator generator saved by the same script on the same device type; skipped on CPU-only "
+    "hosts, which have no accelerator generator", 'torch.cuda.set_rng_state(ckpt["cuda_rng"])'),
+  R("NRN067", "rng", ("torch.cuda.set_rng_state_all",), "restores CUDA RNG states",
+    "if torch.accelerator.is_available(): torch.get_device_module(device).set_rng_state_all(...)", "auto",
+    "restores every accelerator generator; skipped on CPU-only hosts", 'torch.cuda.set_rng_state_all(ckpt["rng"])'),
   R("NRN063", "rng", ("torch.cuda.seed", "torch.cuda.seed_all", "torch.cuda.initial_seed"),
     "CUDA-only seed query/randomisation", "use `torch.seed()` / `torch.initial_seed()`", "suggest",
     "the generic calls also touch the CPU generator", "s = torch.cuda.initial_seed()"),
@@ -380,8 +406,9 @@ RULES: list[Rule] = [
     "use `torch.accelerator.get_memory_info()[1]` for the total memory", "suggest",
     "only total memory has a portable counterpart", "p = torch.cuda.get_device_properties(0)"),
   R("NRN092", "capability", ("torch.cuda.get_device_name",), "CUDA device name",
-    "use `torch.get_device_module(device).get_device_name()` where the backend provides it", "suggest",
-    "names often feed NVIDIA peak-FLOPs tables", "name = torch.cuda.get_device_name()"),
+    'torch.get_device_module(device).get_device_name(...) if torch.accelerator.is_available() else "cpu"', "auto",
+    "the device module's name (CUDA, XPU, neuron provide it); `\"cpu\"` on CPU-only hosts. Names that feed "
+    "NVIDIA peak-FLOPs tables then match none of their entries", "name = torch.cuda.get_device_name()"),
   R("NRN093", "capability", ("torch.version.cuda", "torch.version.hip", "torch.backends.cuda.is_built",
                              "torch.backends.cudnn.is_available", "torch.backends.cudnn.version"),
     "CUDA toolkit/library version query",
@@ -404,10 +431,22 @@ RULES: list[Rule] = [
     "profiles CUDA kernels only", "use `torch.profiler.supported_activities()` (or `ProfilerActivity.PrivateUse1`)",
     "suggest", "which activities to record is a choice; supported_activities() adapts to the host",
     "acts = [ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]"),
-  R("NRN097", "profiling", ("torch.cuda.nvtx", "torch.cuda.nvtx.*"), "NVTX ranges (Nsight only)",
+  R("NRN097", "profiling", ("torch.cuda.nvtx.range",), "`torch.cuda.nvtx.range` raises on every non-CUDA build",
+    "torch.profiler.record_function(...)", "auto",
+    "a range of the PyTorch profiler, on every device (under `torch.autograd.profiler.emit_nvtx()` Nsight still "
+    "sees it); only with a message and nothing else, since `range` formats extra arguments into it",
+    'with torch.cuda.nvtx.range("forward"):\n    pass', only="one_arg"),
+  R("NRN103", "profiling", ("torch.cuda.nvtx.range_push", "torch.cuda.nvtx.range_pop", "torch.cuda.nvtx.mark",
+                            "torch.cuda.nvtx.range_start", "torch.cuda.nvtx.range_end"),
+    "NVTX annotation: raises on every non-CUDA build",
+    "if torch.cuda.is_available(): __func__(...)", "auto",
+    "kept for Nsight on CUDA and skipped elsewhere (NVTX is a CUDA library; compat mode turns these into profiler "
+    "ranges); the guard carries `# noqa: NRN010,NRN103` since it must stay a CUDA check",
+    'torch.cuda.nvtx.range_push("step")', noqa="NRN010,NRN103"),
+  R("NRN104", "profiling", ("torch.cuda.nvtx", "torch.cuda.nvtx.*"), "NVTX (Nsight only)",
     "use `with torch.profiler.record_function(name):`", "suggest",
     "record_function feeds the PyTorch profiler instead of Nsight: a different tool chain",
-    'torch.cuda.nvtx.range_push("step")'),
+    "nvtx = torch.cuda.nvtx"),
   R("NRN098", "profiling", ("torch.cuda.profiler", "torch.cuda.profiler.*", "torch.cuda.cudart"),
     "CUDA profiler control", "use `torch.profiler.profile`", "report", "drives the CUDA runtime profiler",
     "torch.cuda.profiler.start()"),
@@ -421,6 +460,10 @@ RULES: list[Rule] = [
     "`pin_memory_device` is deprecated and ignored", "", "auto",
     "DataLoader pins for the current accelerator; the argument only warns (removed)",
     'dl = torch.utils.data.DataLoader(ds, pin_memory=True, pin_memory_device="cuda")'),
+  R("NRN105", "data", (".pin_memory()",), "`pin_memory()` raises on CPU-only hosts",
+    "x.pin_memory(...) if torch.accelerator.is_available() else x", "auto",
+    "pinned memory serves an accelerator; on CPU-only hosts the tensor is used as it is",
+    "x = batch.pin_memory()"),
   R("NRN101", "ladder", ("<ladder>",), "vendor if/elif ladder over availability checks",
     "use `torch.accelerator.current_accelerator()` / `torch.get_device_module(device)`", "suggest",
     "collapsing branches is right only when they do the same thing for each vendor",
@@ -431,6 +474,7 @@ RULES: list[Rule] = [
     "torch.cuda.ipc_collect()"),
 ]
 
+RULES.sort(key=lambda r: r.code)  # the table's order; categories group them in the docs
 BY_CODE: dict[str, Rule] = {r.code: r for r in RULES}
 assert len(BY_CODE) == len(RULES), "duplicate rule code"
 
@@ -442,6 +486,11 @@ CATEGORIES = {"input": "Input", "device": "Device selection and placement", "amp
               "ladder": "Vendor ladders"}
 
 
+def shown(replacement: str) -> str:
+    """A replacement as users read it: the placeholders for the call's own function and index spelled out."""
+    return replacement.replace("__func__", "<the call>").replace("__index__", "i")
+
+
 def markdown() -> str:
     """The catalogue as it appears in docs/migration.md (`python -m torchneuron.migrate.rules docs/migration.md`
     rewrites it there; a test keeps the two in sync)."""
@@ -451,7 +500,7 @@ def markdown() -> str:
         out += [f"### {title}", "", "| Code | Matches | Fix | Replacement | Why |", "|---|---|---|---|---|"]
         for r in (r for r in RULES if r.category == cat):
             match = ", ".join(f"`{m}`" for m in r.match) + (f" = `{r.value}`" if r.value else "")
-            repl = f"`{r.replacement}`" if r.fix == "auto" and r.replacement else r.replacement or "(removed)"
+            repl = f"`{shown(r.replacement)}`" if r.fix == "auto" and r.replacement else r.replacement or "(removed)"
             out.append(f"| {r.code} | {cell(match)} | {r.fix} | {cell(repl)} | {cell(r.why)} |")
         out.append("")
     return "\n".join(out)
