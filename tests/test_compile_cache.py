@@ -129,53 +129,33 @@ def test_key_covers_the_modelled_target(monkeypatch):
     assert kernel._target()["threads"] == 97
 
 
-# A one-kernel inference graph compiled in a fresh process (a process that already loaded a kernel would not
-# load it again): prints the result, or fails.
-SMALL = textwrap.dedent("""
-    import torch
-    x = torch.linspace(-2, 2, 8, device="neuron")
-    out = torch.compile(lambda x: (x.sin() * 3 + 1).tanh(), backend="neuron")(x)
-    torch.testing.assert_close(out.cpu(), (x.cpu().sin() * 3 + 1).tanh())
-    print(torch.neuron.get_dynamo_metrics()[0]["cache_hit"])
-""")
-
-
-def run_small(cache_dir) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "TORCHINDUCTOR_"))}
-    env["TORCHNEURON_CACHE_DIR"] = str(cache_dir)
-    return subprocess.Popen([sys.executable, "-c", SMALL], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
 @pytest.mark.slow
-def test_corrupt_compiled_artifacts_are_rebuilt(tmp_path):
+def test_corrupt_compiled_artifacts_are_rebuilt(warm, tmp_path):
     """A truncated compiled kernel used to crash the process (bus error) and random bytes failed every later
     run (ImportError): Inductor's artifacts are verified before they are loaded, and rebuilt. Two damaged
-    copies of one warm cache: (a) the library truncated and the generated Python source overwritten with random
-    bytes, (b) the library overwritten with random bytes."""
+    copies of the warm cache, run at once: (a) the libraries truncated and the generated Python sources
+    overwritten with random bytes, (b) the libraries overwritten with random bytes."""
     import hashlib
     import shutil
 
-    warm = tmp_path / "warm"
-    p = run_small(warm)
-    out, err = p.communicate(timeout=600)
-    assert p.returncode == 0 and out.split() == ["False"], err[-2000:]
     damages = {"a": {"so": "truncate", "py": "random"}, "b": {"so": "random"}}
     procs = {}
     for name, damage in damages.items():
         d = tmp_path / name
-        shutil.copytree(warm, d)
+        shutil.copytree(warm[0], d)
         for ext, how in damage.items():
             files = [f for f in (d / "inductor").rglob(f"*.{ext}") if f.is_file()]
             assert files, sorted(map(str, (d / "inductor").rglob("*")))
             for f in files:
                 data = f.read_bytes()
                 f.write_bytes(data[:len(data) // 3] if how == "truncate" else os.urandom(len(data)))
-        procs[name] = run_small(d)
+        procs[name] = compile_in_subprocess(d)
     for name, p in procs.items():
-        out, err = p.communicate(timeout=600)
+        out, err = p.communicate(timeout=900)
         assert p.returncode == 0, (name, err[-3000:])  # -7 (SIGBUS) or an ImportError before
-        assert out.split() == ["True"] and "corrupt compile artifact" in err, (name, out, err[-2000:])
+        run = json.loads(out.strip().splitlines()[-1])
+        assert run["loss"] == warm[1]["loss"] and run["metrics"][0]["cache_hit"], (name, run)
+        assert "corrupt compile artifact" in err, (name, err[-2000:])
         for so in (tmp_path / name / "inductor").rglob("*.so"):  # rebuilt and recorded: the next run trusts it
             assert (so.parent / f"{so.name}.sha256").read_text() == hashlib.sha256(so.read_bytes()).hexdigest()
             assert so.read_bytes()[:4] == b"\x7fELF"

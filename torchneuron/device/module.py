@@ -157,7 +157,7 @@ def _refuse_sharing_between_processes() -> None:
                 return _raise_unshareable, (
                     f"a neuron {what} was sent from process {os.getpid()} (e.g. a DataLoader worker) to this one: "
                     "neuron memory cannot be shared between processes. Return CPU tensors from DataLoader workers "
-                    "and move the batch to neuron in the main process (as for CUDA)",)
+                    "and move the batch to neuron in the main process (as PyTorch advises for CUDA tensors)",)
             return reduce(obj)
         return reducer
 
