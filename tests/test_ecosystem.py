@@ -385,3 +385,14 @@ def test_module_cpu_after_ddp_gets_new_parameters_with_a_warning(tmp_path):
         print("OK")
     """
     assert "OK" in run_py(code, _env()).stdout
+
+
+def test_a_patch_that_no_longer_fits_warns_instead_of_breaking_the_import():
+    import types
+
+    from torchneuron import integrations
+
+    moved = types.ModuleType("lightning.pytorch.accelerators")  # a release without AcceleratorRegistry
+    moved.Accelerator = object
+    with pytest.warns(RuntimeWarning, match="could not teach lightning.pytorch.accelerators about `neuron`"):
+        integrations._apply(integrations._PATCHES["lightning.pytorch.accelerators"], moved)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import sys
+import warnings
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -32,7 +33,17 @@ class _PatchingLoader:
 
     def exec_module(self, module: ModuleType) -> None:
         self.loader.exec_module(module)
-        self.patch(module)
+        _apply(self.patch, module)
+
+
+def _apply(patch: Any, module: ModuleType) -> None:
+    """A Lightning release whose internals moved must still import: the patch is then skipped, and said."""
+    try:
+        patch(module)
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"torchneuron could not teach {module.__name__} about `neuron` ({type(e).__name__}: {e}); "
+                      "Lightning works as without torchneuron there (docs/ecosystem.md lists the tested versions)",
+                      RuntimeWarning, stacklevel=2)
 
 
 class _Hook:
@@ -63,7 +74,7 @@ def install() -> None:
     sys.meta_path.insert(0, _HOOK)
     for name, patch in _PATCHES.items():
         if name in sys.modules:
-            patch(sys.modules[name])
+            _apply(patch, sys.modules[name])
 
 
 def uninstall() -> None:
