@@ -27,7 +27,7 @@ demo: venv
 	$(VPY) -m torchneuron.demo
 
 test: venv
-	$(VPY) -m ruff check torchneuron tests benchmarks
+	$(VPY) -m ruff check torchneuron torch_neuronx tests benchmarks
 	$(VPY) -m pytest -q -rs $(PYTEST_ARGS)
 
 test-fast: venv
@@ -37,7 +37,7 @@ bench: venv
 	$(VPY) -m benchmarks.run $(BENCH_ARGS)
 
 lint: venv
-	$(VPY) -m ruff check torchneuron tests benchmarks
+	$(VPY) -m ruff check torchneuron torch_neuronx tests benchmarks
 
 clean:
 	rm -rf build *.egg-info torchneuron/*.so $(VENV)
