@@ -43,10 +43,7 @@ ERRORS = [n for n in RUN
           if OPS[n].error_inputs_func is not None and not pytorch_skips_compare_cpu(OPS[n], "test_errors")]
 
 # (check, op) -> why it fails today. Checks: bfloat16, float16, int64, bool, noncontiguous, out, inplace, errors.
-OVERLAP = "out=/in-place onto memory that overlaps an input must raise like the CPU: the fallback's overlap check " \
-          "(csrc/fallback.cpp, being added by another lane)"
 XFAIL: dict[tuple[str, str], str] = {
-    **{("errors", n): OVERLAP for n in ("cat", "gather", "kthvalue", "masked_select", "take")},
     ("errors", "narrow_copy"): "neuron runs the CPU's narrow_copy kernel: RuntimeError and the CPU's messages where "
                                "CUDA's composite raises IndexError / 'length must be non-negative'",
 }

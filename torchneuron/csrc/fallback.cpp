@@ -198,6 +198,11 @@ at::Tensor round_host_value(Call& c, const at::Tensor& t) {
 
 at::Tensor to_host(Call& c, const at::Tensor& t, bool trainium) {
   if (!is_neuron(t)) return trainium && c.fp64 && is_fp64(t) && t.numel() > 0 ? round_host_value(c, t) : t;
+  // The same device tensor passed twice (an input that is also `out=`) is the same CPU tensor twice, as on the
+  // CPU: ATen's overlap checks treat one TensorImpl as full overlap even when it holds no elements.
+  for (auto& [alias, dev] : c.alias_to_tensor.items)
+    if (dev.unsafeGetTensorImpl() == t.unsafeGetTensorImpl())
+      return at::Tensor(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(const_cast<c10::TensorImpl*>(alias)));
   at::Tensor a = c.host(t);
   if (!c.alias_to_device.find(a.storage().unsafeGetStorageImpl()))
     c.alias_to_device.add(a.storage().unsafeGetStorageImpl(), t.storage());
