@@ -736,10 +736,16 @@ def _size_guard(source: bytes | str, text: str) -> tuple[ast.AST | None, tuple[i
         tree = ast.parse(source)
     except (RecursionError, MemoryError):
         return None, (1, f"nested too deeply for Python's own parser (the limit for analysis is {MAX_DEPTH} levels)")
-    except Exception:  # SyntaxError, null bytes, a grammar newer than this Python: let libcst decide, if small
+    except Exception:  # SyntaxError, a grammar newer than this Python: let libcst decide, if it is small and flat
         longest = max(((len(line), i) for i, line in enumerate(text.splitlines(), 1)), default=(0, 1))
         if longest[0] > MAX_LINE:
             return None, (longest[1], f"line of {longest[0]:,} characters (limit {MAX_LINE:,})")
+        depth = deepest = 0
+        for c in text:  # brackets, strings included: an over-estimate only skips a file Python rejects anyway
+            depth += (c in "([{") - (c in ")]}")
+            deepest = max(deepest, depth)
+        if deepest > MAX_DEPTH // 2:
+            return None, (1, f"brackets nested {deepest} deep in a file Python's parser rejects")
         return None, None
     stack, nodes = [(tree, 1)], 0
     while stack:
@@ -748,7 +754,8 @@ def _size_guard(source: bytes | str, text: str) -> tuple[ast.AST | None, tuple[i
         if depth > MAX_DEPTH:
             return tree, (getattr(node, "lineno", 1), f"expression nested over {MAX_DEPTH} levels deep (e.g. a chain "
                           f"of thousands of operators); split it to have it checked")
-        stack.extend((c, depth + 1) for c in ast.iter_child_nodes(node))
+        step = len(node.values) if isinstance(node, ast.BoolOp) else 1  # `a and b and c` nests in libcst
+        stack.extend((c, depth + step) for c in ast.iter_child_nodes(node))
     if nodes > MAX_NODES:
         return tree, (1, f"{nodes:,} syntax-tree nodes (limit {MAX_NODES:,}): generated code?")
     return tree, None
