@@ -364,3 +364,13 @@ def test_tool_errors_have_their_own_exit_code(tmp_path, monkeypatch):
     assert "failed on 1 file" in err.getvalue()
     monkeypatch.setattr(fix, "fix_source", lambda *a, **k: 1 / 0)
     assert fix.run([str(tmp_path)], out=io.StringIO(), err=io.StringIO()) == 3
+
+
+def test_many_files_with_two_jobs_do_not_block(tmp_path):
+    """Workers announce each file on a pipe; more names than the pipe holds must not block the pool."""
+    for i in range(1500):
+        (tmp_path / f"{'long_module_name_' * 4}{i}.py").write_text("x = 1\n")
+    (tmp_path / "a.py").write_text("import torch\ntorch.cuda.synchronize()\n")
+    p = subprocess.run([sys.executable, "-m", "torchneuron.cli", "check", "-j", "2", str(tmp_path)],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1 and "a.py:2:1: NRN040" in p.stdout and "in 1501 files" in p.stdout, p.stderr

@@ -916,22 +916,20 @@ def map_files(fn: Callable[[str], Any], worker_fn: Callable[[str], Any], files: 
     results: dict[str, Any] = {}
     todo = list(files)
     while todo:
-        queue = ctx.SimpleQueue()
+        queue, started = ctx.SimpleQueue(), {}  # pid -> the file that worker started last
         with ProcessPoolExecutor(jobs or None, mp_context=ctx, initializer=_start_worker,
                                  initargs=(queue,)) as pool:
             futures = {pool.submit(worker_fn, p): p for p in todo}
             broken = False
             for fut in as_completed(futures):
+                _drain(queue, started)  # keep the pipe from filling up: a worker would block on it
                 try:
                     results[futures[fut]] = fut.result()
                 except BrokenProcessPool:
                     broken = True
         if not broken:
             break
-        started: dict[int, str] = {}
-        while not queue.empty():
-            pid, p = queue.get()
-            started[pid] = p
+        _drain(queue, started)
         live = {p.pid for p in multiprocessing.active_children()}
         for pid, p in started.items():
             if p not in results and pid not in live:
@@ -941,6 +939,12 @@ def map_files(fn: Callable[[str], Any], worker_fn: Callable[[str], Any], files: 
             results |= {p: crashed(p) for p in rest}
         todo = rest
     return [results[p] for p in files]
+
+
+def _drain(queue: Any, started: dict[int, str]) -> None:
+    while not queue.empty():
+        pid, path = queue.get()
+        started[pid] = path
 
 
 def _crashed(path: str) -> FileResult:
