@@ -1,15 +1,20 @@
 """`torchneuron check`: the rule table, findings on fixtures, suppression, bad input, output formats, flake8."""
+import faulthandler
+import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from torchneuron.migrate import check
+from torchneuron.migrate import check, fix
 from torchneuron.migrate.flake8_plugin import Plugin
 from torchneuron.migrate.rules import BY_CODE, DOC_BEGIN, DOC_END, FIX_KINDS, RULES, TRIGGER, markdown
 
@@ -250,4 +255,122 @@ def test_check_the_installed_torch_package():
           f"(CPU {rep.cpu:.0f}s = {rep.files / rep.cpu:.1f} files/s), {len(rep.findings)} findings, "
           f"{len(rep.notes)} notes")
     assert rep.files > 2000 and len(rep.findings) > 1000
-    assert not [f for f in rep.findings if f.message.startswith("internal error")]
+    assert rep.errors == 0 and not [f for f in rep.findings if "internal error" in f.message]
+
+
+# ---- hostile input: deep and long expressions, malformed files, crashing workers -------------------------------
+
+def _expr(kind: str, n: int) -> str:
+    term = "torch.cuda.memory_allocated()"
+    return {"sum": " + ".join([term] * n), "paren": "(" * n + term + ")" * n, "call": "f(" * n + term + ")" * n,
+            "list": "[" + ", ".join([term] * n) + "]", "attr": term + ".real" * n,
+            "unary": "-" * n + term, "subscript": term + "[0]" * n, "lambda": "lambda: " * n + term,
+            "fstring": 'f"{' * min(n, 2) + term + '}"' * min(n, 2), "and": " and ".join([term] * n)}[kind]
+
+
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(["sum", "paren", "call", "list", "attr", "unary", "subscript", "lambda", "fstring",
+                             "and"]), n=st.integers(1, 12_000))
+def test_fuzz_deep_and_long_expressions(kind, n):
+    """Never a crash, bounded time; a file too deep for libcst is one clear NRN000 finding."""
+    src = f"import torch\nx = {_expr(kind, n)}\n"
+    t0 = time.perf_counter()
+    a = check.analyze(src)
+    res = fix.fix_source(src)
+    assert time.perf_counter() - t0 < 30
+    skipped = [f for f in a.findings if f.code == "NRN000"]
+    assert skipped == [] or (len(a.findings) == 1 and skipped[0].message.startswith("not analysed: ")), a.findings
+    if skipped:
+        assert res.new == res.old
+    else:
+        assert {f.code for f in a.findings} <= {"NRN051"} and fix.grammars(res.new) is not None
+
+
+def test_ten_thousand_terms_with_two_jobs(tmp_path):
+    """The case from the field: one 10,000-term expression crashed libcst and broke the `-j 2` pool."""
+    (tmp_path / "long.py").write_text("import torch\nx = " + " + ".join(["torch.cuda.memory_allocated()"] * 10_000)
+                                      + "\n")
+    (tmp_path / "ok.py").write_text("import torch\ntorch.cuda.synchronize()\n")
+    out, t0 = io.StringIO(), time.perf_counter()
+    assert check.run([str(tmp_path)], jobs=2, out=out, err=io.StringIO()) == 1  # findings, not a tool error
+    assert time.perf_counter() - t0 < 60
+    assert "long.py:1:1: NRN000 [report] not analysed: nested too deeply" in out.getvalue()
+    assert "ok.py:2:1: NRN040" in out.getvalue()
+
+
+MALFORMED = {
+    "binary.py": bytes(range(256)) * 4,
+    "nul.py": b"import torch\ntorch.cuda.synchronize()\x00\n",
+    "truncated_utf8.py": "import torch\ns = 'caf\u00e9'\n".encode()[:-4],
+    "bad_coding.py": b"# -*- coding: no-such-codec -*-\nimport torch\n",
+    "latin1_undeclared.py": b"import torch\ns = '\xe9'\ntorch.cuda.synchronize()\n",
+    "unterminated.py": b"import torch\ns = '''torch.cuda\n",
+    "mixed_indent.py": b"import torch\nif x:\n\ttorch.cuda.synchronize()\n        y = 1\n",
+    "deep_parens.py": b"import torch\nx = " + b"(" * 300 + b"torch.cuda" + b")" * 300 + b"\n",
+    "long_line.py": b"x = [" + b"'cuda', " * 20_000 + b"]\n(\n",
+    "bom_cr.py": b"\xef\xbb\xbfimport torch\rtorch.cuda.synchronize()\r",
+}
+
+
+def test_malformed_corpus(tmp_path):
+    """Each malformed file: no crash, bounded time, an NRN000 finding saying why (or, if Python reads it, the
+    usual findings); `fix` writes none of the broken ones."""
+    for name, data in MALFORMED.items():
+        (tmp_path / name).write_bytes(data)
+    t0 = time.perf_counter()
+    rep = check.check_paths([str(tmp_path)], jobs=2)
+    assert time.perf_counter() - t0 < 60 and rep.errors == 0 and rep.files == len(MALFORMED)
+    by_file = {}
+    for f in rep.findings:
+        by_file.setdefault(Path(f.path).name, []).append(f)
+    for name in MALFORMED:
+        if name == "bom_cr.py":  # valid Python: a BOM and old Mac line endings
+            assert [f.code for f in by_file[name]] == ["NRN040"]
+            continue
+        assert by_file[name][0].code == "NRN000" and by_file[name][0].message, name
+    before = {n: (tmp_path / n).read_bytes() for n in MALFORMED}
+    assert fix.run([str(tmp_path)], write=True, out=io.StringIO(), err=io.StringIO()) in (0, 1)
+    assert all((tmp_path / n).read_bytes() == before[n] for n in MALFORMED if n != "bom_cr.py")
+
+
+def _crashing_worker(path: str) -> check.FileResult:
+    check._STARTED.put((os.getpid(), path))
+    if path.endswith("crash.py"):
+        faulthandler.disable()
+        os.kill(os.getpid(), signal.SIGSEGV)  # what a stack overflow in a native parser does
+    return check.check_file(path)
+
+
+def test_a_crashing_worker_is_a_tool_error_not_a_finding(tmp_path):
+    files = []
+    for i in range(6):
+        (p := tmp_path / f"f{i}.py").write_text("import torch\ntorch.cuda.synchronize()\n")
+        files.append(str(p))
+    (crash := tmp_path / "crash.py").write_text("x = 1\n")
+    files.insert(3, str(crash))
+    results = check.map_files(check.check_file, _crashing_worker, files, 2, check._crashed)
+    assert [r.error for r in results] == [p == str(crash) for p in files]
+    assert "crashed" in results[3].findings[0].message
+    assert all(r.findings[0].code == "NRN040" for i, r in enumerate(results) if i != 3)
+
+
+def test_tool_errors_have_their_own_exit_code(tmp_path, monkeypatch):
+    (tmp_path / "a.py").write_text("import torch\ntorch.cuda.synchronize()\n")
+    assert check.run([str(tmp_path)], out=io.StringIO(), err=io.StringIO()) == 1
+    monkeypatch.setattr(check, "FILE_TIMEOUT", 0.001)
+    monkeypatch.setattr(check, "analyze", lambda *a, **k: time.sleep(1))
+    err = io.StringIO()
+    assert check.run([str(tmp_path)], out=io.StringIO(), err=err) == check.TOOL_ERROR == 3
+    assert "failed on 1 file" in err.getvalue()
+    monkeypatch.setattr(fix, "fix_source", lambda *a, **k: 1 / 0)
+    assert fix.run([str(tmp_path)], out=io.StringIO(), err=io.StringIO()) == 3
+
+
+def test_many_files_with_two_jobs_do_not_block(tmp_path):
+    """Workers announce each file on a pipe; more names than the pipe holds must not block the pool."""
+    for i in range(1500):
+        (tmp_path / f"{'long_module_name_' * 4}{i}.py").write_text("x = 1\n")
+    (tmp_path / "a.py").write_text("import torch\ntorch.cuda.synchronize()\n")
+    p = subprocess.run([sys.executable, "-m", "torchneuron.cli", "check", "-j", "2", str(tmp_path)],
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 1 and "a.py:2:1: NRN040" in p.stdout and "in 1501 files" in p.stdout, p.stderr

@@ -199,3 +199,34 @@ def test_fixed_ddp_runs_on_neuron_without_compat(fixed_scripts, tmp_path):
     out = last_json(run_script(cmd, _env(OMP_NUM_THREADS="1"), fixed_scripts).stdout)
     assert out["backend"] == "neuron" and out["device"] == "neuron:0"
     assert out["losses"] == pytest.approx(common.reference(batch=8, n=8 * common.STEPS), rel=1e-5, abs=1e-5)
+
+
+def test_compile_under_bf16_autocast_and_nvtx_ranges():
+    """A CUDA script that compiles its model (default Inductor backend) and trains under bf16 autocast compiles
+    under compat mode as it does without: PyTorch's own `torch.cuda` queries about the host are not redirected
+    (they ended in "'NeuronDeviceProperties' object has no attribute 'gcnArchName'"). NVTX ranges become profiler
+    ranges, counted in the report."""
+    run_py("""
+        import torch, torch.nn as nn
+        from torchneuron.migrate import compat
+        compat.enable()
+        torch.manual_seed(0)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)).to(device)
+        ref = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+        ref.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+        cmodel = torch.compile(model)
+        x = torch.randn(8, 16, device=device)
+        with torch.profiler.profile() as prof:
+            torch.cuda.nvtx.range_push("step")
+            with torch.cuda.nvtx.range("forward"), torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                out = cmodel(x)
+            torch.cuda.nvtx.range_pop()
+        assert out.device.type == "neuron" and out.dtype == torch.bfloat16, out
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = ref(x.cpu())
+        torch.testing.assert_close(out.float().cpu(), want.float(), atol=2e-2, rtol=2e-2)
+        assert {"step", "forward"} <= {e.name for e in prof.events()}
+        r = compat.redirects()
+        assert {"torch.cuda.nvtx.range_push", "torch.cuda.nvtx.range_pop", "torch.cuda.nvtx.range"} <= set(r), r
+    """, env={"PYTHONWARNINGS": "ignore"}, timeout=600)

@@ -736,10 +736,16 @@ def _size_guard(source: bytes | str, text: str) -> tuple[ast.AST | None, tuple[i
         tree = ast.parse(source)
     except (RecursionError, MemoryError):
         return None, (1, f"nested too deeply for Python's own parser (the limit for analysis is {MAX_DEPTH} levels)")
-    except Exception:  # SyntaxError, null bytes, a grammar newer than this Python: let libcst decide, if small
+    except Exception:  # SyntaxError, a grammar newer than this Python: let libcst decide, if it is small and flat
         longest = max(((len(line), i) for i, line in enumerate(text.splitlines(), 1)), default=(0, 1))
         if longest[0] > MAX_LINE:
             return None, (longest[1], f"line of {longest[0]:,} characters (limit {MAX_LINE:,})")
+        depth = deepest = 0
+        for c in text:  # brackets, strings included: an over-estimate only skips a file Python rejects anyway
+            depth += (c in "([{") - (c in ")]}")
+            deepest = max(deepest, depth)
+        if deepest > MAX_DEPTH // 2:
+            return None, (1, f"brackets nested {deepest} deep in a file Python's parser rejects")
         return None, None
     stack, nodes = [(tree, 1)], 0
     while stack:
@@ -748,7 +754,8 @@ def _size_guard(source: bytes | str, text: str) -> tuple[ast.AST | None, tuple[i
         if depth > MAX_DEPTH:
             return tree, (getattr(node, "lineno", 1), f"expression nested over {MAX_DEPTH} levels deep (e.g. a chain "
                           f"of thousands of operators); split it to have it checked")
-        stack.extend((c, depth + 1) for c in ast.iter_child_nodes(node))
+        step = len(node.values) if isinstance(node, ast.BoolOp) else 1  # `a and b and c` nests in libcst
+        stack.extend((c, depth + step) for c in ast.iter_child_nodes(node))
     if nodes > MAX_NODES:
         return tree, (1, f"{nodes:,} syntax-tree nodes (limit {MAX_NODES:,}): generated code?")
     return tree, None
@@ -909,22 +916,20 @@ def map_files(fn: Callable[[str], Any], worker_fn: Callable[[str], Any], files: 
     results: dict[str, Any] = {}
     todo = list(files)
     while todo:
-        queue = ctx.SimpleQueue()
+        queue, started = ctx.SimpleQueue(), {}  # pid -> the file that worker started last
         with ProcessPoolExecutor(jobs or None, mp_context=ctx, initializer=_start_worker,
                                  initargs=(queue,)) as pool:
             futures = {pool.submit(worker_fn, p): p for p in todo}
             broken = False
             for fut in as_completed(futures):
+                _drain(queue, started)  # keep the pipe from filling up: a worker would block on it
                 try:
                     results[futures[fut]] = fut.result()
                 except BrokenProcessPool:
                     broken = True
         if not broken:
             break
-        started: dict[int, str] = {}
-        while not queue.empty():
-            pid, p = queue.get()
-            started[pid] = p
+        _drain(queue, started)
         live = {p.pid for p in multiprocessing.active_children()}
         for pid, p in started.items():
             if p not in results and pid not in live:
@@ -934,6 +939,12 @@ def map_files(fn: Callable[[str], Any], worker_fn: Callable[[str], Any], files: 
             results |= {p: crashed(p) for p in rest}
         todo = rest
     return [results[p] for p in files]
+
+
+def _drain(queue: Any, started: dict[int, str]) -> None:
+    while not queue.empty():
+        pid, path = queue.get()
+        started[pid] = path
 
 
 def _crashed(path: str) -> FileResult:
