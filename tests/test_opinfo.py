@@ -4,7 +4,8 @@ Under TORCHNEURON_DTYPE_POLICY=host every float32 forward sample and every first
 match the CPU. Random samples (the neuron generator is Philox, the CPU's mt19937) must match the CPU's shapes and
 dtypes and be reproducible bit for bit under the same seed; PyTorch's own test_compare_cpu skips them for GPUs.
 Not run: ops whose output is uninitialised memory, CUDA-only jiterator entries, and as_strided.partial_views (it
-reads storage outside the sample's view, which a CPU copy of the view cannot carry). Sparse-layout entries must raise a clear NotImplementedError.
+reads storage outside the sample's view, which a CPU copy of the view cannot carry). Sparse-layout entries must
+raise a clear NotImplementedError.
 """
 import warnings
 
