@@ -209,15 +209,11 @@ def test_seeding_does_not_import_dynamo():
     assert out.stdout.strip() == "False", out.stderr
 
 
-NEURON_KERNELS_XFAIL = pytest.mark.xfail(
-    strict=True, reason="inside compiled neuron kernels the recomputed draw runs on host aliases, so AOTAutograd's "
-    "run_and_save_rng_state saves the CPU generator: masks agree between forward and backward, not with eager")
-
-
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("neuron", marks=NEURON_KERNELS_XFAIL)])
+@pytest.mark.parametrize("backend", ["aot_eager", "neuron"])
 def test_compiled_checkpoint_recomputes_the_same_dropout(backend):
     """Under torch.compile, AOTAutograd saves the neuron state before a recomputed dropout and replays it in the
-    backward (run_and_save_rng_state / run_with_rng_state know the neuron device): gradients equal eager's."""
+    backward (run_and_save_rng_state / run_with_rng_state know the neuron device; the neuron compiler runs them on
+    the device between kernels): gradients equal eager's."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
