@@ -1,5 +1,6 @@
 """Whole models under `torch.compile(backend="neuron")`: forward outputs, losses, gradients and the parameters
-after SGD steps match eager `neuron` and eager CPU (same seeds, so dropout draws the same masks)."""
+after SGD steps match eager `neuron` (same seeds, so dropout draws the same masks) and eager CPU (models without
+dropout: the neuron generator is counter-based like CUDA's and draws other masks than the CPU's mt19937)."""
 from __future__ import annotations
 
 import copy
@@ -71,7 +72,7 @@ def runs(request, tmp_path_factory):
         metrics = torch.neuron.get_dynamo_metrics()
         torch._dynamo.reset()
     return {"compiled": compiled, "metrics": metrics, "eager": train(model, batch, step_fn, "neuron", False),
-            "cpu": train(model, batch, step_fn, "cpu", False)}
+            "cpu": None if request.param == "gpt" else train(model, batch, step_fn, "cpu", False)}  # GPT: dropout
 
 
 def test_matches_eager_neuron(runs):
@@ -79,6 +80,8 @@ def test_matches_eager_neuron(runs):
 
 
 def test_matches_cpu(runs):
+    if runs["cpu"] is None:
+        pytest.skip("dropout masks: neuron draws Philox numbers, the CPU mt19937 ones (docs/device.md, RNG)")
     torch.testing.assert_close(runs["compiled"], runs["cpu"], **TOL)
 
 

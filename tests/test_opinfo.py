@@ -1,10 +1,11 @@
 """PyTorch's OpInfo database on `neuron` against the CPU, samples made on the device (like test_compare_cpu).
 
 Under TORCHNEURON_DTYPE_POLICY=host every float32 forward sample and every first-sample backward gradient must
-match the CPU. Random ops are included and compared exactly (same engine, same seeds), unlike PyTorch's own
-test_compare_cpu, which skips them for GPUs. Not run: ops whose output is uninitialised memory, CUDA-only
-jiterator entries, and as_strided.partial_views (it reads storage outside the sample's view, which a CPU copy of
-the view cannot carry). Sparse-layout entries must raise a clear NotImplementedError.
+match the CPU. Random samples (the neuron generator is Philox, the CPU's mt19937) must match the CPU's shapes and
+dtypes and be reproducible bit for bit under the same seed; PyTorch's own test_compare_cpu skips them for GPUs.
+Not run: ops whose output is uninitialised memory, CUDA-only jiterator entries, and as_strided.partial_views (it
+reads storage outside the sample's view, which a CPU copy of the view cannot carry). Sparse-layout entries must
+raise a clear NotImplementedError.
 """
 import warnings
 

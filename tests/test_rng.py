@@ -209,12 +209,11 @@ def test_seeding_does_not_import_dynamo():
     assert out.stdout.strip() == "False", out.stderr
 
 
-@pytest.mark.xfail(strict=True, reason="inside compiled kernels the recomputed draw runs on host aliases, so "
-                   "AOTAutograd's run_and_save_rng_state saves the CPU generator: masks are consistent between "
-                   "forward and backward but not eager's (docs/device.md, RNG)")
-def test_compiled_checkpoint_recomputes_the_same_dropout():
+@pytest.mark.parametrize("backend", ["aot_eager", "neuron"])
+def test_compiled_checkpoint_recomputes_the_same_dropout(backend):
     """Under torch.compile, AOTAutograd saves the neuron state before a recomputed dropout and replays it in the
-    backward (run_and_save_rng_state / run_with_rng_state): gradients equal eager checkpointing."""
+    backward (run_and_save_rng_state / run_with_rng_state know the neuron device; the neuron compiler runs them on
+    the device between kernels): gradients equal eager's."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -224,7 +223,7 @@ def test_compiled_checkpoint_recomputes_the_same_dropout():
         return checkpoint(lambda t: nn.functional.dropout(lin(t), 0.5).relu(), x, use_reentrant=False).square().sum()
 
     grads = []
-    for fn in (f, torch.compile(f, backend="neuron")):
+    for fn in (f, torch.compile(f, backend=backend)):
         x = torch.linspace(-1, 1, 16 * 32, device="neuron").view(16, 32).requires_grad_()
         torch.manual_seed(1)
         fn(x).backward()

@@ -140,40 +140,6 @@ class _Specializing:
         return fn(*args)
 
 
-@functools.cache
-def _neuron_rng_hops() -> None:
-    """AOTAutograd's RNG functionalisation (random ops recomputed in the backward, as under activation
-    checkpointing) saves the device RNG state before the forward's draw and replays it for the backward's through
-    two higher-order ops whose device table lists cuda/cpu/hpu/xpu only. Add neuron, as CUDA is handled: its
-    state is the [seed, offset] pair, so replaying it redraws the same numbers."""
-    from torch._C import DispatchKey
-    from torch._higher_order_ops.utils import registered_hop_fake_fns
-    from torch._prims import rng_prims
-
-    def save(op, *args, **kwargs):
-        return torch.neuron.get_rng_state(), op(*args, **kwargs)
-
-    def replay(rng_state, op, *args, **kwargs):
-        current = torch.neuron.get_rng_state()
-        torch.neuron.set_rng_state(rng_state.cpu())
-        try:
-            return op(*args, **kwargs)
-        finally:
-            torch.neuron.set_rng_state(current)
-
-    for hop, ours, skip in ((rng_prims.run_and_save_rng_state, save, 1), (rng_prims.run_with_rng_state, replay, 2)):
-        theirs = hop.py_kernels[DispatchKey.BackendSelect]
-
-        def select(*args, _ours=ours, _theirs=theirs, _skip=skip, **kwargs):
-            on_neuron = rng_prims.get_device(args[_skip:], kwargs) == "neuron"
-            return (_ours if on_neuron else _theirs)(*args, **kwargs)
-
-        hop.py_kernels[DispatchKey.BackendSelect] = select
-        hop._dispatch_cache.clear()
-        if hop is rng_prims.run_and_save_rng_state:  # its fake kernel calls the device table directly
-            registered_hop_fake_fns[hop] = select
-
-
 def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str) -> Any:
     from torch._dynamo.exc import SkipFrame, TensorifyScalarRestartAnalysis, exceptions_allowed_to_be_fallback
     from torch._functorch import config as functorch_config
@@ -181,7 +147,6 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str)
 
     from .passes import decompositions
 
-    _neuron_rng_hops()
     recompiles = metrics.next_compile(name)
     debug_root = setting("TORCHNEURON_DEBUG_DIR").strip()
     session = Session(name, Cache(), Path(debug_root) / f"{name}_{recompiles}" if debug_root else None)

@@ -202,6 +202,12 @@ def _dropout_mask(x: torch.Tensor, p1m: float) -> Callable[[], torch.Tensor]:
     return lambda: torch.empty(shape, dtype=dtype, device=device).bernoulli_(p1m)
 
 
+def _rng_state_hops() -> tuple:
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    return run_and_save_rng_state, run_with_rng_state
+
+
 def lift_rng(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
     """Random draws leave the kernels. Draws that need only shapes (dropout masks, rand, uniform_, ...) are
     made on the device before the kernel runs and enter it as inputs; a draw that reads values computed in the
@@ -209,6 +215,16 @@ def lift_rng(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
     generator in program order, so `torch.manual_seed` reproduces eager results exactly."""
     hoisting = True  # hoist only while every earlier draw was hoisted: keeps the draws in program order
     for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target in _rng_state_hops():
+            # AOTAutograd's RNG functionalisation (a draw recomputed in the backward): save or replay the neuron
+            # generator's state around the draw on the device, between kernels, in program order
+            hoisting = False
+            report.eager_nodes[n.name] = f"{n.target}: a draw run under a saved neuron RNG state"
+            for u in (n, *(u for u in n.users if u.target is operator.getitem)):  # with its tuple's items
+                u.meta["neuron_eager"] = True
+            if "val" not in n.meta and n.target is _rng_state_hops()[1]:  # the backward's replay has none
+                n.meta["val"] = _fake(n.args[1], *n.args[2:])
+            continue
         if n.op != "call_function" or not is_random(n.target):
             continue
         name = base_name(n.target.name())

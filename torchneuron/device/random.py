@@ -80,3 +80,40 @@ def seed_all() -> None:
 @_eager
 def initial_seed() -> int:
     return default_generator(None).initial_seed()
+
+
+def _register_rng_state_ops() -> None:
+    """AOTAutograd's RNG functionalisation (a random op recomputed in the backward, as under activation
+    checkpointing) saves the device RNG state before the forward's draw and replays it for the backward's through
+    two higher-order ops whose device table lists cuda/cpu/hpu/xpu only. Add neuron, handled as CUDA is: its
+    state is the [seed, offset] pair, so replaying it redraws the same numbers. Both modules are loaded by
+    `import torch` already."""
+    from torch._C import DispatchKey
+    from torch._higher_order_ops.utils import registered_hop_fake_fns
+    from torch._prims import rng_prims
+
+    def save(op, *args, **kwargs):
+        return get_rng_state(), op(*args, **kwargs)
+
+    def replay(rng_state, op, *args, **kwargs):
+        current = get_rng_state()
+        set_rng_state(rng_state.cpu())
+        try:
+            return op(*args, **kwargs)
+        finally:
+            set_rng_state(current)
+
+    for hop, ours, skip in ((rng_prims.run_and_save_rng_state, save, 1), (rng_prims.run_with_rng_state, replay, 2)):
+        theirs = hop.py_kernels[DispatchKey.BackendSelect]
+
+        def select(*args, _ours=ours, _theirs=theirs, _skip=skip, **kwargs):
+            on_neuron = rng_prims.get_device(args[_skip:], kwargs) == "neuron"
+            return (_ours if on_neuron else _theirs)(*args, **kwargs)
+
+        hop.py_kernels[DispatchKey.BackendSelect] = select
+        hop._dispatch_cache.clear()
+        if hop is rng_prims.run_and_save_rng_state:  # its fake kernel calls the device table directly
+            registered_hop_fake_fns[hop] = select
+
+
+_register_rng_state_ops()
