@@ -2,8 +2,9 @@
 non-contiguous samples, `out=` and in-place variants against the CPU, and every declared error input raising the
 declared exception type (the one CPU and CUDA raise) with its message.
 
-Bounded for CI time: the first sample of each op per check (SAMPLES), and one dtype other than float32 per op. Run under TORCHNEURON_DTYPE_POLICY=host
-semantics like test_opinfo.py. Known failures are xfailed, with the reason, in XFAIL (one table).
+Bounded for CI time: the first sample of each op per check (SAMPLES), and one dtype other than float32 per op.
+Run under TORCHNEURON_DTYPE_POLICY=host semantics like test_opinfo.py. Known failures are strict xfails, with the
+reason, in XFAIL (one table).
 """
 import warnings
 
