@@ -144,3 +144,21 @@ def test_explicit_kernels_and_copies_are_device_events():
     (copy,) = [e for e in device_events(prof) if e.name == "neuron::copy_"]
     f32 = T((256, 256), "float32")
     assert copy.time_range.elapsed_us() == pytest.approx(modelled_us("copy", [f32], [f32]), abs=2e-3)
+
+
+def test_a_kernel_the_cost_model_cannot_price_keeps_its_event(monkeypatch):
+    import torchneuron.profiler.kineto as kineto
+
+    real = kineto.op_cost
+
+    def flaky(op, *args, **kwargs):
+        if op == "neuron::relu":
+            raise ValueError("no rule")
+        return real(op, *args, **kwargs)
+
+    monkeypatch.setattr(kineto, "op_cost", flaky)
+    x, w = torch.randn(64, 32, device="neuron"), torch.randn(32, 48, device="neuron")
+    with pytest.warns(UserWarning, match="could not price 1 kernel kind"), profile(activities=ACTIVITIES) as prof:
+        step(x, w)
+    times = {e.name: e.time_range.elapsed_us() for e in device_events(prof)}
+    assert times["neuron::relu"] == 0 and times["neuron::mm"] > 0 and times["neuron::sum"] > 0
