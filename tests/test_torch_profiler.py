@@ -131,3 +131,34 @@ def test_compiled_kernels_are_device_events():
     for e in compiled:  # the host op of a kernel is a record_function scope named after it
         host = rows[e.name.removeprefix("neuron::")]
         assert host.device_time_total == pytest.approx(e.time_range.elapsed_us(), abs=2e-3)
+
+
+def test_explicit_kernels_and_copies_are_device_events():
+    img, k = torch.randn(1, 3, 16, 16, device="neuron"), torch.randn(4, 3, 3, 3, device="neuron")
+    host = torch.randn(256, 256)
+    with profile(activities=ACTIVITIES) as prof:
+        torch.nn.functional.conv2d(img, k)
+        host.to("neuron")
+    names = Counter(e.name for e in device_events(prof))
+    assert names["neuron::convolution"] == 1 and names["neuron::copy_"] == 1
+    (copy,) = [e for e in device_events(prof) if e.name == "neuron::copy_"]
+    f32 = T((256, 256), "float32")
+    assert copy.time_range.elapsed_us() == pytest.approx(modelled_us("copy", [f32], [f32]), abs=2e-3)
+
+
+def test_a_kernel_the_cost_model_cannot_price_keeps_its_event(monkeypatch):
+    import torchneuron.profiler.kineto as kineto
+
+    real = kineto.op_cost
+
+    def flaky(op, *args, **kwargs):
+        if op == "neuron::relu":
+            raise ValueError("no rule")
+        return real(op, *args, **kwargs)
+
+    monkeypatch.setattr(kineto, "op_cost", flaky)
+    x, w = torch.randn(64, 32, device="neuron"), torch.randn(32, 48, device="neuron")
+    with pytest.warns(UserWarning, match="could not price 1 kernel kind"), profile(activities=ACTIVITIES) as prof:
+        step(x, w)
+    times = {e.name: e.time_range.elapsed_us() for e in device_events(prof)}
+    assert times["neuron::relu"] == 0 and times["neuron::mm"] > 0 and times["neuron::sum"] > 0

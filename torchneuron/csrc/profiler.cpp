@@ -44,7 +44,7 @@ namespace {
 std::mutex g_mu;
 std::vector<KernelRecord> g_records;
 thread_local std::vector<uint64_t> t_correlation;  // the host ops (and record_function scopes) open on this thread
-py::object* g_coster = nullptr;                     // torchneuron.profiler.kineto.cost (never freed: see module.cpp)
+py::object* g_coster = nullptr;  // torchneuron.profiler.kineto.cost; never freed (it would outlive the interpreter)
 
 using Specs = std::vector<std::pair<std::vector<int64_t>, c10::ScalarType>>;
 
