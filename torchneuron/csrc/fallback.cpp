@@ -8,6 +8,7 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <mutex>
 #include <unordered_map>
@@ -196,8 +197,9 @@ at::Tensor round_host_value(Call& c, const at::Tensor& t) {
   return r;
 }
 
-at::Tensor to_host(Call& c, const at::Tensor& t, bool trainium) {
-  if (!is_neuron(t)) return trainium && c.fp64 && is_fp64(t) && t.numel() > 0 ? round_host_value(c, t) : t;
+// `round_values`: a host fp64 tensor here is a value entering the op (not one it writes, as an `out=` scalar).
+at::Tensor to_host(Call& c, const at::Tensor& t, bool round_values) {
+  if (!is_neuron(t)) return round_values && is_fp64(t) && t.numel() > 0 ? round_host_value(c, t) : t;
   // The same device tensor passed twice (an input that is also `out=`) is the same CPU tensor twice, as on the
   // CPU: ATen's overlap checks treat one TensorImpl as full overlap even when it holds no elements.
   for (auto& [alias, dev] : c.alias_to_tensor.items)
@@ -330,7 +332,8 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   for (size_t i = 0; i < nargs; ++i) {
     for_each_tensor(args[i], [&](const at::Tensor& t) { check_host_operand(c, t, *e); });
-    args[i] = map_tensors(args[i], [&](const at::Tensor& t) { return to_host(c, t, trainium); });
+    bool round_values = trainium && c.fp64 && std::find(e->writes.begin(), e->writes.end(), i) == e->writes.end();
+    args[i] = map_tensors(args[i], [&](const at::Tensor& t) { return to_host(c, t, round_values); });
   }
   if (trainium && c.fp64)
     for (size_t i : e->scalars) round_host_scalar(c, args[i]);
