@@ -114,7 +114,7 @@ def test_invalid_fraction_errors_like_cuda():
         torch.neuron.set_per_process_memory_fraction(1)
     with pytest.raises(ValueError, match="Allowed range: 0~1"):
         torch.neuron.set_per_process_memory_fraction(1.5)
-    with pytest.raises(IndexError):
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
         torch.neuron.set_per_process_memory_fraction(0.5, device=99)
     with pytest.raises(RuntimeError, match="context must be"):
         torch.neuron.memory._record_memory_history(context="bogus")
