@@ -92,6 +92,7 @@ def test_record_stream_with_caching_allocator_meaning():
     """record_stream (pipelines, FSDP): the use on the side stream is recorded; this device's work is complete when
     issued, so once the tensor dies its block is cached and reused at once, and the statistics stay exact."""
     side = torch.neuron.Stream()
+    torch.neuron.empty_cache()  # no block cached by earlier tests: the reuse below can only be x's or y's
     base = torch.neuron.memory_allocated()
     with torch.neuron.stream(side):
         x = torch.empty(1024, device="neuron").fill_(1.0)  # a 4 KiB block of the caching allocator
@@ -101,10 +102,10 @@ def test_record_stream_with_caching_allocator_meaning():
     y.record_stream(side)
     torch.empty(0, device="neuron").record_stream(side)  # no block at all
     assert torch.neuron.memory_allocated() == base + 2 * 4096
-    ptr = x.data_ptr()
+    ptrs = {x.data_ptr(), y.data_ptr()}
     del x, y
     assert torch.neuron.memory_allocated() == base
-    assert torch.empty(1024, device="neuron").data_ptr() == ptr  # reused without waiting
+    assert torch.empty(1024, device="neuron").data_ptr() in ptrs  # reused without waiting
     with pytest.raises(RuntimeError, match="expected a neuron stream"):
         torch.ones(2, device="neuron").record_stream(torch.Stream(device="cpu"))
 
