@@ -6,7 +6,6 @@ Bounded for CI time: the first sample of each op per check (SAMPLES), and one dt
 Run under TORCHNEURON_DTYPE_POLICY=host semantics like test_opinfo.py. Known failures are strict xfails, with the
 reason, in XFAIL (one table).
 """
-import warnings
 
 import pytest
 import torch
@@ -18,9 +17,7 @@ from opinfo_harness import (
     compare_samples,
     pytorch_skips_compare_cpu,
 )
-from test_opinfo import EXCLUDED, SPARSE
-
-import torchneuron
+from test_opinfo import EXCLUDED, SPARSE, host_policy  # noqa: F401  (autouse: the host dtype policy)
 
 SAMPLES = 1
 TOLERANCES = {torch.bfloat16: (1e-2, 1.6e-2), torch.float16: (1e-3, 1e-3), torch.float32: (1e-3, 1e-3),
@@ -73,13 +70,6 @@ def rotated_dtype_cases() -> list:
 DTYPE_CASES = rotated_dtype_cases()
 
 
-@pytest.fixture(autouse=True)
-def host_policy():
-    torchneuron.set_policies("host", "silent")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    torchneuron.set_policies("trainium", "warn")
 
 
 @pytest.mark.parametrize("name,dtype", DTYPE_CASES, ids=lambda v: short(v) if isinstance(v, torch.dtype) else v)
