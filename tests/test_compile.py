@@ -266,7 +266,7 @@ def test_debug_dir_keeps_artifacts(tmp_path, monkeypatch):
 
 def test_bad_fallback_value_is_rejected(monkeypatch):
     monkeypatch.setenv("TORCHNEURON_COMPILE_FALLBACK", "sometimes")
-    with pytest.raises(Exception, match="choose error or eager"):
+    with pytest.raises(Exception, match="TORCHNEURON_COMPILE_FALLBACK='sometimes': choose one of error, eager"):
         torch.compile(lambda x: x + 1, backend=N)(torch.ones(2, device=N))
 
 

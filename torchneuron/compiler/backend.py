@@ -21,11 +21,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..hardware.config import setting
+from ..hardware import config
+from ..hardware.config import COMPILE_FALLBACKS
 from . import metrics
 from .cache import Cache
-
-FALLBACKS = ("error", "eager")
 
 
 class CompileError(RuntimeError):
@@ -45,11 +44,10 @@ class Options:
     @classmethod
     def parse(cls, options: dict | None, mode: str | None) -> Options:
         options = dict(options or {})
-        env = setting("TORCHNEURON_COMPILE_FALLBACK", "error")
-        fallback = str(options.pop("fallback", env)).strip().lower()
-        if fallback not in FALLBACKS:
+        fallback = str(options.pop("fallback", config.current().compile_fallback)).strip().lower()
+        if fallback not in COMPILE_FALLBACKS:
             raise ValueError(f"TORCHNEURON_COMPILE_FALLBACK (or options['fallback']) = {fallback!r}: choose "
-                             f"{' or '.join(FALLBACKS)}")
+                             f"{' or '.join(COMPILE_FALLBACKS)}")
         ignored = tuple(sorted(options.keys() - {"model_name"})) + ((f"mode={mode}",) if mode else ())
         if ignored:
             warnings.warn(f"torch.compile(backend='neuron') ignores {', '.join(ignored)}: the neuron "
@@ -148,8 +146,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str)
     from .passes import decompositions
 
     recompiles = metrics.next_compile(name)
-    debug_root = setting("TORCHNEURON_DEBUG_DIR").strip()
-    session = Session(name, Cache(), Path(debug_root) / f"{name}_{recompiles}" if debug_root else None)
+    debug_root = config.current().debug_dir
+    session = Session(name, Cache(), debug_root / f"{name}_{recompiles}" if debug_root else None)
     session.write("dynamo.fx.txt", gm.print_readable(print_output=False, include_stride=True,
                                                      include_device=True))
     reason = getattr(gm, "compile_subgraph_reason", None)

@@ -27,16 +27,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..hardware.config import setting
+from ..hardware import config
 
 FORMAT = 1
 
 
 def root() -> Path:
-    env = setting("TORCHNEURON_CACHE_DIR").strip()
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchneuron"
+    return config.current().cache_dir
 
 
 def _private_dir(path: Path) -> bool:
@@ -137,20 +134,13 @@ class Cache:
         environment)."""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-        old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-        if not self.enabled or old not in (None, os.path.abspath(default_cache_dir())):
+        user = config.current().inductor_cache_dir
+        if not self.enabled or user not in (None, os.path.abspath(default_cache_dir())):
             with verified_artifacts():
                 yield
             return
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.path / "inductor")
-        try:
-            with verified_artifacts():
-                yield
-        finally:
-            if old is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+        with config.scoped_env("TORCHINDUCTOR_CACHE_DIR", str(self.path / "inductor")), verified_artifacts():
+            yield
 
 
 def _corrupt(path: str, why: str) -> None:

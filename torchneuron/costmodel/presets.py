@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ..hardware.config import default_env
+
 # name -> (config class, config keyword arguments). Llama sizes are those of the published Llama 3.x models.
 _LLAMA = dict(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072,
               tie_word_embeddings=False)
@@ -27,7 +29,7 @@ _MODELS = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM"}
 
 def hf_model(config: Any) -> torch.nn.Module:
     """A causal-LM built from `config` on the meta device: parameters have shapes and dtypes, no storage."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    default_env("HF_HUB_OFFLINE", "1")
     import transformers
 
     cls = getattr(transformers, _MODELS.get(type(config).__name__, "AutoModelForCausalLM"))
@@ -36,7 +38,7 @@ def hf_model(config: Any) -> torch.nn.Module:
 
 
 def config(name: str, **overrides: Any) -> Any:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    default_env("HF_HUB_OFFLINE", "1")
     import transformers
 
     if name not in PRESETS:

@@ -13,28 +13,14 @@ import torch
 from .. import _C
 from ..hardware import config as _config
 
-_CONFIG: _config.Config | None = None  # read from the environment at registration; None if invalid
-_CONFIG_ERROR: str | None = None  # why the configuration is invalid: raised at the first use of the device
 _registered = _initialized = _warned = False  # _initialized: usable (validated), as torch.cuda.is_initialized
 _device_t = torch.device | str | int | None
-
-
-def _loaded_config() -> _config.Config:
-    if _CONFIG is None:
-        raise RuntimeError(_CONFIG_ERROR or "torchneuron is not registered yet: import torchneuron (or torch "
-                           "with autoload on)")
-    return _CONFIG
 
 
 def config() -> _config.Config:
     """The modelled machine and policies this process runs with (read from the environment at registration)."""
     _lazy_init()
-    return _loaded_config()
-
-
-def _set_config(**changes: Any) -> None:
-    global _CONFIG
-    _CONFIG = dataclasses.replace(_loaded_config(), **changes)
+    return _config.current()
 
 
 def register() -> None:
@@ -43,17 +29,14 @@ def register() -> None:
     It never fails on the environment (installing torchneuron must not break `import torch` for CPU work): an
     invalid configuration leaves zero usable devices and its error is raised at the first use of `neuron`
     (`_lazy_init`, as torch.cuda's lazy initialisation); so is a LOCAL_RANK beyond the visible cores."""
-    global _CONFIG, _CONFIG_ERROR, _registered, _initialized
+    global _registered, _initialized
     if _registered:
         return
     from ..runtime import policy
 
-    try:
-        cfg = _config.load()
-    except _config.ConfigError as e:
-        cfg, _CONFIG_ERROR = None, str(e)
-    _C._init([cfg.core_capacity] * cfg.device_count if cfg else [], _CONFIG_ERROR or "")
-    _CONFIG, _registered = cfg, True
+    cfg, error = _config.current_or_none(), _config.error()  # the one read of the environment
+    _C._init([cfg.core_capacity] * cfg.device_count if cfg else [], error or "")
+    _registered = True
     _initialized = cfg is not None and cfg.local_rank_error is None
     policy.install_op_tables()
     if cfg is not None:
@@ -80,7 +63,10 @@ def _lazy_init() -> None:
     registration; otherwise its error, or LOCAL_RANK naming a core this process does not see, is raised here as
     a RuntimeError (as torch.cuda's lazy initialisation raises a driver's failure)."""
     if not _initialized:
-        raise RuntimeError(_loaded_config().local_rank_error)
+        if not _registered:
+            raise RuntimeError("torchneuron is not registered yet: import torchneuron (or torch with autoload on)")
+        cfg = _config.current_or_none()
+        raise RuntimeError(cfg.local_rank_error if cfg else _config.error())
 
 
 def _keep_parameters_on_conversion() -> None:
@@ -207,15 +193,16 @@ def _is_in_bad_fork() -> bool:
 
 def _count() -> int:
     """The number of usable devices, without initialising or warning (for PyTorch's own calls, e.g. seeding)."""
-    return 0 if _CONFIG is None else _CONFIG.device_count
+    cfg = _config.current_or_none() if _registered else None
+    return cfg.device_count if cfg else 0
 
 
 def _warn_if_unusable() -> None:
     """One warning naming the configuration's error, as torch.cuda's "CUDA initialization: ..." warning."""
     global _warned
-    if _CONFIG is None and _CONFIG_ERROR and not _warned:
+    if _registered and _config.error() and not _warned:
         _warned = True
-        warnings.warn(f"neuron initialization: {_CONFIG_ERROR}", stacklevel=3)
+        warnings.warn(f"neuron initialization: {_config.error()}", stacklevel=3)
 
 
 def device_count() -> int:

@@ -9,7 +9,6 @@ that died or hangs fails that exchange (or the transfer) within the group's time
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -21,6 +20,7 @@ import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
 from .. import _C
+from ..hardware import config
 
 ReduceOp = dist.ReduceOp
 RedOpType = dist.ReduceOp.RedOpType
@@ -57,7 +57,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 def checks_enabled() -> bool:
     """TORCHNEURON_DIST_CHECKS=0 skips the per-collective agreement check (one small allgather)."""
-    return os.environ.get("TORCHNEURON_DIST_CHECKS", "1") != "0"
+    return config.current().dist_checks
 
 
 def _reduction(op: ReduceOp, size: int) -> tuple[ReduceOp, Any, int | None]:

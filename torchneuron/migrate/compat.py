@@ -31,6 +31,8 @@ import torch
 import typing_extensions
 from torch.overrides import TorchFunctionMode, resolve_name
 
+from ..hardware import config
+
 _COUNTS: Counter[tuple[str, str]] = Counter()  # (api, "file:line" of the user frame) -> calls
 _QUIET = threading.local()  # inside one counted call (e.g. Module.cuda), its per-tensor redirects are not counted
 _INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["torchneuron"]))
@@ -414,10 +416,11 @@ def enable() -> None:
 def maybe_enable_from_env() -> None:
     """Autoload hook: TORCHNEURON_CUDA_COMPAT=1 enables the mode; TORCHNEURON_PORTING_REPORT=path.json|path.md|-
     writes the porting report at exit."""
-    if _enabled or os.environ.get("TORCHNEURON_CUDA_COMPAT", "").lower() not in ("1", "true", "yes", "on"):
+    cfg = config.current_or_none()  # an invalid configuration (None) is raised at the first use of the device
+    if _enabled or cfg is None or not cfg.cuda_compat:
         return
     enable()
-    dest = os.environ.get("TORCHNEURON_PORTING_REPORT")
+    dest = cfg.porting_report
     if dest:
         from . import report
         atexit.register(report.write, dest)

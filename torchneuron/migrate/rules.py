@@ -153,7 +153,7 @@ RULES: list[Rule] = [
   R("NRN018", "device", ("<str>",), "`CUDA_VISIBLE_DEVICES` selects CUDA devices",
     "use the backend's own visibility variable (neuron: `NEURON_RT_VISIBLE_CORES`) or launcher flags", "report",
     "a process environment contract with the CUDA driver; no PyTorch API replaces it",
-    'os.environ["CUDA_VISIBLE_DEVICES"] = "0"', value="CUDA_VISIBLE_DEVICES"),
+    'os.putenv("CUDA_VISIBLE_DEVICES", "0")', value="CUDA_VISIBLE_DEVICES"),
 
   R("NRN019", "device", ("<assigned str>",), "a CUDA device string assigned to a variable",
     "device.type", "auto",
@@ -220,7 +220,7 @@ RULES: list[Rule] = [
   R("NRN035", "backend", ("<str>",), "CUDA/NCCL environment knob",
     "use the target backend's equivalent (e.g. `PYTORCH_ALLOC_CONF` for the allocator)", "report",
     "environment contracts with NVIDIA libraries; no PyTorch API replaces them",
-    'os.environ["CUDA_LAUNCH_BLOCKING"] = "1"',
+    'os.putenv("CUDA_LAUNCH_BLOCKING", "1")',
     value=r"CUDA_LAUNCH_BLOCKING|CUDA_DEVICE_ORDER|PYTORCH_CUDA_ALLOC_CONF|CUBLAS_WORKSPACE_CONFIG|"
           r"(TORCH_)?NCCL_\w+"),
 

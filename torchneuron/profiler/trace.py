@@ -68,9 +68,9 @@ def kernel_cost(graph: torch.fx.GraphModule | None, t: Target) -> OpCost:
 
 def _default_target() -> Target:
     """The chip the device models (TORCHNEURON_INSTANCE, NEURON_LOGICAL_NC_CONFIG)."""
-    from ..hardware.config import load
+    from ..hardware import config
 
-    cfg = load()
+    cfg = config.current()
     return target(cfg.instance.chip, cfg.lnc)
 
 
