@@ -17,9 +17,9 @@ def _autoload() -> None:
 
 import torch  # noqa: E402,F401  (loads libtorch before the C++ core links against it)
 
+from ._version import __version__  # noqa: E402,F401  (torchneuron.__version__)
 from .hardware import aws as _aws  # noqa: E402
 
-__version__ = "0.1.0"
 __all__ = ["clear_op_tracking", "get_dtype_events", "get_executed_ops", "get_fallback_ops", "set_policies",
            "estimate", "profiler"]
 

@@ -156,12 +156,12 @@ def _estimate(a: argparse.Namespace) -> int:
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
-    from .costmodel.cli import add_profile_arguments
+    from .profiler.cli import add_profile_arguments
     add_profile_arguments(p)
 
 
 def _profile(a: argparse.Namespace) -> int:
-    from .costmodel.cli import run_profile
+    from .profiler.cli import run_profile
     return run_profile(a)
 
 

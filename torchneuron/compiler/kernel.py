@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,8 @@ import torch
 import torch.fx as fx
 
 from .. import _C
+from .._version import __version__
+from ..runtime.tracking import KERNEL_OBSERVERS
 from .cache import Cache, digest
 
 CPU = torch.device("cpu")
@@ -79,12 +80,10 @@ def _target() -> dict:
     from torch._inductor import config as inductor_config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    import torchneuron
-
     cfg = torch.neuron.config()
     return {"instance": cfg.instance.name, "chip": cfg.chip.name, "lnc": cfg.lnc,
             "dtype_policy": cfg.dtype_policy,
-            "torch": torch.__version__, "torchneuron": torchneuron.__version__, "abi": ABI,
+            "torch": torch.__version__, "torchneuron": __version__, "abi": ABI,
             "threads": torch.get_num_threads(), "isa": str(pick_vec_isa()),
             "inductor": digest(inductor_config.save_config_portable())}
 
@@ -102,8 +101,8 @@ class Kernel:
         self._boxed_call = True
 
     def __call__(self, args: list) -> list:
-        if OBSERVERS:  # torchneuron.profiler.profile(ops=False)
-            return OBSERVERS[-1](self, args)
+        if KERNEL_OBSERVERS:  # torchneuron.profiler.profile(ops=False)
+            return KERNEL_OBSERVERS[-1](self, args)
         if _C._tracing_device():  # torch.profiler with ProfilerActivity.PrivateUse1
             from ..profiler.kineto import record_kernel
 
@@ -114,10 +113,6 @@ class Kernel:
         inputs = [args[i] for i in self.device_inputs]  # keeps the memory behind the host views alive
         _C._host_args(args, self.device_inputs)
         return _C._device_results(self.call(args), self.outputs, inputs)
-
-
-# Calls that run a kernel in place of Kernel.run (fn(kernel, args) -> results): the profiler's hook.
-OBSERVERS: list[Callable[[Kernel, list], list]] = []
 
 
 @dataclass

@@ -10,6 +10,8 @@ from __future__ import annotations
 import copy
 import threading
 
+from ..device import module
+
 _LOCK = threading.Lock()
 _ROWS: list[dict] = []
 _COMPILES: dict[str, int] = {}  # graph name -> compiles since the last reset
@@ -37,3 +39,6 @@ def reset() -> None:
     with _LOCK:
         _ROWS.clear()
         _COMPILES.clear()
+
+
+module.set_dynamo_metrics_source(get, reset)  # torch.neuron.get_dynamo_metrics / reset_dynamo_metrics

@@ -1,12 +1,10 @@
-"""`torchneuron estimate` and `torchneuron profile`: argument definitions and runners that torchneuron.cli
-plugs in as subcommands, plus the demo's closing comparison."""
+"""`torchneuron estimate`: argument definitions and a runner that torchneuron.cli plugs in as a subcommand, the
+argparse types `torchneuron profile` shares (profiler/cli.py), and the demo's closing comparison."""
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import runpy
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -108,7 +106,7 @@ def _ops_table(r: EstimateResult, n: int) -> str:
 def run_estimate(a: argparse.Namespace) -> int:
     from . import presets, report
 
-    check_estimate_arguments(a, a.parser.error if "parser" in a else _raise)
+    check_estimate_arguments(a, a.parser.error if "parser" in a else usage_error)
     model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype])
     tokens = a.global_batch * (a.seq if a.mode == "train" else 1) if a.global_batch else None
     r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
@@ -127,50 +125,8 @@ def run_estimate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _raise(message: str) -> None:
+def usage_error(message: str) -> None:
     raise ValueError(message)
-
-
-def _device_type(text: str) -> str:
-    """An argparse type: 'all' or a device type PyTorch knows (cpu, neuron, meta, ...)."""
-    if text != "all":
-        try:
-            torch.device(text)
-        except RuntimeError:
-            raise argparse.ArgumentTypeError(f"expected 'all' or a device type such as neuron or cpu, got "
-                                             f"{text!r}") from None
-    return text
-
-
-def add_profile_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("script", help="a Python script to run under the profiler")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p.add_argument("--device", type=_device_type, default="neuron",
-                   help="record ops on this device type ('all': every device)")
-    p.add_argument("--target", choices=sorted(CHIPS), help="chip to model (default: the configured one)")
-    p.add_argument("--trace", default="torchneuron_trace.json", help="Chrome / Perfetto trace to write")
-    p.add_argument("--top", type=at_least(0), default=20, help="ops in the summary table (>= 0)")
-
-
-def run_profile(a: argparse.Namespace) -> int:
-    from ..profiler import profile
-
-    error = a.parser.error if "parser" in a else _raise
-    if not os.path.isfile(a.script):
-        error(f"no such script: {a.script}")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(a.trace))):
-        error(f"--trace {a.trace!r}: its directory does not exist")
-
-    argv = sys.argv
-    sys.argv = [a.script, *a.args]
-    try:
-        with profile(device=None if a.device == "all" else a.device, target=a.target) as prof:
-            runpy.run_path(a.script, run_name="__main__")
-    finally:
-        sys.argv = argv
-    print(prof.summary(a.top))
-    print(f"wrote {prof.export_chrome_trace(a.trace)} (open in https://ui.perfetto.dev)")
-    return 0
 
 
 def demo_estimate_text(model: torch.nn.Module, example_inputs: Any) -> str:

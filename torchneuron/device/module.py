@@ -6,6 +6,7 @@ import functools
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -335,14 +336,21 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
     return True
 
 
+# The compiler's per-graph metrics: torchneuron.compiler.metrics registers its readers when it loads (at the first
+# compile); until then nothing has compiled. The device layer does not import the compiler.
+_metrics_get: Callable[[], list[dict]] = list
+_metrics_reset: Callable[[], None] = lambda: None
+
+
+def set_dynamo_metrics_source(get: Callable[[], list[dict]], reset: Callable[[], None]) -> None:
+    global _metrics_get, _metrics_reset
+    _metrics_get, _metrics_reset = get, reset
+
+
 def get_dynamo_metrics() -> list[dict]:
     """Per-graph compile metrics of `torch.compile(backend="neuron")` (AWS TorchNeuron's name)."""
-    from ..compiler import metrics
-
-    return metrics.get()
+    return _metrics_get()
 
 
 def reset_dynamo_metrics() -> None:
-    from ..compiler import metrics
-
-    metrics.reset()
+    _metrics_reset()

@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-import torchneuron
-
+from ..runtime.tracking import get_dtype_events, get_executed_ops, get_fallback_ops
 from . import compat
 
 
@@ -20,9 +19,9 @@ def collect() -> dict[str, Any]:
     return {
         "compat_enabled": compat.is_enabled(),
         "redirects": compat.redirects(),
-        "executed_ops": torchneuron.get_executed_ops(),
-        "fallback_ops": torchneuron.get_fallback_ops(),
-        "dtype_events": torchneuron.get_dtype_events(),
+        "executed_ops": get_executed_ops(),
+        "fallback_ops": get_fallback_ops(),
+        "dtype_events": get_dtype_events(),
         "memory": {f"neuron:{i}": {"max_allocated": torch.neuron.max_memory_allocated(i),
                                    "max_reserved": torch.neuron.max_memory_reserved(i)}
                    for i in range(torch.neuron.device_count())},

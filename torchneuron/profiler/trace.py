@@ -6,7 +6,7 @@ The modelled device runs work in order on one queue per device: an op starts whe
 the previous one has finished, and occupies the engine the cost model assigns it (one trace row per engine).
 Eager ops are seen through a TorchDispatchMode. While such a mode is active Dynamo runs compiled functions
 eagerly (op by op), so to see torch.compile kernels instead profile with `ops=False`: the compiler then runs
-each kernel through this profiler's hook (compiler.kernel.OBSERVERS), which records it as one event costed
+each kernel through this profiler's hook (runtime.tracking.KERNEL_OBSERVERS), which records it as one event costed
 from its FX graph. torch.profiler with ProfilerActivity.PrivateUse1 sees both eager and compiled kernels
 (profiler.kineto).
 """
@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..costmodel.ops import OpCost, T, Target, op_cost, target
 from ..costmodel.trace import fx_trace
 from ..runtime.native_ops import base_name
+from ..runtime.tracking import KERNEL_OBSERVERS
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma", "collective", "none")
 
@@ -125,8 +126,6 @@ class profile:
         self._unwrap()
 
     def _wrap_compiled_kernels(self):
-        from ..compiler.kernel import OBSERVERS
-
         def profiled(kernel, args: list) -> list:
             ins = [args[i] for i in kernel.device_inputs]  # the call consumes `args`
             start = time.perf_counter_ns()
@@ -135,8 +134,8 @@ class profile:
             self._add("neuron::compiled_kernel", ins, out, start, host, lambda: kernel_cost(kernel.graph, self.target))
             return out
 
-        OBSERVERS.append(profiled)
-        return lambda: OBSERVERS.remove(profiled)
+        KERNEL_OBSERVERS.append(profiled)
+        return lambda: KERNEL_OBSERVERS.remove(profiled)
 
     def _record(self, func, args, kwargs, out, start: int, host: int) -> None:
         ins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]

@@ -5,7 +5,14 @@ Names mirror AWS TorchNeuron's `torch_neuronx.get_executed_ops()` / `get_fallbac
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from .. import _C
+
+# Calls that run a compiled kernel in place of its own run (fn(kernel, args) -> results), newest last: the hook
+# through which torchneuron.profiler observes the compiler's kernels (compiler.kernel.Kernel calls them).
+KERNEL_OBSERVERS: list[Callable[[Any, list], list]] = []
 
 
 def get_executed_ops() -> dict[str, int]:
