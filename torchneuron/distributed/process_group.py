@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,61 @@ OPS = ("barrier", "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "
        "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all", "all_to_all_single",
        "gather", "scatter")
 _DTYPES = tuple(dict.fromkeys(d for d in vars(torch).values() if isinstance(d, torch.dtype)))
-# A fingerprint: seq, op, root, reduce op, dtype, tensor count, elements, hash of every (shape, dtype), ndim;
-# the first tensor's dims (for messages); the elements sent to and received from each peer (all-to-all).
-_MAX_DIMS = 6
-_SAME = 9 + _MAX_DIMS  # the leading fields that every rank must have equal
+_MAX_DIMS = 6  # dims of the first tensor a fingerprint carries (for messages)
+
+
+class Fingerprint(NamedTuple):
+    """What one rank is about to run, exchanged (as one int64 row) before each collective: every rank must have
+    the same call fields, and what each sends to a peer must be what that peer receives (all-to-all)."""
+
+    seq: int
+    op: int  # index into OPS
+    root: int  # -1: no root
+    redop: int  # RedOpType value, -1: no reduction
+    dtype: int  # index into _DTYPES of the first tensor, -1: no tensors
+    count: int  # tensors
+    numel: int  # elements in all
+    shapes: int  # hash of every (shape, dtype)
+    ndim: int  # of the first tensor
+    dims: tuple[int, ...]  # the first tensor's first _MAX_DIMS dims, padded with -1
+    send: tuple[int, ...]  # elements sent to each rank (all-to-all), else -1 per rank
+    recv: tuple[int, ...]  # elements received from each rank (all-to-all), else -1 per rank
+
+    def row(self) -> list[int]:
+        return [*self[:9], *self.dims, *self.send, *self.recv]
+
+    @classmethod
+    def from_row(cls, row: list[int], n: int) -> Fingerprint:
+        return cls(*row[:9], tuple(row[9:9 + _MAX_DIMS]), tuple(row[9 + _MAX_DIMS:9 + _MAX_DIMS + n]),
+                   tuple(row[9 + _MAX_DIMS + n:]))
+
+    def same_call(self, other: Fingerprint) -> bool:
+        return self[:10] == other[:10]  # everything but the per-peer counts
+
+    def describe(self) -> str:
+        """This rank's fingerprint in words, for the mismatch error."""
+        parts = [f"{OPS[self.op]} (collective #{self.seq})"]
+        if self.root >= 0:
+            parts.append(f"root {self.root}")
+        if self.redop >= 0:
+            parts.append(f"op {RedOpType(self.redop).name}")
+        if self.count:
+            shape = [*self.dims[:min(self.ndim, _MAX_DIMS)], *(["..."] if self.ndim > _MAX_DIMS else [])]
+            parts.append(f"{self.count} tensor(s), first {str(_DTYPES[self.dtype]).removeprefix('torch.')}"
+                         f"[{', '.join(map(str, shape))}], {self.numel} elements in all")
+        if self.send and self.send[0] >= 0:
+            parts.append(f"sends {list(self.send)} elements to ranks 0..{len(self.send) - 1}, "
+                         f"receives {list(self.recv)}")
+        return ", ".join(parts)
+
+
+class Reduction(NamedTuple):
+    """How gloo runs a reduce op: gloo has no AVG or PREMUL_SUM, so SUM, scaling the inputs or dividing the
+    outputs."""
+
+    op: ReduceOp
+    scale: Any  # PREMUL_SUM's factor (multiplies the inputs), else None
+    divisor: int | None  # AVG's world size (divides the outputs), else None
 
 
 def host_view(t: torch.Tensor) -> torch.Tensor:
@@ -60,14 +111,13 @@ def checks_enabled() -> bool:
     return config.current().dist_checks
 
 
-def _reduction(op: ReduceOp, size: int) -> tuple[ReduceOp, Any, int | None]:
-    """gloo has no AVG or PREMUL_SUM: run SUM, scaling the inputs by the factor or dividing the outputs."""
+def _reduction(op: ReduceOp, size: int) -> Reduction:
     kind = op.op
     if kind == RedOpType.AVG:
-        return ReduceOp.SUM, None, size
+        return Reduction(ReduceOp.SUM, None, size)
     if kind == RedOpType.PREMUL_SUM:
-        return ReduceOp.SUM, op.factor, None
-    return ReduceOp(kind), None, None
+        return Reduction(ReduceOp.SUM, op.factor, None)
+    return Reduction(ReduceOp(kind), None, None)
 
 
 def _divide(tensors: Tensors, n: int) -> None:
@@ -233,21 +283,22 @@ class ProcessGroupNeuron(dist.ProcessGroup):
             return
         n = self.size()
         sig = [(tuple(t.shape), _DTYPES.index(t.dtype)) for t in signature]
-        dims = list(sig[0][0]) if sig else []
-        redop_code, dtype_code = -1 if redop is None else int(redop.op), sig[0][1] if sig else -1
-        fp = [self._seq, OPS.index(name), root, redop_code, dtype_code, len(sig),
-              sum(t.numel() for t in signature), hash(tuple(sig)), len(dims),
-              *(dims + [-1] * _MAX_DIMS)[:_MAX_DIMS], *(send or [-1] * n), *(recv or [-1] * n)]
-        gathered = torch.empty(n * len(fp), dtype=torch.int64)
+        dims = sig[0][0] if sig else ()
+        fp = Fingerprint(self._seq, OPS.index(name), root, -1 if redop is None else int(redop.op),
+                         sig[0][1] if sig else -1, len(sig), sum(t.numel() for t in signature), hash(tuple(sig)),
+                         len(dims), (*dims, *[-1] * _MAX_DIMS)[:_MAX_DIMS], tuple(send or [-1] * n),
+                         tuple(recv or [-1] * n))
+        row = fp.row()
+        gathered = torch.empty(n * len(row), dtype=torch.int64)
         try:
-            self._gloo._allgather_base(gathered, torch.tensor(fp)).wait()
+            self._gloo._allgather_base(gathered, torch.tensor(row)).wait()
         except Exception as e:
             raise self._failure(name, e) from e
-        rows = gathered.view(n, -1).tolist()
-        if all(r[:_SAME] == rows[0][:_SAME] for r in rows) and all(
-                rows[i][_SAME + j] == rows[j][_SAME + n + i] for i in range(n) for j in range(n)):
+        fps = [Fingerprint.from_row(r, n) for r in gathered.view(n, -1).tolist()]
+        if all(f.same_call(fps[0]) for f in fps) and all(
+                fps[i].send[j] == fps[j].recv[i] for i in range(n) for j in range(n)):
             return
-        per_rank = "\n".join(f"  rank {r}: {_describe(row, n)}" for r, row in enumerate(rows))
+        per_rank = "\n".join(f"  rank {r}: {f.describe()}" for r, f in enumerate(fps))
         raise RuntimeError(f"neuron: ranks disagree on collective #{self._seq} ({name} on this rank), "
                            f"{self._where()}:\n{per_rank}")
 
@@ -273,13 +324,13 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def _reduce_like(self, name: str, tensors: Tensors, opts: Any, call: Callable[[list, Any], Any],
                      root: int = -1) -> Work:
-        op, scale, divisor = _reduction(opts.reduceOp, self.size())
+        red = _reduction(opts.reduceOp, self.size())
         self._agree(name, tensors, root, opts.reduceOp)
-        if scale is not None:
+        if red.scale is not None:
             for t in tensors:
-                t.mul_(scale)
-        opts.reduceOp = op
-        finish = functools.partial(_finish_reduction, name, tensors, divisor)
+                t.mul_(red.scale)
+        opts.reduceOp = red.op
+        finish = functools.partial(_finish_reduction, name, tensors, red.divisor)
         return self._run(name, lambda: call(_views(tensors), opts), list(tensors), finish)
 
     def allreduce(self, tensors: Tensors, opts: Any = None) -> Work:
@@ -327,12 +378,12 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def _reduce_scatter(self, name: str, outputs: Tensors, inputs: Sequence[Tensors], opts: Any) -> Work:
         """gloo's reduce_scatter on lists; the tensor forms view their flat input as per-rank chunks."""
-        op, scale, divisor = _reduction(opts.reduceOp, self.size())
+        red = _reduction(opts.reduceOp, self.size())
         self._agree(name, outputs, -1, opts.reduceOp)
-        if scale is not None:  # never scale the caller's input in place
-            inputs = [[i * scale for i in chunks] for chunks in inputs]
-        opts.reduceOp = op
-        finish = functools.partial(_finish_reduction, name, outputs, divisor)
+        if red.scale is not None:  # never scale the caller's input in place
+            inputs = [[i * red.scale for i in chunks] for chunks in inputs]
+        opts.reduceOp = red.op
+        finish = functools.partial(_finish_reduction, name, outputs, red.divisor)
         return self._run(name, lambda: [self._gloo.reduce_scatter([host_view(o)], [_views(chunks)], opts)
                                         for o, chunks in zip(outputs, inputs)], list(outputs), finish, inputs)
 
@@ -418,20 +469,3 @@ class ProcessGroupNeuron(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
     alltoall_base = all_to_all_single
 
-
-def _describe(row: list[int], n: int) -> str:
-    """One rank's fingerprint in words, for the mismatch error."""
-    seq, op, root, redop, dtype, count, numel, _, ndim = row[:9]
-    parts = [f"{OPS[op]} (collective #{seq})"]
-    if root >= 0:
-        parts.append(f"root {root}")
-    if redop >= 0:
-        parts.append(f"op {RedOpType(redop).name}")
-    if count:
-        shape = row[9:9 + min(ndim, _MAX_DIMS)] + (["..."] if ndim > _MAX_DIMS else [])
-        parts.append(f"{count} tensor(s), first {str(_DTYPES[dtype]).removeprefix('torch.')}"
-                     f"[{', '.join(map(str, shape))}], {numel} elements in all")
-    if row[_SAME] >= 0:
-        parts.append(f"sends {row[_SAME:_SAME + n]} elements to ranks 0..{n - 1}, "
-                     f"receives {row[_SAME + n:_SAME + 2 * n]}")
-    return ", ".join(parts)
