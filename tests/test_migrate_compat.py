@@ -169,6 +169,25 @@ def test_redirect_depth_isinstance_and_compile():
     """, env={"PYTHONWARNINGS": "ignore"})
 
 
+def test_module_to_cuda_keeps_parameters():
+    """module.to("cuda") converts in place, as module.to("neuron") does: the Parameter objects (and so weight ties
+    and an optimizer built before the move) are kept, and the call is counted once."""
+    run_py("""
+        import torch
+        from torchneuron.migrate import compat
+        compat.enable()
+        m = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False))
+        m[1].weight = m[0].weight
+        w, opt = m[0].weight, torch.optim.SGD(m.parameters(), lr=0.1)
+        for dev in ("cuda", torch.device("cuda", 0)):
+            assert m.to(dev) is m and m[0].weight is w is m[1].weight and w.device == torch.device("neuron", 0)
+        m(torch.tensor([1, 2], device="cuda")).sum().backward()
+        opt.step()
+        assert opt.param_groups[0]["params"][0] is w and w.grad.device.type == "neuron"
+        assert sum(compat.redirects()["Module.to(cuda)"].values()) == 2, compat.redirects()
+    """, env={"PYTHONWARNINGS": "ignore"})
+
+
 @pytest.fixture(scope="module")
 def fixed_scripts(tmp_path_factory) -> Path:
     """The fixture scripts after `torchneuron fix --write`."""

@@ -106,6 +106,7 @@ def _info(a: argparse.Namespace) -> int:
 
     from .device.module import config
     from .integrations import found
+    from .runtime import patches
 
     try:
         cfg = config()
@@ -121,6 +122,8 @@ def _info(a: argparse.Namespace) -> int:
         "dtype_policy": cfg.dtype_policy, "fallback_policy": cfg.fallback_policy,
         "hbm_per_chip_bytes": cfg.chip.hbm_bytes, "supported_dtypes": list(cfg.chip.dtypes),
         "integrations": [dataclasses.asdict(i) for i in integrations],
+        "patches": [{"name": p.name, "target": p.target, "why": p.why, "when": p.when, "undo": not p.no_undo}
+                    for p in patches.active()],
     }
     if a.json:
         print(json.dumps(facts, indent=1))
@@ -142,6 +145,9 @@ def _info(a: argparse.Namespace) -> int:
     for i in integrations:
         print(f"  {i.library:<18} {i.version or 'not installed'}: "
               f"{'sees neuron' if i.sees_neuron else 'does NOT see neuron'} ({i.how})")
+    print(f"  patches        {len(facts['patches'])} active (torchneuron.runtime.patches):")
+    for p in patches.active():
+        print(f"    {p.name:<36} {p.target}")
     return 0
 
 
