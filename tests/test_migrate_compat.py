@@ -34,7 +34,7 @@ def _env(**extra: str) -> dict[str, str]:
 def autoload_shim(tmp_path_factory) -> str:
     """A sitecustomize calling the autoload hook, until torchneuron/__init__.py calls it (.notes/requests.md)."""
     d = tmp_path_factory.mktemp("shim")
-    (d / "sitecustomize.py").write_text("import torchneuron.migrate.compat as c\nc.maybe_enable_from_env()\n")
+    (d / "sitecustomize.py").write_text("import torchneuron.integrations.cuda_compat as c\nc.maybe_enable_from_env()\n")
     return str(d)
 
 
@@ -115,7 +115,7 @@ def test_redirect_depth_isinstance_and_compile():
         import io, torch
         from torch.cuda.amp import GradScaler  # imported before enable(): still covered
         from torch.cuda import Event as EarlyEvent
-        from torchneuron.migrate import compat
+        from torchneuron.integrations import cuda_compat as compat
         compat.enable(); compat.enable()  # idempotent
         s, e, early = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True), EarlyEvent()
         assert isinstance(s, torch.cuda.Stream) and isinstance(e, torch.cuda.Event) and isinstance(early, EarlyEvent)
@@ -174,7 +174,7 @@ def test_module_to_cuda_keeps_parameters():
     and an optimizer built before the move) are kept, and the call is counted once."""
     run_py("""
         import torch
-        from torchneuron.migrate import compat
+        from torchneuron.integrations import cuda_compat as compat
         compat.enable()
         m = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False))
         m[1].weight = m[0].weight
@@ -227,7 +227,7 @@ def test_compile_under_bf16_autocast_and_nvtx_ranges():
     ranges, counted in the report."""
     run_py("""
         import torch, torch.nn as nn
-        from torchneuron.migrate import compat
+        from torchneuron.integrations import cuda_compat as compat
         compat.enable()
         torch.manual_seed(0)
         device = "cuda" if torch.cuda.is_available() else "cpu"

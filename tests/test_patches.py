@@ -18,7 +18,7 @@ REGISTRY_FILE = ROOT / "torchneuron" / "runtime" / "patches.py"
 
 
 def _all_declared() -> dict[str, patches.Patch]:
-    import torchneuron.migrate.compat  # noqa: F401  (declares the compat-mode patches without applying them)
+    import torchneuron.integrations.cuda_compat  # noqa: F401  (declares the compat-mode patches without applying them)
 
     return patches.REGISTRY
 
@@ -94,7 +94,7 @@ def test_compat_mode_is_undone_and_redone():
     stack included), and enable() works again."""
     run_py("""
         import torch, torch.nn as nn
-        from torchneuron.migrate import compat
+        from torchneuron.integrations import cuda_compat as compat
         from torchneuron.runtime import patches
         def now():
             return {"Module.to": nn.Module.to, "Module.cuda": vars(nn.Module)["cuda"],

@@ -52,11 +52,11 @@ def _run(a: argparse.Namespace) -> int:
     whatever the script's outcome."""
     import runpy
 
-    from .migrate import compat, report
+    from .integrations import cuda_compat, porting_report
 
     if not os.path.isfile(a.script):
         a.parser.error(f"no such script: {a.script}")
-    compat.enable()
+    cuda_compat.enable()
     sys.argv = [a.script, *a.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
     try:
@@ -70,7 +70,7 @@ def _run(a: argparse.Namespace) -> int:
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
     sys.stdout.flush()
     sys.stderr.flush()
-    report.write(a.report or "-")
+    porting_report.write(a.report or "-")
     return code
 
 

@@ -6,6 +6,9 @@
   accelerator and connector modules execute. `import torch` installs the hook (a sys.meta_path entry that
   imports nothing); Lightning loads only when the user imports it. `uninstall()` removes the hook and reverts
   every patch already applied.
+- CUDA scripts run unmodified under compatibility mode (cuda_compat.py: `torchneuron run`,
+  TORCHNEURON_CUDA_COMPAT=1), which ends with a porting report (porting_report.py).
+Every patch here is an entry of the patch registry (torchneuron.runtime.patches).
 """
 from __future__ import annotations
 

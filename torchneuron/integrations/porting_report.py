@@ -11,15 +11,15 @@ import torch
 
 import torchneuron
 
-from . import compat
+from . import cuda_compat
 
 
 def collect() -> dict[str, Any]:
     """The report as data."""
     graphs = torch.neuron.get_dynamo_metrics()
     return {
-        "compat_enabled": compat.is_enabled(),
-        "redirects": compat.redirects(),
+        "compat_enabled": cuda_compat.is_enabled(),
+        "redirects": cuda_compat.redirects(),
         "executed_ops": torchneuron.get_executed_ops(),
         "fallback_ops": torchneuron.get_fallback_ops(),
         "dtype_events": torchneuron.get_dtype_events(),

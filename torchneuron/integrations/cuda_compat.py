@@ -12,7 +12,7 @@ Two layers, so that names a script imported before `enable()` are covered too:
 `torch.cuda.is_available()` returns True (and `device_count()` the neuron count): scripts pick their device with
 it (`"cuda" if torch.cuda.is_available() else "cpu"`), and answering False would send them silently to the CPU
 with AMP disabled. Everything a True answer leads to ("cuda" strings, nccl, `torch.cuda.*`) is redirected.
-See docs/compat.md.
+Each concern is one entry of the patch registry (`COMPAT`, torchneuron.runtime.patches). See docs/compat.md.
 """
 from __future__ import annotations
 
@@ -515,5 +515,5 @@ def maybe_enable_from_env() -> None:
     enable()
     dest = os.environ.get("TORCHNEURON_PORTING_REPORT")
     if dest:
-        from . import report
-        atexit.register(report.write, dest)
+        from . import porting_report
+        atexit.register(porting_report.write, dest)
