@@ -5,14 +5,16 @@ Two layers, so that names a script imported before `enable()` are covered too:
   in every torch function and Tensor method (factories, `to`, `new_*`, `.cuda()`, `.is_cuda`). It sees calls
   however the function was named, and Dynamo traces through it, so compiled code keeps working.
   `torch.device("cuda")` objects are left as they are: every consumer maps them.
-- `_PATCHES` (one table) wraps what a mode cannot see: class `__init__`s (autocast, GradScaler, DDP, DataLoader,
+- tables of `Redirect` rows wrap what a mode cannot see: class `__init__`s (autocast, GradScaler, DDP, DataLoader,
   DeviceMesh, profiler, compile wrappers), `Backend.__new__` ("nccl" -> "neuron"), checkpoint restore locations,
-  storage `.cuda()`, `Module.to/.cuda()`, and the `torch.cuda` module's functions (-> `torch.neuron`).
+  storage `.cuda()`, `Module.cuda()`, and the `torch.cuda` module's functions (-> `torch.neuron`); `Module.to`
+  is mapped inside the device's own wrapper of it (a conversion-argument hook), not wrapped a second time.
 
 `torch.cuda.is_available()` returns True (and `device_count()` the neuron count): scripts pick their device with
 it (`"cuda" if torch.cuda.is_available() else "cpu"`), and answering False would send them silently to the CPU
 with AMP disabled. Everything a True answer leads to ("cuda" strings, nccl, `torch.cuda.*`) is redirected.
 Each concern is one entry of the patch registry (`COMPAT`, torchneuron.runtime.patches). See docs/compat.md.
+Compat mode is runtime behaviour, so it lives here and not in torchneuron.migrate (static analysis).
 """
 from __future__ import annotations
 
@@ -462,33 +464,46 @@ def _exit_mode() -> None:
     _MODE.pop().__exit__(None, None, None)
 
 
-_TEST = "tests/test_migrate_compat.py::"
-COMPAT = tuple(patches.declare(name, target, why, _TEST + test, apply, when="compat", **rest) for
-               name, target, why, test, apply, rest in (
-    ("cuda-compat-constructors", "__init__ of torch.autocast, torch.amp.GradScaler, DataLoader, torch.compile's "
-     "wrappers, torch.profiler.profile; torch.Generator", "device_type='cuda', CUDA-graph compile modes, "
-     "ProfilerActivity.CUDA and pin_memory_device='cuda' target neuron", "test_redirect_depth_isinstance_and_compile",
-     _redirecting(_constructor_rows), {}),
-    ("cuda-compat-module-storage", "torch.nn.Module.cuda, UntypedStorage/TypedStorage .cuda and .is_cuda, "
-     "torch.serialization.default_restore_location", "module.cuda(), storage.cuda() and checkpoints saved on cuda "
-     "land on neuron", "test_redirect_depth_isinstance_and_compile", _redirecting(_module_storage_rows), {}),
-    ("cuda-compat-module-to", "torch.nn.Module.to (a hook in the device's one wrapper: "
-     "torchneuron.device.module.CONVERSION_ARGUMENT_HOOKS)", "module.to('cuda') converts to neuron in place, "
-     "keeping parameters and ties", "test_module_to_cuda_keeps_parameters", _module_to, {"undo": _module_to_undo}),
-    ("cuda-compat-distributed", "DistributedDataParallel.__init__, torch.distributed.Backend.__new__, "
-     "is_nccl_available, init_process_group, DeviceMesh, init_device_mesh", "nccl and cuda device ids and meshes "
-     "become the neuron backend and devices", "test_ddp_under_torchrun_with_nccl", _redirecting(_distributed_rows),
-     {}),
-    ("cuda-compat-torch-cuda", "torch.cuda.* (device, memory, RNG and stream functions; Stream, Event), "
-     "torch.cuda.streams.Stream/Event.__new__", "the script's torch.cuda calls reach torch.neuron; torch's own "
-     "calls (a caller check) still get the host's answers", "test_compile_under_bf16_autocast_and_nvtx_ranges",
-     _redirecting(_torch_cuda_rows), {}),
-    ("cuda-compat-nvtx", "torch.cuda.nvtx.*", "NVTX ranges become PyTorch profiler ranges (NVTX is absent off "
-     "CUDA)", "test_compile_under_bf16_autocast_and_nvtx_ranges", _redirecting(_nvtx_rows), {}),
-    ("cuda-compat-device-arguments", "the torch function mode stack (a global TorchFunctionMode)",
-     "'cuda' device arguments of every torch function and Tensor method become 'neuron'",
-     "test_redirect_depth_isinstance_and_compile", _enter_mode, {"undo": _exit_mode}),
-))
+def _compat_patch(name: str, target: str, why: str, test: str, apply: Callable[[patches.Applied], None],
+                  undo: Callable[[], None] | None = None) -> patches.Patch:
+    return patches.declare(name, target, why, f"tests/test_migrate_compat.py::{test}", apply, undo=undo,
+                           when="compat")
+
+
+COMPAT = (  # applied in this order by enable(); the mode last
+    _compat_patch(
+        "cuda-compat-constructors", "__init__ of torch.autocast, torch.amp.GradScaler, DataLoader, torch.compile's "
+        "wrappers, torch.profiler.profile; torch.Generator", "device_type='cuda', CUDA-graph compile modes, "
+        "ProfilerActivity.CUDA and pin_memory_device='cuda' target neuron",
+        "test_redirect_depth_isinstance_and_compile", _redirecting(_constructor_rows)),
+    _compat_patch(
+        "cuda-compat-module-storage", "torch.nn.Module.cuda, UntypedStorage/TypedStorage .cuda and .is_cuda, "
+        "torch.serialization.default_restore_location",
+        "module.cuda(), storage.cuda() and checkpoints saved on cuda land on neuron",
+        "test_redirect_depth_isinstance_and_compile", _redirecting(_module_storage_rows)),
+    _compat_patch(
+        "cuda-compat-module-to", "torch.nn.Module.to (a hook in the device's one wrapper: "
+        "torchneuron.device.module.CONVERSION_ARGUMENT_HOOKS)",
+        "module.to('cuda') converts to neuron in place, keeping parameters and ties",
+        "test_module_to_cuda_keeps_parameters", _module_to, _module_to_undo),
+    _compat_patch(
+        "cuda-compat-distributed", "DistributedDataParallel.__init__, torch.distributed.Backend.__new__, "
+        "is_nccl_available, init_process_group, DeviceMesh, init_device_mesh",
+        "nccl and cuda device ids and meshes become the neuron backend and devices",
+        "test_ddp_under_torchrun_with_nccl", _redirecting(_distributed_rows)),
+    _compat_patch(
+        "cuda-compat-torch-cuda", "torch.cuda.* (device, memory, RNG and stream functions; Stream, Event), "
+        "torch.cuda.streams.Stream/Event.__new__",
+        "the script's torch.cuda calls reach torch.neuron; torch's own calls (a caller check) get the host's answers",
+        "test_compile_under_bf16_autocast_and_nvtx_ranges", _redirecting(_torch_cuda_rows)),
+    _compat_patch(
+        "cuda-compat-nvtx", "torch.cuda.nvtx.*", "NVTX ranges become PyTorch profiler ranges (NVTX is absent off CUDA)",
+        "test_compile_under_bf16_autocast_and_nvtx_ranges", _redirecting(_nvtx_rows)),
+    _compat_patch(
+        "cuda-compat-device-arguments", "the torch function mode stack (a global TorchFunctionMode)",
+        "'cuda' device arguments of every torch function and Tensor method become 'neuron'",
+        "test_redirect_depth_isinstance_and_compile", _enter_mode, _exit_mode),
+)
 
 
 def _mentions_cuda(args: tuple, kwargs: dict) -> bool:
@@ -503,6 +518,7 @@ def enable() -> None:
 
 
 def disable() -> None:
+    """Undo every compat patch (the originals are back; objects built under the mode stay as they are)."""
     for p in reversed(COMPAT):
         patches.undo(p)
 
