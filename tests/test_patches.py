@@ -77,6 +77,13 @@ def test_undo_restores_the_originals_and_apply_puts_the_patch_back():
         assert [_current(o, k, item) is not orig for o, k, orig, item in patches.applied(p).originals] == [True] * len(
             replaced), p.name
     assert not torch._C._is_multithreading_enabled()
+    for p in [p for p in _all_declared().values() if p.when == "on demand"]:  # applied for one call: none active
+        assert not patches.is_active(p)
+        done = patches.apply(p)
+        replaced = [(o, k, orig, item) for o, k, orig, item in done.originals]
+        assert replaced and all(_current(o, k, item) is not orig for o, k, orig, item in replaced), p.name
+        patches.undo(p)
+        assert all(_current(o, k, item) is orig for o, k, orig, item in replaced), p.name
     m = torch.nn.Linear(2, 2)
     w = m.weight
     assert m.to("neuron").weight is w and m.cpu().weight is w  # the re-applied conversion patch works
@@ -107,10 +114,14 @@ def test_compat_mode_is_undone_and_redone():
         assert compat.is_enabled() and torch._C._len_torch_function_stack() == depth + 1
         patched = now()
         assert [k for k, v in originals.items() if patched[k] is v] == ["Module.to"]  # hooked in its one wrapper
+        replaced = [r for p in compat.COMPAT for r in patches.applied(p).originals]
+        assert len(replaced) > 60, len(replaced)
         compat.disable()
         assert not compat.is_enabled() and torch._C._len_torch_function_stack() == depth
         restored = now()
         assert [k for k, v in originals.items() if restored[k] is not v] == []
+        current = lambda o, k, item: o.get(k, patches._MISSING) if item else vars(o).get(k, patches._MISSING)
+        assert [k for o, k, orig, item in replaced if current(o, k, item) is not orig] == []
         assert torch.zeros(1, device="cpu").device.type == "cpu" and not torch.cuda.is_available()
         compat.enable()
         assert torch.zeros(1, device="cuda").device.type == "neuron"
