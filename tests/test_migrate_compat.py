@@ -34,7 +34,7 @@ def _env(**extra: str) -> dict[str, str]:
 def autoload_shim(tmp_path_factory) -> str:
     """A sitecustomize calling the autoload hook, until torchneuron/__init__.py calls it (.notes/requests.md)."""
     d = tmp_path_factory.mktemp("shim")
-    (d / "sitecustomize.py").write_text("import torchneuron.migrate.compat as c\nc.maybe_enable_from_env()\n")
+    (d / "sitecustomize.py").write_text("import torchneuron.integrations.cuda_compat as c\nc.maybe_enable_from_env()\n")
     return str(d)
 
 
@@ -115,7 +115,7 @@ def test_redirect_depth_isinstance_and_compile():
         import io, torch
         from torch.cuda.amp import GradScaler  # imported before enable(): still covered
         from torch.cuda import Event as EarlyEvent
-        from torchneuron.migrate import compat
+        from torchneuron.integrations import cuda_compat as compat
         compat.enable(); compat.enable()  # idempotent
         s, e, early = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True), EarlyEvent()
         assert isinstance(s, torch.cuda.Stream) and isinstance(e, torch.cuda.Event) and isinstance(early, EarlyEvent)
@@ -169,6 +169,25 @@ def test_redirect_depth_isinstance_and_compile():
     """, env={"PYTHONWARNINGS": "ignore"})
 
 
+def test_module_to_cuda_keeps_parameters():
+    """module.to("cuda") converts in place, as module.to("neuron") does: the Parameter objects (and so weight ties
+    and an optimizer built before the move) are kept, and the call is counted once."""
+    run_py("""
+        import torch
+        from torchneuron.integrations import cuda_compat as compat
+        compat.enable()
+        m = torch.nn.Sequential(torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False))
+        m[1].weight = m[0].weight
+        w, opt = m[0].weight, torch.optim.SGD(m.parameters(), lr=0.1)
+        for dev in ("cuda", torch.device("cuda", 0)):
+            assert m.to(dev) is m and m[0].weight is w is m[1].weight and w.device == torch.device("neuron", 0)
+        m(torch.tensor([1, 2], device="cuda")).sum().backward()
+        opt.step()
+        assert opt.param_groups[0]["params"][0] is w and w.grad.device.type == "neuron"
+        assert sum(compat.redirects()["Module.to(cuda)"].values()) == 2, compat.redirects()
+    """, env={"PYTHONWARNINGS": "ignore"})
+
+
 @pytest.fixture(scope="module")
 def fixed_scripts(tmp_path_factory) -> Path:
     """The fixture scripts after `torchneuron fix --write`."""
@@ -208,7 +227,7 @@ def test_compile_under_bf16_autocast_and_nvtx_ranges():
     ranges, counted in the report."""
     run_py("""
         import torch, torch.nn as nn
-        from torchneuron.migrate import compat
+        from torchneuron.integrations import cuda_compat as compat
         compat.enable()
         torch.manual_seed(0)
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,7 +9,7 @@ import textwrap
 import torch
 
 import torchneuron
-from torchneuron.migrate import report
+from torchneuron.integrations import porting_report as report
 
 SAMPLE = {
     "compat_enabled": True,

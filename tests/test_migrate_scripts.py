@@ -27,7 +27,7 @@ ONLY_ON = {"ddp_fstring": "backend", "torchtitan_style": "mesh", "vendor_ladder"
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict[str, dict]]:
     d = tmp_path_factory.mktemp("scripts")
-    (d / "sitecustomize.py").write_text("import torchneuron.migrate.compat as c\nc.maybe_enable_from_env()\n")
+    (d / "sitecustomize.py").write_text("import torchneuron.integrations.cuda_compat as c\nc.maybe_enable_from_env()\n")
     fixed = d / "fixed"
     fixed.mkdir()
     for f in SCRIPTS.glob("*.py"):

@@ -36,7 +36,7 @@ if _aws.installed() is None:  # ours owns the `neuron` device
 
     route_default_backend()  # plain torch.compile(model) on neuron tensors reaches the neuron backend
 
-    from .migrate.compat import maybe_enable_from_env
+    from .integrations.cuda_compat import maybe_enable_from_env
 
     maybe_enable_from_env()  # TORCHNEURON_CUDA_COMPAT=1: unmodified CUDA code runs on neuron
 

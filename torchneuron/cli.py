@@ -52,11 +52,11 @@ def _run(a: argparse.Namespace) -> int:
     whatever the script's outcome."""
     import runpy
 
-    from .migrate import compat, report
+    from .integrations import cuda_compat, porting_report
 
     if not os.path.isfile(a.script):
         a.parser.error(f"no such script: {a.script}")
-    compat.enable()
+    cuda_compat.enable()
     sys.argv = [a.script, *a.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
     try:
@@ -70,7 +70,7 @@ def _run(a: argparse.Namespace) -> int:
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
     sys.stdout.flush()
     sys.stderr.flush()
-    report.write(a.report or "-")
+    porting_report.write(a.report or "-")
     return code
 
 
@@ -106,6 +106,7 @@ def _info(a: argparse.Namespace) -> int:
 
     from .device.module import config
     from .integrations import found
+    from .runtime import patches
 
     try:
         cfg = config()
@@ -121,6 +122,8 @@ def _info(a: argparse.Namespace) -> int:
         "dtype_policy": cfg.dtype_policy, "fallback_policy": cfg.fallback_policy,
         "hbm_per_chip_bytes": cfg.chip.hbm_bytes, "supported_dtypes": list(cfg.chip.dtypes),
         "integrations": [dataclasses.asdict(i) for i in integrations],
+        "patches": [{"name": p.name, "target": p.target, "why": p.why, "when": p.when, "undo": not p.no_undo}
+                    for p in patches.active()],
     }
     if a.json:
         print(json.dumps(facts, indent=1))
@@ -142,6 +145,9 @@ def _info(a: argparse.Namespace) -> int:
     for i in integrations:
         print(f"  {i.library:<18} {i.version or 'not installed'}: "
               f"{'sees neuron' if i.sees_neuron else 'does NOT see neuron'} ({i.how})")
+    print(f"  patches        {len(facts['patches'])} active (torchneuron.runtime.patches):")
+    for p in patches.active():
+        print(f"    {p.name:<36} {p.target}")
     return 0
 
 

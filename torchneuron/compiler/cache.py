@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..hardware import config
+from ..runtime import patches
 
 FORMAT = 1
 
@@ -193,23 +194,33 @@ def _build_verified(lock_path: str, builders: Sequence[Any]) -> None:
             os.replace(tmp, record)
 
 
-_INDUCTOR_WRITE: Callable[..., tuple[str, str]] = None  # type: ignore[assignment]  (set by verified_artifacts)
+_INDUCTOR_WRITE: Callable[..., tuple[str, str]] = None  # type: ignore[assignment]  (Inductor's, when patched)
+
+
+def _verify_artifacts(done: patches.Applied) -> None:
+    global _INDUCTOR_WRITE
+    from torch._inductor import codecache
+
+    _INDUCTOR_WRITE = codecache.write
+    done.replace(codecache, "write", _write_verified)
+    done.replace(codecache, "_worker_compile_cpp", _build_verified)
+
+
+VERIFIED_ARTIFACTS = patches.declare(
+    "verified-inductor-artifacts", "torch._inductor.codecache.write, torch._inductor.codecache._worker_compile_cpp "
+    "(while the neuron compiler runs)", "a damaged compiled artifact in the cache is rebuilt instead of loaded",
+    "tests/test_compile_cache.py::test_corrupt_compiled_artifacts_are_rebuilt", _verify_artifacts, when="on demand")
 
 
 @contextlib.contextmanager
 def verified_artifacts() -> Iterator[None]:
     """While the neuron compiler runs, Inductor writes and builds its artifacts through the verifying versions
     of its two file steps (`write`, `_worker_compile_cpp`), whatever its cache directory."""
-    global _INDUCTOR_WRITE
-    from torch._inductor import codecache
-
-    if _INDUCTOR_WRITE is not None:  # nested
+    if patches.is_active(VERIFIED_ARTIFACTS):  # nested
         yield
         return
-    _INDUCTOR_WRITE, build = codecache.write, codecache._worker_compile_cpp
-    codecache.write, codecache._worker_compile_cpp = _write_verified, _build_verified
+    patches.apply(VERIFIED_ARTIFACTS)
     try:
         yield
     finally:
-        codecache.write, codecache._worker_compile_cpp = _INDUCTOR_WRITE, build
-        _INDUCTOR_WRITE = None
+        patches.undo(VERIFIED_ARTIFACTS)

@@ -13,6 +13,7 @@ import torch
 
 from .. import _C
 from ..hardware import config as _config
+from ..runtime import patches
 
 _registered = _initialized = _warned = False  # _initialized: usable (validated), as torch.cuda.is_initialized
 _device_t = torch.device | str | int | None
@@ -42,18 +43,8 @@ def register() -> None:
     policy.install_op_tables()
     if cfg is not None:
         policy.set_policies()
-    torch.utils.rename_privateuse1_backend("neuron")
-    torch._register_device_module("neuron", sys.modules[__package__])  # torchneuron.device is torch.neuron
-    torch.utils.generate_methods_for_privateuse1_backend(
-        for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
-    _keep_parameters_on_conversion()
-    _refuse_sharing_between_processes()
-    _print_without_dtype_events()
-    # Backward runs on the calling thread, as on the CPU. PyTorch gives each accelerator an autograd worker
-    # thread so host and device work overlap; this device executes on the host synchronously, so that thread
-    # only adds a hand-off (~190 us per backward call on a 2-core box). Thread-local: set for the importing
-    # thread; torch.autograd.set_multithreading_enabled(True) restores PyTorch's default.
-    torch.autograd.set_multithreading_enabled(False)
+    for p in (NEURON_DEVICE, KEEP_PARAMETERS, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD):
+        patches.apply(p)
     if _initialized and cfg.local_rank is not None:  # under torchrun each rank starts on its own logical core
         torch._C._accelerator_hooks_set_current_device(cfg.local_rank)
 
@@ -70,7 +61,7 @@ def _lazy_init() -> None:
         raise RuntimeError(cfg.local_rank_error if cfg else _config.error())
 
 
-def _keep_parameters_on_conversion() -> None:
+def _keep_parameters_on_conversion(done: patches.Applied) -> None:
     """Make `module.to("neuron")` keep parameter identity and weight tying, as it does for CUDA.
 
     PyTorch converts a parameter in place (`param.data = converted`) only between "dense" backends, a list that
@@ -100,30 +91,37 @@ def _keep_parameters_on_conversion() -> None:
     def crossing(convert, target_of):
         @functools.wraps(convert)
         def wrapper(self, *args, **kwargs):
+            for remap in CONVERSION_ARGUMENT_HOOKS:
+                args, kwargs = remap(args, kwargs)
             if torch.__future__.get_swap_module_params_on_conversion() or not crosses(self, target_of(args, kwargs)):
                 return convert(self, *args, **kwargs)
             torch.__future__.set_swap_module_params_on_conversion(True)
-            torch.utils.swap_tensors = set_data_or_swap
             try:
-                return convert(self, *args, **kwargs)
+                with patches.swapped(torch.utils, "swap_tensors", set_data_or_swap):
+                    return convert(self, *args, **kwargs)
             except RuntimeError as e:  # a parameter referenced elsewhere (DDP's reducer, ...) cannot be swapped
                 if "Couldn't swap" not in str(e):
                     raise
                 reason = f"{e} ({e.__cause__})"
             finally:
-                torch.utils.swap_tensors = swap_tensors
                 torch.__future__.set_swap_module_params_on_conversion(False)
             warnings.warn(f"{reason}: the module gets new parameter tensors instead (PyTorch's own behaviour for "
                           "this device without swapping); references held elsewhere keep the old ones", stacklevel=2)
             return convert(self, *args, **kwargs)
         return wrapper
 
-    Module.to = crossing(Module.to, lambda a, k: torch._C._nn._parse_to(*a, **k)[0])
-    Module.cpu = crossing(Module.cpu, lambda a, k: torch.device("cpu"))
-    Module.neuron = crossing(Module.neuron, lambda a, k: torch.device("neuron"))
+    done.replace(Module, "to", crossing(Module.to, lambda a, k: torch._C._nn._parse_to(*a, **k)[0]))
+    done.replace(Module, "cpu", crossing(Module.cpu, lambda a, k: torch.device("cpu")))
+    done.replace(Module, "neuron", crossing(Module.neuron, lambda a, k: torch.device("neuron")))
 
 
-def _refuse_sharing_between_processes() -> None:
+# Functions (args, kwargs) -> (args, kwargs) that rewrite the arguments of Module.to/cpu/neuron inside their one
+# wrapper, before it decides whether the conversion crosses the neuron boundary: CUDA compatibility mode maps
+# "cuda" to "neuron" here rather than wrapping Module.to a second time.
+CONVERSION_ARGUMENT_HOOKS: list[Callable[[tuple, dict], tuple[tuple, dict]]] = []
+
+
+def _refuse_sharing_between_processes(done: patches.Applied) -> None:
     """Sending a neuron tensor or storage to another process (a DataLoader worker's batch, a multiprocessing
     queue) raises a clear error in the receiving process.
 
@@ -151,14 +149,14 @@ def _refuse_sharing_between_processes() -> None:
     storages = (torch.Tensor, torch.UntypedStorage, torch.storage.TypedStorage)
     for cls, reduce in list(ForkingPickler._extra_reducers.items()):
         if isinstance(cls, type) and issubclass(cls, storages):
-            ForkingPickler.register(cls, refusing(reduce))
+            done.replace_item(ForkingPickler._extra_reducers, cls, refusing(reduce))  # as ForkingPickler.register
 
 
 def _raise_unshareable(message: str) -> None:
     raise RuntimeError(message)
 
 
-def _print_without_dtype_events() -> None:
+def _print_without_dtype_events(done: patches.Applied) -> None:
     """Printing a tensor must not report the user's program: torch/_tensor_str.py lays out numbers with float64
     math (max/min ratios, rounding checks) that would trip the float64 rule on the first print. That math runs
     with the dtype policy off; the values printed are the device's, already held to the policy."""
@@ -170,7 +168,50 @@ def _print_without_dtype_events() -> None:
             return plain(self, *args, **kwargs)
         finally:
             _C._set_internal_math(was)
-    plain, tensor_str._str = tensor_str._str, functools.wraps(tensor_str._str)(_str)
+    plain = tensor_str._str
+    done.replace(tensor_str, "_str", functools.wraps(plain)(_str))
+
+
+def _register_device(done: patches.Applied) -> None:
+    torch.utils.rename_privateuse1_backend("neuron")
+    torch._register_device_module("neuron", sys.modules[__package__])  # torchneuron.device is torch.neuron
+    torch.utils.generate_methods_for_privateuse1_backend(
+        for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+
+
+def _backward_on_calling_thread(done: patches.Applied) -> None:
+    """Backward runs on the calling thread, as on the CPU. PyTorch gives each accelerator an autograd worker
+    thread so host and device work overlap; this device executes on the host synchronously, so that thread only
+    adds a hand-off (~190 us per backward call on a 2-core box). Thread-local: set for the importing thread."""
+    torch.autograd.set_multithreading_enabled(False)
+
+
+NEURON_DEVICE = patches.declare(
+    "neuron-device", "torch: PrivateUse1 renamed `neuron`, torch.neuron, Tensor/Module/Storage/PackedSequence "
+    ".neuron() and .is_neuron", "the device itself, through PyTorch's PrivateUse1 extension API",
+    "tests/test_registration.py::test_generated_methods_and_module", _register_device,
+    no_undo="PyTorch has no way to rename PrivateUse1 back or unregister a device module")
+KEEP_PARAMETERS = patches.declare(
+    "module-conversion-keeps-parameters", "torch.nn.Module.to, torch.nn.Module.cpu, torch.nn.Module.neuron "
+    "(and torch.utils.swap_tensors during one conversion)",
+    "module.to('neuron') keeps parameter identity and weight tying, as for CUDA",
+    "tests/test_registration.py::test_module_conversion_keeps_parameters_with_weakrefs_and_ties",
+    _keep_parameters_on_conversion)
+REFUSE_SHARING = patches.declare(
+    "refuse-sharing-neuron-memory", "multiprocessing.reduction.ForkingPickler reducers of torch.Tensor, "
+    "torch.UntypedStorage, torch.storage.TypedStorage",
+    "a neuron tensor sent to another process raises a clear error there instead of hanging a DataLoader",
+    "tests/test_dataloader.py::test_worker_returning_a_neuron_tensor_raises_in_the_main_process",
+    _refuse_sharing_between_processes)
+PRINT_WITHOUT_DTYPE_EVENTS = patches.declare(
+    "print-without-dtype-events", "torch._tensor_str._str",
+    "printing a tensor does not trip the float64 rule with torch's own layout math",
+    "tests/test_device_rules.py::test_printing_does_not_report_dtype_events", _print_without_dtype_events)
+BACKWARD_ON_CALLING_THREAD = patches.declare(
+    "backward-on-calling-thread", "torch.autograd.set_multithreading_enabled (the importing thread)",
+    "backward runs on the calling thread: the device executes on the host, a worker thread only adds a hand-off",
+    "tests/test_autograd.py::test_backward_runs_on_the_calling_thread", _backward_on_calling_thread,
+    undo=lambda: torch.autograd.set_multithreading_enabled(True))  # PyTorch's default, on the calling thread
 
 
 def is_available() -> bool:

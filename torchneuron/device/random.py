@@ -9,6 +9,7 @@ from typing import TypeVar
 import torch
 
 from .. import _C
+from ..runtime import patches
 from .module import _checked, _count, _device_t, device_count
 
 F = TypeVar("F", bound=Callable)
@@ -82,7 +83,7 @@ def initial_seed() -> int:
     return default_generator(None).initial_seed()
 
 
-def _register_rng_state_ops() -> None:
+def _register_rng_state_ops(done: patches.Applied) -> None:
     """AOTAutograd's RNG functionalisation (a random op recomputed in the backward, as under activation
     checkpointing) saves the device RNG state before the forward's draw and replays it for the backward's through
     two higher-order ops whose device table lists cuda/cpu/hpu/xpu only. Add neuron, handled as CUDA is: its
@@ -110,10 +111,23 @@ def _register_rng_state_ops() -> None:
             on_neuron = rng_prims.get_device(args[_skip:], kwargs) == "neuron"
             return (_ours if on_neuron else _theirs)(*args, **kwargs)
 
-        hop.py_kernels[DispatchKey.BackendSelect] = select
+        done.replace_item(hop.py_kernels, DispatchKey.BackendSelect, select)
         hop._dispatch_cache.clear()
         if hop is rng_prims.run_and_save_rng_state:  # its fake kernel calls the device table directly
-            registered_hop_fake_fns[hop] = select
+            done.replace_item(registered_hop_fake_fns, hop, select)
 
 
-_register_rng_state_ops()
+def _clear_rng_hop_caches() -> None:
+    from torch._prims import rng_prims
+
+    for hop in (rng_prims.run_and_save_rng_state, rng_prims.run_with_rng_state):
+        hop._dispatch_cache.clear()
+
+
+RNG_STATE_OPS = patches.declare(
+    "rng-state-ops-on-neuron", "torch._prims.rng_prims.run_and_save_rng_state / run_with_rng_state "
+    "(BackendSelect kernels, registered fake kernel)",
+    "AOTAutograd's RNG functionalisation (recomputed dropout) saves and replays the neuron generator's state",
+    "tests/test_rng.py::test_compiled_checkpoint_recomputes_the_same_dropout", _register_rng_state_ops,
+    undo=_clear_rng_hop_caches)
+patches.apply(RNG_STATE_OPS)

@@ -6,6 +6,9 @@
   accelerator and connector modules execute. `import torch` installs the hook (a sys.meta_path entry that
   imports nothing); Lightning loads only when the user imports it. `uninstall()` removes the hook and reverts
   every patch already applied.
+- CUDA scripts run unmodified under compatibility mode (cuda_compat.py: `torchneuron run`,
+  TORCHNEURON_CUDA_COMPAT=1), which ends with a porting report (porting_report.py).
+Every patch here is an entry of the patch registry (torchneuron.runtime.patches).
 """
 from __future__ import annotations
 
@@ -17,9 +20,10 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+from ..runtime import patches
 from . import lightning as _lightning
 
-_PATCHES = _lightning.patches()
+_PATCHES = _lightning.module_patches()
 
 
 class _PatchingLoader:
@@ -67,21 +71,34 @@ class _Hook:
 _HOOK = _Hook()
 
 
-def install() -> None:
-    """Patch Lightning when it is imported (or now, for the modules already imported). Idempotent."""
-    if _HOOK in sys.meta_path:
-        return
+def _install(done: patches.Applied) -> None:
     sys.meta_path.insert(0, _HOOK)
     for name, patch in _PATCHES.items():
         if name in sys.modules:
             _apply(patch, sys.modules[name])
 
 
-def uninstall() -> None:
-    """Remove the hook and revert the patches: Lightning behaves as without torchneuron (until install())."""
+def _uninstall() -> None:
     if _HOOK in sys.meta_path:
         sys.meta_path.remove(_HOOK)
     _lightning.undo()
+
+
+LIGHTNING = patches.declare(
+    _lightning.PATCH, "sys.meta_path (an import hook); then, in lightning / pytorch_lightning / lightning_fabric: the "
+    "accelerator registries, the connectors' auto accelerator, strategy and precision choice, DDPStrategy's device ids",
+    "Lightning has no extension point for an outside accelerator: accelerator='neuron' and 'auto' pick neuron",
+    "tests/test_ecosystem.py::test_lightning_patch_is_undone_and_redone", _install, undo=_uninstall)
+
+
+def install() -> None:
+    """Patch Lightning when it is imported (or now, for the modules already imported). Idempotent."""
+    patches.apply(LIGHTNING)
+
+
+def uninstall() -> None:
+    """Remove the hook and revert the patches: Lightning behaves as without torchneuron (until install())."""
+    patches.undo(LIGHTNING)
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,6 @@ def found() -> list[Integration]:
     for dist, pkg in (("lightning", "lightning.pytorch"), ("pytorch_lightning", "pytorch_lightning")):
         if (v := _version(dist)) is not None:
             accelerators = importlib.import_module(f"{pkg}.accelerators")
-            out.append(Integration(dist, v, "neuron" in accelerators.AcceleratorRegistry,
-                                   "accelerator='neuron' registered" if _HOOK in sys.meta_path else "hook removed"))
+            how = "accelerator='neuron' registered" if patches.is_active(LIGHTNING) else "hook removed"
+            out.append(Integration(dist, v, "neuron" in accelerators.AcceleratorRegistry, how))
     return out

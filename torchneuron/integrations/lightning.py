@@ -8,7 +8,8 @@ applied by the import hook in `torchneuron.integrations` right after Lightning's
 - "16-mixed"/"bf16-mixed" autocast on "neuron" (Lightning would pick "cuda", which leaves neuron ops in fp32);
 - DDP wraps a neuron module with device_ids=None (Lightning would open a torch.cuda.stream for any device ids).
 DDP needs nothing: Lightning takes the process-group backend from torch.distributed's device map ("neuron").
-Every change is recorded and `torchneuron.integrations.uninstall()` reverts it.
+Every change is recorded under the registry's "lightning-accelerator" patch (torchneuron.runtime.patches), and
+`torchneuron.integrations.uninstall()` reverts it.
 """
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ from typing import Any
 
 import torch
 
+from ..runtime import patches
+
+PATCH = "lightning-accelerator"  # the registry entry (declared in torchneuron.integrations) these changes belong to
 # (fabric package, pytorch package) of each distribution of Lightning
 FLAVORS = (("lightning.fabric", "lightning.pytorch"), ("lightning_fabric", "pytorch_lightning"))
-_UNDO: list[Callable[[], None]] = []
+_UNDO: list[Callable[[], None]] = []  # what is not an attribute: the accelerator registries' "neuron" entries
 
 
 def _device_ids(devices: Any) -> list[int]:
@@ -82,10 +86,10 @@ def _is_neuron(flag: Any) -> bool:
 
 
 def _set(owner: Any, name: str, value: Any) -> None:
-    """Replace `owner.name`, recording how to put the original back."""
-    original = owner.__dict__[name]
-    setattr(owner, name, value)
-    _UNDO.append(lambda: setattr(owner, name, original))
+    """Replace `owner.name` (its own, not an inherited one), recorded so that undoing the patch puts it back."""
+    if name not in vars(owner):
+        raise AttributeError(f"{owner.__qualname__}.{name} is not defined there")
+    patches.applied(PATCH).replace(owner, name, value)
 
 
 def _register(module: ModuleType, registry_name: str) -> None:
@@ -118,11 +122,8 @@ def _patch_connector(module: ModuleType, connector_name: str, precision_attr: st
 
         def on_neuron(precision: Any, device: Any = None, **kwargs: Any) -> Any:
             return mixed(precision, "neuron", **kwargs)
-        module.MixedPrecision = on_neuron
-        try:
+        with patches.swapped(module, "MixedPrecision", on_neuron):
             return init_precision(self)
-        finally:
-            module.MixedPrecision = mixed
 
     _set(cls, "_choose_auto_accelerator", staticmethod(_choose_auto_accelerator))
     _set(cls, "_choose_strategy", _choose_strategy)
@@ -141,7 +142,7 @@ def _patch_ddp(module: ModuleType, method: str) -> None:
     _set(cls, method, determine)
 
 
-def patches() -> dict[str, Callable[[ModuleType], None]]:
+def module_patches() -> dict[str, Callable[[ModuleType], None]]:
     """Module name -> what to do right after that Lightning module has executed."""
     out: dict[str, Callable[[ModuleType], None]] = {}
     for fabric, pytorch in FLAVORS:

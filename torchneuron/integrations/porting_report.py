@@ -10,15 +10,15 @@ from typing import Any
 import torch
 
 from ..runtime.tracking import get_dtype_events, get_executed_ops, get_fallback_ops
-from . import compat
+from . import cuda_compat
 
 
 def collect() -> dict[str, Any]:
     """The report as data."""
     graphs = torch.neuron.get_dynamo_metrics()
     return {
-        "compat_enabled": compat.is_enabled(),
-        "redirects": compat.redirects(),
+        "compat_enabled": cuda_compat.is_enabled(),
+        "redirects": cuda_compat.redirects(),
         "executed_ops": get_executed_ops(),
         "fallback_ops": get_fallback_ops(),
         "dtype_events": get_dtype_events(),

@@ -5,14 +5,16 @@ Two layers, so that names a script imported before `enable()` are covered too:
   in every torch function and Tensor method (factories, `to`, `new_*`, `.cuda()`, `.is_cuda`). It sees calls
   however the function was named, and Dynamo traces through it, so compiled code keeps working.
   `torch.device("cuda")` objects are left as they are: every consumer maps them.
-- `_PATCHES` (one table) wraps what a mode cannot see: class `__init__`s (autocast, GradScaler, DDP, DataLoader,
+- tables of `Redirect` rows wrap what a mode cannot see: class `__init__`s (autocast, GradScaler, DDP, DataLoader,
   DeviceMesh, profiler, compile wrappers), `Backend.__new__` ("nccl" -> "neuron"), checkpoint restore locations,
-  storage `.cuda()`, `Module.to/.cuda()`, and the `torch.cuda` module's functions (-> `torch.neuron`).
+  storage `.cuda()`, `Module.cuda()`, and the `torch.cuda` module's functions (-> `torch.neuron`); `Module.to`
+  is mapped inside the device's own wrapper of it (a conversion-argument hook), not wrapped a second time.
 
 `torch.cuda.is_available()` returns True (and `device_count()` the neuron count): scripts pick their device with
 it (`"cuda" if torch.cuda.is_available() else "cpu"`), and answering False would send them silently to the CPU
 with AMP disabled. Everything a True answer leads to ("cuda" strings, nccl, `torch.cuda.*`) is redirected.
-See docs/compat.md.
+Each concern is one entry of the patch registry (`COMPAT`, torchneuron.runtime.patches). See docs/compat.md.
+Compat mode is runtime behaviour, so it lives here and not in torchneuron.migrate (static analysis).
 """
 from __future__ import annotations
 
@@ -25,20 +27,20 @@ import sysconfig
 import threading
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import typing_extensions
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..hardware import config
+from ..runtime import patches
 
 _COUNTS: Counter[tuple[str, str]] = Counter()  # (api, "file:line" of the user frame) -> calls
 _QUIET = threading.local()  # inside one counted call (e.g. Module.cuda), its per-tensor redirects are not counted
 _INTERNAL = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["torchneuron"]))
 _TORCH_CODE = _INTERNAL  # callers whose torch.cuda queries are about the host, not the script
 _INTERNAL += (sysconfig.get_paths()["stdlib"] + os.sep, typing_extensions.__file__)  # its @deprecated wrapper
-_enabled = False
 
 
 def _site() -> str:
@@ -70,7 +72,7 @@ def clear_redirects() -> None:
 
 
 def is_enabled() -> bool:
-    return _enabled
+    return all(patches.is_active(p) for p in COMPAT)
 
 
 def _is_cuda(d: Any) -> bool:
@@ -255,8 +257,6 @@ def _compat_classes() -> dict[str, type]:
             _record("torch.cuda.Event")
             return object.__new__(cls)
 
-    for orig, new in ((cs.Stream, CudaStream), (cs.Event, CudaEvent)):  # names imported before enable()
-        orig.__new__ = _builds(new)
     return {"Stream": CudaStream, "Event": CudaEvent}
 
 
@@ -356,46 +356,155 @@ def _nvtx_functions() -> dict[str, Callable]:
     return {f.__name__: f for f in (range_push, range_pop, range_start, range_end, mark, range)}
 
 
-def _patches() -> list[tuple[Any, str, Callable[[Any], Any]]]:
-    """(owner, attribute, make replacement from the original). The redirect list as data."""
-    import torch.distributed as dist
+class Redirect(NamedTuple):
+    """owner.attr becomes make(original)."""
+
+    owner: Any
+    attr: str
+    make: Callable[[Any], Any]
+
+
+def _constructor_rows() -> list[Redirect]:
+    return [
+        Redirect(torch.amp.autocast_mode.autocast, "__init__", _autocast_init),  # torch.autocast, amp, cuda.amp
+        Redirect(torch.amp.GradScaler, "__init__", _scaler_init),  # also torch.cuda.amp.GradScaler (a subclass)
+        Redirect(torch, "Generator", lambda _: _Generator),
+        Redirect(torch.utils.data.DataLoader, "__init__", _loader_init),
+        Redirect(torch._TorchCompileInductorWrapper, "__init__", _compile_mode),
+        Redirect(torch._TorchCompileWrapper, "__init__", _compile_mode),
+        Redirect(torch.profiler.profiler._KinetoProfile, "__init__", _profiler_init)]
+
+
+def _module_storage_rows() -> list[Redirect]:
     import torch.serialization as ser
-    import torch.utils.data
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     mod, stor = torch.nn.Module, torch.storage
-    rows: list[tuple[Any, str, Callable[[Any], Any]]] = [
-        (torch.amp.autocast_mode.autocast, "__init__", _autocast_init),  # torch.autocast, amp.autocast, cuda.amp
-        (torch.amp.GradScaler, "__init__", _scaler_init),  # also torch.cuda.amp.GradScaler (a subclass)
-        (torch, "Generator", lambda _: _Generator),
-        (torch.utils.data.DataLoader, "__init__", _loader_init),
-        (torch._TorchCompileInductorWrapper, "__init__", _compile_mode),
-        (torch._TorchCompileWrapper, "__init__", _compile_mode),
-        (torch.profiler.profiler._KinetoProfile, "__init__", _profiler_init),
-        (ser, "default_restore_location", _restore_location),  # every map_location form ends here
-        (torch.UntypedStorage, "cuda", lambda f: _quietly("Storage.cuda", lambda s, *a, **k: s.neuron(*a, **k))),
-        (stor.TypedStorage, "cuda", lambda f: _quietly("Storage.cuda", lambda s, *a, **k: s.neuron(*a, **k))),
-        (stor.TypedStorage, "is_cuda", lambda f: property(lambda s: s.device.type in ("cuda", "neuron"))),
-        (mod, "cuda", lambda f: _quietly("Module.cuda", lambda m, device=None: m.neuron(device))),
-        (mod, "to", lambda f: functools.wraps(f)(
-            lambda m, *a, **k: (_quietly("Module.to(cuda)", f) if _mentions_cuda(a, k) else f)(m, *a, **k))),
-        (DDP, "__init__", lambda f: _map_args(f, "DistributedDataParallel(device_ids=cuda)",
-                                               ("device_ids", "output_device"))),
-        (dist.Backend, "__new__", _backend_new),
-        (dist, "is_nccl_available", lambda f: lambda: True),
-    ]
+    storage_cuda = _quietly("Storage.cuda", lambda s, *a, **k: s.neuron(*a, **k))
+    return [
+        Redirect(ser, "default_restore_location", _restore_location),  # every map_location form ends here
+        Redirect(torch.UntypedStorage, "cuda", lambda f: storage_cuda),
+        Redirect(stor.TypedStorage, "cuda", lambda f: storage_cuda),
+        Redirect(stor.TypedStorage, "is_cuda", lambda f: property(lambda s: s.device.type in ("cuda", "neuron"))),
+        Redirect(mod, "cuda", lambda f: _quietly("Module.cuda", lambda m, device=None: m.neuron(device)))]
+
+
+def _module_to_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Module.to/cpu/neuron arguments with cuda devices mapped to neuron, inside the device's one wrapper of
+    Module.to (torchneuron.device.module.CONVERSION_ARGUMENT_HOOKS), so that parameters keep their identity."""
+    if not _mentions_cuda(args, kwargs):
+        return args, kwargs
+    api = "Module.to(cuda)"
+    return tuple(_map_value(a, api) for a in args), {k: _map_value(v, api) for k, v in kwargs.items()}
+
+
+def _distributed_rows() -> list[Redirect]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rows = [Redirect(DDP, "__init__", lambda f: _map_args(f, "DistributedDataParallel(device_ids=cuda)",
+                                                          ("device_ids", "output_device"))),
+            Redirect(dist.Backend, "__new__", _backend_new),
+            Redirect(dist, "is_nccl_available", lambda f: lambda: True)]
     if dist.is_available():
         import torch.distributed.device_mesh as dm
         c10d = dist.distributed_c10d
-        rows += [(dm.DeviceMesh, "__init__", lambda f: _map_args(f, "DeviceMesh(cuda)", ("device_type",))),
-                 (dm, "init_device_mesh", lambda f: _map_args(f, "init_device_mesh(cuda)", ("device_type",))),
-                 (dist, "init_device_mesh", lambda f: dm.init_device_mesh),
-                 (c10d, "init_process_group", lambda f: _map_args(f, "init_process_group(device_id=cuda)",
-                                                                  ("device_id",))),
-                 (dist, "init_process_group", lambda f: c10d.init_process_group)]
-    rows += [(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **_compat_classes()}.items()]
-    rows += [(torch.cuda.nvtx, name, lambda f, v=v: v) for name, v in _nvtx_functions().items()]
+        rows += [Redirect(dm.DeviceMesh, "__init__", lambda f: _map_args(f, "DeviceMesh(cuda)", ("device_type",))),
+                 Redirect(dm, "init_device_mesh", lambda f: _map_args(f, "init_device_mesh(cuda)", ("device_type",))),
+                 Redirect(dist, "init_device_mesh", lambda f: dm.init_device_mesh),
+                 Redirect(c10d, "init_process_group", lambda f: _map_args(f, "init_process_group(device_id=cuda)",
+                                                                          ("device_id",))),
+                 Redirect(dist, "init_process_group", lambda f: c10d.init_process_group)]
     return rows
+
+
+def _torch_cuda_rows() -> list[Redirect]:
+    import torch.cuda.streams as cs
+
+    classes = _compat_classes()
+    rows = [Redirect(cs.Stream, "__new__", lambda f: _builds(classes["Stream"])),  # names imported before enable()
+            Redirect(cs.Event, "__new__", lambda f: _builds(classes["Event"]))]
+    return rows + [Redirect(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **classes}.items()]
+
+
+def _nvtx_rows() -> list[Redirect]:
+    return [Redirect(torch.cuda.nvtx, name, lambda f, v=v: v) for name, v in _nvtx_functions().items()]
+
+
+def _redirecting(rows: Callable[[], list[Redirect]]) -> Callable[[patches.Applied], None]:
+    def apply(done: patches.Applied) -> None:
+        for r in rows():
+            done.replace(r.owner, r.attr, r.make(getattr(r.owner, r.attr)))
+    return apply
+
+
+def _module_to(done: patches.Applied) -> None:
+    from ..device.module import CONVERSION_ARGUMENT_HOOKS
+
+    CONVERSION_ARGUMENT_HOOKS.append(_module_to_args)
+
+
+def _module_to_undo() -> None:
+    from ..device.module import CONVERSION_ARGUMENT_HOOKS
+
+    CONVERSION_ARGUMENT_HOOKS.remove(_module_to_args)
+
+
+_MODE: list[_DeviceMode] = []  # the mode enable() entered
+
+
+def _enter_mode(done: patches.Applied) -> None:
+    _MODE.append(_DeviceMode())
+    _MODE[-1].__enter__()  # stays on the mode stack for the life of the process (or until undone)
+
+
+def _exit_mode() -> None:
+    top = torch._C._len_torch_function_stack() - 1
+    if top < 0 or torch._C._get_function_stack_at(top) is not _MODE[-1]:
+        raise RuntimeError("CUDA compatibility mode cannot be undone here: its TorchFunctionMode is not the "
+                           "innermost mode of this thread")
+    _MODE.pop().__exit__(None, None, None)
+
+
+def _compat_patch(name: str, target: str, why: str, test: str, apply: Callable[[patches.Applied], None],
+                  undo: Callable[[], None] | None = None) -> patches.Patch:
+    return patches.declare(name, target, why, f"tests/test_migrate_compat.py::{test}", apply, undo=undo,
+                           when="compat")
+
+
+COMPAT = (  # applied in this order by enable(); the mode last
+    _compat_patch(
+        "cuda-compat-constructors", "__init__ of torch.autocast, torch.amp.GradScaler, DataLoader, torch.compile's "
+        "wrappers, torch.profiler.profile; torch.Generator", "device_type='cuda', CUDA-graph compile modes, "
+        "ProfilerActivity.CUDA and pin_memory_device='cuda' target neuron",
+        "test_redirect_depth_isinstance_and_compile", _redirecting(_constructor_rows)),
+    _compat_patch(
+        "cuda-compat-module-storage", "torch.nn.Module.cuda, UntypedStorage/TypedStorage .cuda and .is_cuda, "
+        "torch.serialization.default_restore_location",
+        "module.cuda(), storage.cuda() and checkpoints saved on cuda land on neuron",
+        "test_redirect_depth_isinstance_and_compile", _redirecting(_module_storage_rows)),
+    _compat_patch(
+        "cuda-compat-module-to", "torch.nn.Module.to (a hook in the device's one wrapper: "
+        "torchneuron.device.module.CONVERSION_ARGUMENT_HOOKS)",
+        "module.to('cuda') converts to neuron in place, keeping parameters and ties",
+        "test_module_to_cuda_keeps_parameters", _module_to, _module_to_undo),
+    _compat_patch(
+        "cuda-compat-distributed", "DistributedDataParallel.__init__, torch.distributed.Backend.__new__, "
+        "is_nccl_available, init_process_group, DeviceMesh, init_device_mesh",
+        "nccl and cuda device ids and meshes become the neuron backend and devices",
+        "test_ddp_under_torchrun_with_nccl", _redirecting(_distributed_rows)),
+    _compat_patch(
+        "cuda-compat-torch-cuda", "torch.cuda.* (device, memory, RNG and stream functions; Stream, Event), "
+        "torch.cuda.streams.Stream/Event.__new__",
+        "the script's torch.cuda calls reach torch.neuron; torch's own calls (a caller check) get the host's answers",
+        "test_compile_under_bf16_autocast_and_nvtx_ranges", _redirecting(_torch_cuda_rows)),
+    _compat_patch(
+        "cuda-compat-nvtx", "torch.cuda.nvtx.*", "NVTX ranges become PyTorch profiler ranges (NVTX is absent off CUDA)",
+        "test_compile_under_bf16_autocast_and_nvtx_ranges", _redirecting(_nvtx_rows)),
+    _compat_patch(
+        "cuda-compat-device-arguments", "the torch function mode stack (a global TorchFunctionMode)",
+        "'cuda' device arguments of every torch function and Tensor method become 'neuron'",
+        "test_redirect_depth_isinstance_and_compile", _enter_mode, _exit_mode),
+)
 
 
 def _mentions_cuda(args: tuple, kwargs: dict) -> bool:
@@ -403,24 +512,26 @@ def _mentions_cuda(args: tuple, kwargs: dict) -> bool:
 
 
 def enable() -> None:
-    """Turn compatibility mode on for this process (idempotent; there is no off: patches are process-wide)."""
-    global _enabled
-    if _enabled:
-        return
-    _enabled = True
-    for owner, attr, make in _patches():
-        setattr(owner, attr, make(getattr(owner, attr)))
-    _DeviceMode().__enter__()  # stays on the (thread-local) mode stack for the life of the process
+    """Turn compatibility mode on for this process (idempotent). Each concern is one patch of the registry
+    (`COMPAT`); `disable()` undoes them, but objects built meanwhile (streams, scalers, ...) stay what they are."""
+    for p in COMPAT:
+        patches.apply(p)
+
+
+def disable() -> None:
+    """Undo every compat patch (the originals are back; objects built under the mode stay as they are)."""
+    for p in reversed(COMPAT):
+        patches.undo(p)
 
 
 def maybe_enable_from_env() -> None:
     """Autoload hook: TORCHNEURON_CUDA_COMPAT=1 enables the mode; TORCHNEURON_PORTING_REPORT=path.json|path.md|-
     writes the porting report at exit."""
     cfg = config.current_or_none()  # an invalid configuration (None) is raised at the first use of the device
-    if _enabled or cfg is None or not cfg.cuda_compat:
+    if is_enabled() or cfg is None or not cfg.cuda_compat:
         return
     enable()
     dest = cfg.porting_report
     if dest:
-        from . import report
-        atexit.register(report.write, dest)
+        from . import porting_report
+        atexit.register(porting_report.write, dest)
