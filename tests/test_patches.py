@@ -201,8 +201,7 @@ def _patch_sites(path: Path) -> list[str]:
 _NOT_PATCHES = {
     ("cli.py", "sys.argv"),  # `torchneuron run` / `profile` run a script as `python script.py` does
     ("cli.py", "sys.path.insert"),
-    ("presets.py", "os.environ.setdefault('HF_HUB_OFFLINE'"),  # environment writes: the configuration's concern
-    ("cache.py", "os.environ"),
+    ("config.py", "os.environ"),  # environment writes (scoped_env, default_env): the configuration's own concern
 }
 
 
