@@ -72,6 +72,10 @@ EXACT_OPS: tuple[str, ...] = tuple(sorted(set(NATIVE_OPS["dma"]) | {
     "abs", "_local_scalar_dense", "nonzero", "argmax", "argmin", "eq", "ne", "lt", "le", "gt", "ge",
 }))
 
+# Ops that take CPU index tensors alongside device ones (as CUDA allows for indexing); any other op refuses a
+# non-scalar host tensor with CUDA's "Expected all tensors to be on the same device".
+HOST_TENSOR_OPS: tuple[str, ...] = ("index", "index_put", "_index_put_impl", "_local_scalar_dense")
+
 ENGINE_OF: dict[str, str] = {op: engine for engine, ops in NATIVE_OPS.items() for op in ops}
 
 

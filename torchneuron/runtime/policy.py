@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from .. import _C
 from ..hardware import config
-from ..hardware.config import DTYPE_POLICIES, FALLBACK_POLICIES
-from .native_ops import EXACT_OPS, native_op_names
+from .native_ops import EXACT_OPS, HOST_TENSOR_OPS, native_op_names
 
 
 def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = None) -> None:
@@ -12,12 +11,9 @@ def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = 
     cfg = config.current()  # not a use of the device: LOCAL_RANK is not checked here
     dtype_policy = dtype_policy or cfg.dtype_policy
     fallback_policy = fallback_policy or cfg.fallback_policy
-    if dtype_policy not in DTYPE_POLICIES or fallback_policy not in FALLBACK_POLICIES:
-        raise ValueError(f"dtype policy must be one of {DTYPE_POLICIES} and fallback policy one of "
-                         f"{FALLBACK_POLICIES}; got {dtype_policy!r}, {fallback_policy!r}")
-    _C._set_policies(DTYPE_POLICIES.index(dtype_policy), FALLBACK_POLICIES.index(fallback_policy))
+    _C._set_policies(dtype_policy, fallback_policy)  # ValueError listing the valid names; nothing changes then
     config.update(dtype_policy=dtype_policy, fallback_policy=fallback_policy)
 
 
 def install_op_tables() -> None:
-    _C._set_op_tables(native_op_names(), list(EXACT_OPS))
+    _C._set_op_table(native_op_names(), list(EXACT_OPS), list(HOST_TENSOR_OPS))
