@@ -3,6 +3,7 @@ with its modelled device time (the cost model's), linked to the host op that lau
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -120,7 +121,9 @@ def test_compiled_kernels_are_device_events():
     events = device_events(prof)
     compiled = [e for e in events if "kernel" in e.name]
     names = [e.name for e in compiled]  # one kernel per graph, on each side of the break
-    assert names[0] == "neuron::f_0_inference_kernel0" and names[1].startswith("neuron::torch_dynamo_resume_in_f")
+    # Dynamo numbers graphs per process (f_0, f_1, ... after earlier compiles of a function named f)
+    assert re.fullmatch(r"neuron::f_\d+_inference_kernel0", names[0]), names
+    assert names[1].startswith("neuron::torch_dynamo_resume_in_f")
     assert len(names) == 2
     eager = Counter(e.name for e in events if "kernel" not in e.name)
     assert eager == executed_kernels()  # anything Dynamo ran eagerly between the graphs
