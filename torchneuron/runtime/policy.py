@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import _C
 from ..hardware.config import DTYPE_POLICIES, FALLBACK_POLICIES
-from .native_ops import EXACT_OPS, native_op_names
+from .optable import names
 
 
 def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = None) -> None:
@@ -21,4 +21,8 @@ def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = 
 
 
 def install_op_tables() -> None:
-    _C._set_op_tables(native_op_names(), list(EXACT_OPS))
+    """Hand the op table's per-base-name facts to the C++ core (runtime/optable.py)."""
+    if hasattr(_C, "_set_op_table"):
+        _C._set_op_table(names("native"), names("exact"), names("host_tensors"))
+    else:  # a core built before the [cppsplit] bindings: host tensors stay its built-in list
+        _C._set_op_tables(names("native"), names("exact"))
