@@ -230,12 +230,12 @@ class Coster:
 
     @staticmethod
     def groups(recs: list[Rec], costs: list[OpCost]) -> list[list[int]]:
-        """Greedy fusion in program order: a vector/scalar/DMA op joins the open kernel when it consumes a
-        value made in it (same phase); anything else opens a new kernel; collectives stand alone."""
+        """Greedy fusion in program order: a vector/scalar/DMA (or host fallback) op joins the open kernel when it
+        consumes a value made in it (same phase); anything else opens a new kernel; collectives stand alone."""
         groups: list[list[int]] = []
         made: set[int] = set()
         for i, (r, c) in enumerate(zip(recs, costs)):
-            joins = (groups and c.engine in ("vector", "scalar", "dma") and not made.isdisjoint(r.in_ids)
+            joins = (groups and c.engine in ("vector", "scalar", "dma", "host") and not made.isdisjoint(r.in_ids)
                      and costs[groups[-1][0]].engine != "collective" and recs[groups[-1][0]].phase == r.phase)
             if joins:
                 groups[-1].append(i)
