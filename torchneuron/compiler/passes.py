@@ -51,6 +51,7 @@ class Report:
 
     engines: Counter = field(default_factory=Counter)
     host_ops: Counter = field(default_factory=Counter)
+    op_engines: dict[str, str] = field(default_factory=dict)  # "aten::mm" -> "tensor": each op's classification
     float64_rounded: list[str] = field(default_factory=list)
     constants: list[str] = field(default_factory=list)
     rng_prologue: list[str] = field(default_factory=list)
@@ -89,6 +90,7 @@ def classify(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
         engine = engine_of(n.target) if n.op == "call_function" else None
         if engine:
             report.engines[engine] += 1
+            report.op_engines[n.target.name()] = engine
         if engine == "host":
             report.host_ops[str(n.target)] += 1
 

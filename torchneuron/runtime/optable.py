@@ -8,7 +8,7 @@ and the profiler (engine rows) all ask `op_info`; no layer keeps an op set of it
 An op missing from the table (DEFAULT) runs as a counted host fallback: engine "host", not native, not exact, not
 random, no host tensors, costed by the `sweep` rule (one datapath pass per tensor input) at VectorE's rate, which is
 what neuronx-cc would lower an unlisted elementwise op to. Every op torch marks as a view (`OpOverload.is_view`, aten
-and prims) is listed as free, except `contiguous` (a copy when it is not a no-op) and TorchScript's `copy.Dict*`.
+and prims) is listed as free, except `contiguous` (a copy when it is not a no-op).
 
 Decisions where the layers used to disagree (Trainium semantics):
 - `empty*`, `new_empty*`, `resize_`, `set_`: allocation is runtime bookkeeping, no engine or DMA runs -> free.
