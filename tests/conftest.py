@@ -64,7 +64,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         lines = [f"FAILED op table consistency: {len(bad)} disagreement(s) over the {len(names)} ops this session ran "
                  "(tests/op_consistency.py):", *bad]
-        (reporter.write_line if reporter else print)("\n".join(lines), **({"red": True} if reporter else {}))
+        if reporter:
+            reporter.write_line("\n".join(lines), red=True, bold=True)
+        else:
+            print("\n".join(lines))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
