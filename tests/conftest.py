@@ -28,15 +28,20 @@ def run_py(code: str, env: dict | None = None, timeout: float = 300, check: bool
 # node), for the cross-layer check at the end of the session (tests/op_consistency.py).
 _RAN: dict[str, set[str]] = {"executed": set(), "fallback": set()}
 _COMPILED: dict[str, str] = {}
+_ROWS_READ = [0]  # compile-metrics rows already read
 
 
 def _collect_ops() -> None:
-    """Read the counters before the next test clears them (cheap: names only)."""
+    """Read the counters before the next test clears them (cheap: names only, new metrics rows only)."""
     _RAN["executed"].update(dict(torchneuron._C._executed_ops()))
     _RAN["fallback"].update(dict(torchneuron._C._fallback_ops()))
     metrics = sys.modules.get("torchneuron.compiler.metrics")  # only when a test compiled something
-    for row in metrics._ROWS if metrics else ():
+    rows = metrics._ROWS if metrics else []
+    if len(rows) < _ROWS_READ[0]:  # a test reset the metrics
+        _ROWS_READ[0] = 0
+    for row in rows[_ROWS_READ[0]:]:
         _COMPILED.update(row.get("op_engines", {}))
+    _ROWS_READ[0] = len(rows)
 
 
 @pytest.fixture(autouse=True)
