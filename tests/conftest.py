@@ -65,8 +65,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
     names = dict.fromkeys(_RAN["executed"] | _RAN["fallback"]) | _COMPILED
     bad = disagreements(names, _RAN["executed"], _RAN["fallback"])
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if not bad and reporter:
+        reporter.write_line(f"op table consistency: the {len(names)} ops this session ran agree across layers")
     if bad:
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
         lines = [f"FAILED op table consistency: {len(bad)} disagreement(s) over the {len(names)} ops this session ran "
                  "(tests/op_consistency.py):", *bad]
         if reporter:
