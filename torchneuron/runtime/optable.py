@@ -195,6 +195,9 @@ def _merge(rows: list[Op]) -> dict[str, Op]:
 
 
 TABLE: dict[str, Op] = _merge(_TABLE)
+# An op missing from the table: a counted host fallback, priced as a VectorE sweep (see the module docstring).
+DEFAULT = Op("", engine="host", native=False, rule=Rule.SWEEP)
+
 
 def op_info(op: Any) -> Op:
     """The record of an op: an OpOverload, `aten::add_.Tensor`, `add.Tensor` or `add`. An overload row wins over its
@@ -208,9 +211,6 @@ def op_info(op: Any) -> Op:
     if overload and f"{b}.{overload}" in TABLE:
         return TABLE[f"{b}.{overload}"]
     return TABLE.get(b) or replace(DEFAULT, name=b)
-
-
-DEFAULT = Op("", engine="host", native=False, rule=Rule.SWEEP)
 
 
 def names(field: str) -> list[str]:
