@@ -90,3 +90,72 @@ def test_multiple_outputs_and_complex():
 def test_sparse_is_a_clear_not_implemented():
     with pytest.raises(NotImplementedError):
         torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (2,)).to("neuron")
+
+
+def test_policies_reach_cpp_by_name_and_unknown_names_are_refused():
+    from torchneuron import _C
+    from torchneuron.hardware.config import DTYPE_POLICIES, FALLBACK_POLICIES
+
+    for d in DTYPE_POLICIES:  # every name the configuration accepts, the core accepts
+        for f in FALLBACK_POLICIES:
+            _C._set_policies(d, f)
+    _C._set_policies("trainium", "error")
+    with pytest.raises(ValueError, match="unknown fallback policy 'loud'; valid values: 'warn', 'silent', 'error'"):
+        _C._set_policies("host", "loud")
+    with pytest.raises(ValueError, match="unknown dtype policy 'fp16'; valid values: 'trainium', 'host'"):
+        _C._set_policies("fp16", "warn")
+    with pytest.raises(NotImplementedError, match="TORCHNEURON_FALLBACK=error"):  # a refused call changed nothing
+        torch.linalg.qr(torch.randn(3, 3, device="neuron"))
+    x = torch.tensor([1 + 2**-40], dtype=torch.float64, device="neuron")
+    assert x.item() == 1.0  # still the trainium dtype policy, not the refused "host"
+
+
+def test_op_class_is_what_the_fallback_counts():
+    from torchneuron import _C
+
+    expected = {  # qualified name -> (base, native, exact, host_tensors), from the op table's documented classes
+        "aten::add_.Tensor": ("add", True, False, False),
+        "aten::add": ("add", True, False, False),
+        "aten::index_put_": ("index_put", True, True, True),
+        "aten::index.Tensor": ("index", True, True, True),
+        "aten::cat.out": ("cat", True, True, False),
+        "aten::__and__.Tensor": ("__and__", False, False, False),
+        "aten::linalg_qr": ("linalg_qr", False, False, False),
+    }
+    for name, (base, native, exact, host) in expected.items():
+        assert _C._op_class(name) == {"base": base, "native": native, "exact": exact, "host_tensors": host}, name
+    a = torch.randn(4, 4, device="neuron")
+    a.add_(a)
+    torch.linalg.qr(a)
+    a[torch.tensor([0, 1])] = 0.0  # host index tensor into a device op: allowed only where host_tensors
+    executed, fallback = torchneuron.get_executed_ops(), torchneuron.get_fallback_ops()
+    for op in [*executed, *fallback]:
+        if op.startswith("aten::"):
+            assert _C._op_class(op)["native"] == (op in executed) != (op in fallback), op
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        a.add_(torch.ones(4, 4))  # add does not take host tensors
+
+
+def test_op_counters_and_warn_once_are_exact_across_threads():
+    import threading
+
+    x = torch.ones(16, dtype=torch.float64, device="neuron")
+    y = torch.ones(16, device="neuron")
+    n_threads, calls = 4, 300
+    torchneuron.clear_op_tracking()
+
+    def work():
+        for _ in range(calls):
+            y.add(1)
+            x.sin()  # float64 result: a dtype event per call, one warning in all
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        threads = [threading.Thread(target=work) for _ in range(n_threads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert torchneuron.get_executed_ops()["aten::add"] == n_threads * calls
+    assert torchneuron.get_dtype_events()["aten::sin"] == n_threads * calls
+    assert sum("aten::sin produced float64" in str(w.message) for w in caught) == 1

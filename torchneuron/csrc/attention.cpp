@@ -39,11 +39,6 @@ int64_t choose_sdp(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return static_cast<int64_t>(SDPBackend::math);
 }
 
-at::Tensor on_host(const at::Tensor& t) { return t.defined() && t.device().type() == kNeuron ? host_alias(t) : t; }
-std::optional<at::Tensor> on_host(const std::optional<at::Tensor>& t) {
-  return t && t->defined() ? std::optional<at::Tensor>(on_host(*t)) : std::nullopt;
-}
-
 // Would the CPU's SDPA run these (host) inputs through its flash kernel? Dropout never: the mask must come from
 // the neuron generator, which only the math op accepts.
 bool cpu_takes_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -133,14 +133,7 @@ struct NeuronHooks final : public at::PrivateUse1HooksInterface {
   bool isPinnedPtr(const void* data) const override { return PinnedAllocator::instance().is_pinned(data); }
   c10::Allocator* getPinnedMemoryAllocator() const override { return &PinnedAllocator::instance(); }
   void resizePrivateUse1Bytes(const c10::Storage& storage, size_t newsize) const override {
-    auto* impl = storage.unsafeGetStorageImpl();
-    TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
-    c10::DeviceGuard guard(impl->device());
-    c10::DataPtr fresh = neuron_allocator()->allocate(newsize);
-    size_t keep = std::min(newsize, impl->nbytes());
-    if (keep) std::memcpy(fresh.get(), impl->data(), keep);
-    impl->set_data_ptr_noswap(std::move(fresh));
-    impl->set_nbytes(newsize);
+    resize_device_storage(*storage.unsafeGetStorageImpl(), newsize);
   }
 };
 

@@ -14,39 +14,10 @@
 #include <c10/core/StorageImpl.h>
 #include <torch/library.h>
 
-#include <cstring>
-#include <limits>
 
 #include "runtime.h"
 
 namespace torchneuron {
-
-at::Tensor host_alias(const at::Tensor& t, const c10::Storage& host_storage) {
-  c10::Storage storage = host_storage;
-  if (!storage) {
-    const auto& st = t.storage();
-    storage = c10::Storage(c10::make_intrusive<c10::StorageImpl>(
-        c10::StorageImpl::use_byte_size_t(), st.nbytes(), c10::DataPtr(st.mutable_data(), c10::Device(c10::kCPU)),
-        c10::GetCPUAllocator(), /*resizable=*/true));
-  }
-  auto a = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CPU),
-                                                    t.dtype());
-  auto* ai = a.unsafeGetTensorImpl();
-  ai->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-  if (t.is_conj()) ai->_set_conj(true);
-  if (t.is_neg()) ai->_set_neg(true);
-  if (t.unsafeGetTensorImpl()->is_wrapped_number()) ai->set_wrapped_number(true);
-  return a;
-}
-
-at::Tensor HostAliases::operator()(const at::Tensor& t) {
-  const auto* dev = t.storage().unsafeGetStorageImpl();
-  for (auto& [d, host] : storages)
-    if (d == dev) return host_alias(t, host);
-  at::Tensor a = host_alias(t);
-  storages.emplace_back(dev, a.storage());
-  return a;
-}
 
 c10::DeviceIndex check_same_device(const char* op, at::ArrayRef<at::Tensor> tensors) {
   c10::DeviceIndex device = -1;
@@ -62,26 +33,9 @@ c10::DeviceIndex check_same_device(const char* op, at::ArrayRef<at::Tensor> tens
   return device;
 }
 
-at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device) {
-  auto* simpl = host.storage().unsafeGetStorageImpl();
-  size_t nbytes = simpl->nbytes();
-  c10::DataPtr data = simpl->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));
-  simpl->set_nbytes(0);  // the host storage gave its memory away
-  auto impl = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
-                                                    adopt_host_memory(std::move(data), nbytes, device),
-                                                    neuron_allocator(), /*resizable=*/true);
-  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(impl)),
-                                                    c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), host.dtype());
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(host.sizes(), host.strides(), host.storage_offset());
-  if (host.is_conj()) t._set_conj(true);
-  if (host.is_neg()) t._set_neg(true);
-  return t;
-}
-
 namespace {
 
 bool is_neuron(const at::Tensor& t) { return t.device().type() == kNeuron; }
-at::Tensor on_host(const at::Tensor& t) { return is_neuron(t) ? host_alias(t) : t; }
 
 c10::DeviceIndex target_index(std::optional<at::Device> device) {
   c10::DeviceIndex idx = device && device->has_index() ? device->index() : current_device();
@@ -132,15 +86,9 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
   return copy_from(self, dst, false);
 }
 
+// resize_ and set_ grow a storage that is too small for the new extent, never shrink it (as on the CPU).
 void grow_storage(const c10::Storage& storage, size_t nbytes) {
-  if (nbytes <= storage.nbytes()) return;
-  auto* impl = storage.unsafeGetStorageImpl();
-  TORCH_CHECK(impl->resizable(), "Trying to resize storage that is not resizable");
-  c10::DeviceGuard g(impl->device());
-  c10::DataPtr fresh = neuron_allocator()->allocate(nbytes);
-  if (impl->nbytes()) std::memcpy(fresh.get(), impl->data(), impl->nbytes());
-  impl->set_data_ptr_noswap(std::move(fresh));
-  impl->set_nbytes(nbytes);
+  if (nbytes > storage.nbytes()) resize_device_storage(*storage.unsafeGetStorageImpl(), nbytes);
 }
 
 const at::Tensor& resize_(const at::Tensor& self, at::IntArrayRef size, std::optional<at::MemoryFormat> fmt) {
@@ -190,9 +138,8 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight, const 
   note_executed("aten::convolution");
   KernelEvent event("aten::convolution", input.device().index(), nullptr, {input, weight, bias});
   at::AutoDispatchBelowADInplaceOrView below;
-  std::optional<at::Tensor> b = bias && bias->defined() ? std::optional<at::Tensor>(on_host(*bias)) : std::nullopt;
   auto out = with_device_oom(dev, [&] {
-    return at::convolution(on_host(input), on_host(weight), b, stride, padding, dilation, transposed,
+    return at::convolution(on_host(input), on_host(weight), on_host(bias), stride, padding, dilation, transposed,
                            output_padding, groups);
   });
   auto res = adopt_host_tensor(out, dev);

@@ -24,15 +24,22 @@ PYBIND11_MODULE(_C, m) {
     return route_to_cpu_kernels();
   }, "Configure the modelled devices (one capacity in bytes per visible logical core, or none and the reason "
      "they are unusable) and register the hooks.", py::arg("capacities"), py::arg("unavailable") = "");
-  m.def("_set_policies", [](int dtype, int fallback) {
-    set_policies(static_cast<DtypePolicy>(dtype), static_cast<FallbackPolicy>(fallback));
-  });
-  m.def("_set_op_tables", &set_op_tables);
+  m.def("_set_policies", &set_policies, py::arg("dtype_policy"), py::arg("fallback_policy"),
+        "Set the dtype policy ('trainium' | 'host') and the fallback policy ('warn' | 'silent' | 'error') by name; "
+        "ValueError for an unknown name.");
+  m.def("_set_op_table", &set_op_table, py::arg("native"), py::arg("exact"), py::arg("host_tensors"),
+        "The op table's classification, by base name: ops the device runs natively, exact data movement (keeps "
+        "fp64 bits), ops that take CPU index tensors alongside device ones.");
+  m.def("_op_class", [](const std::string& name) {
+    OpClass c = op_class(name);
+    return py::dict(py::arg("base") = c.base, py::arg("native") = c.native, py::arg("exact") = c.exact,
+                    py::arg("host_tensors") = c.host_tensors);
+  }, py::arg("name"), "How the C++ core classifies an op (\"aten::add_.Tensor\" or \"aten::add_\"): its base name "
+     "and table flags.");
   m.def("_executed_ops", [] { return as_dict(executed_ops()); });
   m.def("_fallback_ops", [] { return as_dict(fallback_ops()); });
   m.def("_dtype_events", [] { return as_dict(dtype_events()); });
   m.def("_clear_op_tracking", &clear_op_tracking);
-  m.def("_device_of_pointer", [](uintptr_t p) { return static_cast<int>(device_of_pointer(reinterpret_cast<void*>(p))); });
   m.def("_default_generator", [](int index) {
     return py::reinterpret_steal<py::object>(
         THPGenerator_initDefaultGenerator(default_generator(static_cast<c10::DeviceIndex>(index))));
@@ -66,5 +73,4 @@ PYBIND11_MODULE(_C, m) {
   }, "self.data = data across the host/neuron boundary (what Module.to does for CUDA; PyTorch refuses it here).");
   bind_profiler(m);
   bind_memory_history(m);
-  m.def("_device_capacity", [](int index) { return device_capacity(static_cast<c10::DeviceIndex>(index)); });
 }

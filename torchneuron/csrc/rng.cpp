@@ -3,7 +3,7 @@
 // A DTensor shard drawn at DTensor's shard offset therefore holds exactly the values of the same slice of the
 // unsharded tensor. Each kernel makes the values in float64 on the host and writes them with a cast.
 // Random ops not listed here (multinomial, randperm, poisson, normal with tensor arguments, ...) run as host
-// fallbacks with a CPU generator seeded from the next counter (fallback.cpp).
+// fallbacks with a CPU generator seeded from the next counter (fallback.cpp, host_generator_of).
 #include <ATen/Parallel.h>
 #include <c10/util/MathConstants.h>
 #include <torch/library.h>
@@ -116,7 +116,7 @@ at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Genera
 }
 
 at::Tensor& bernoulli_tensor(at::Tensor& self, const at::Tensor& p, std::optional<at::Generator> gen) {
-  at::Tensor probs = p.device().type() == kNeuron ? host_alias(p) : p;
+  at::Tensor probs = on_host(p);
   auto u = draw(self, gen, Want::one).u1;
   return write(self, u.lt(probs.to(at::kDouble).expand(self.sizes())), "aten::bernoulli_");
 }

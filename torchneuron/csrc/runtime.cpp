@@ -1,5 +1,6 @@
 // The device table of the modelled machine: how many logical NeuronCores this process sees, each one's
-// memory capacity, and the calling thread's current device. Configured once from Python (hardware/config.py).
+// memory capacity, and the calling thread's current device. Configured once from Python (_C._init, from the
+// configuration).
 #include "runtime.h"
 
 #include <c10/util/Exception.h>

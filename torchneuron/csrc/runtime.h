@@ -9,6 +9,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -97,33 +98,82 @@ PhiloxSlice reserve_philox(const std::optional<at::Generator>& gen, c10::DeviceI
 at::Generator host_generator_of(const at::Generator& neuron_gen);
 void advance_generator(const at::Generator& neuron_gen, uint64_t n);
 
-// ---- fallback.cpp: policies and op tracking ----
-enum class DtypePolicy : int { trainium = 0, host = 1 };
-enum class FallbackPolicy : int { warn = 0, silent = 1, error = 2 };
-void set_policies(DtypePolicy dtype, FallbackPolicy fallback);
-// native: ops the device runs (the rest are counted as host fallbacks); exact: data movement that keeps fp64 bits.
-void set_op_tables(const std::vector<std::string>& native, const std::vector<std::string>& exact);
-void note_executed(const char* name);              // an explicit kernel ran on the device
+// ---- policy.cpp: the device policies (docs/device.md: Trainium rules, fallback policy) ----
+enum class DtypePolicy : int { trainium, host };
+enum class FallbackPolicy : int { warn, silent, error };
+// By name ("trainium" | "host", "warn" | "silent" | "error"); an unknown name raises ValueError listing the valid
+// ones, and then neither policy changes.
+void set_policies(const std::string& dtype, const std::string& fallback);
+FallbackPolicy fallback_policy();
+// The trainium dtype rules apply to ops on this thread: the policy is `trainium` and no internal math is running.
+bool trainium_rules();
+// While set on this thread, ops skip the dtype policy: PyTorch's own tensor printing computes its layout in
+// float64 and must neither warn about nor count the user's program (the values printed are the device's).
+bool set_internal_math(bool on);  // returns the previous value
+bool is_fp64(const at::Tensor& t);  // float64 or complex128
+void round_to_fp32(const at::Tensor& host);  // the fp64 rule, in place: values keep float32 precision
+struct Int64Range {
+  int64_t lo = 0, hi = 0;
+  bool outside = false;  // some value does not fit int32
+};
+Int64Range int64_range(const at::Tensor& host);  // empty unless `host` is int64
 void note_host_to_device(const at::Tensor& host);  // data entered the device: apply the dtype policy
 // `device_tensor` was computed outside the fallback (a collective's reduction): apply the dtype policy to it,
 // counted under `name`.
 void note_device_result(const std::string& name, const at::Tensor& device_tensor);
-// While set on this thread, ops skip the dtype policy: PyTorch's own tensor printing computes its layout in
-// float64 and must neither warn about nor count the user's program (the values printed are the device's).
-bool set_internal_math(bool on);  // returns the previous value
+
+// ---- op_tracking.cpp: each op's class (from the op table, runtime/) and what it did ----
+// One per operator schema (overloads of one name aggregate in the reports). Counters and flags are atomics: op
+// calls on any thread (autograd workers, DataLoader threads) update them with no lock held.
+struct OpEntry {
+  explicit OpEntry(std::string op_name) : name(std::move(op_name)) {}
+  const std::string name;                           // "aten::add_" (overload dropped)
+  std::vector<size_t> generators, writes, scalars;  // argument positions (scalars: `Scalar` values); fixed
+  // The op table's classification of the base name; _set_op_table may change it while ops run.
+  std::atomic<bool> native{false};        // the device runs it (else a counted host fallback)
+  std::atomic<bool> exact{false};         // pure data movement: keeps every bit under the trainium dtype policy
+  std::atomic<bool> host_tensors{false};  // takes CPU index tensors alongside device ones
+  std::atomic<int64_t> executed{0}, fallback{0}, dtype_events{0};
+  std::atomic<bool> warned_fallback{false}, warned_fp64{false}, warned_int64{false};
+};
+// The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
+// underscore dropped; dunder names such as "__and__" kept).
+std::string base_name(const std::string& name);
+// native / exact / host_tensors: base names (no op list lives in C++).
+void set_op_table(const std::vector<std::string>& native, const std::vector<std::string>& exact,
+                  const std::vector<std::string>& host_tensors);
+struct OpClass {
+  std::string base;
+  bool native, exact, host_tensors;
+};
+OpClass op_class(const std::string& name);  // qualified name, with or without overload
+OpEntry& op_entry(const c10::OperatorHandle& op);  // created and classified on first use; the address is stable
+// An op call reached the fallback: count it as native or host fallback and apply the fallback policy (raises
+// NotImplementedError under `error`, warns once per op under `warn`).
+void count_call(OpEntry& e);
+void note_executed(const char* name);  // an explicit kernel ran on the device
+enum class Fp64Event { produced, received, copied };  // an op's result, host values entering an op, a copy in
+void note_fp64(OpEntry& e, Fp64Event event);        // counts the event; warns once per op
+void note_int64(OpEntry& e, const Int64Range& r);  // counts and warns once per op if `r` leaves int32
+OpEntry& copy_in_entry();                          // host -> device copies
+OpEntry& outside_entry(const std::string& name);   // device results computed outside the fallback
+// (name, count) pairs
+std::vector<std::pair<std::string, int64_t>> executed_ops();
+std::vector<std::pair<std::string, int64_t>> fallback_ops();
+std::vector<std::pair<std::string, int64_t>> dtype_events();
+void clear_op_tracking();  // also re-arms the warnings
+
+// ---- fallback.cpp: the boxed fallback (every op without an explicit kernel runs its ATen CPU kernel) ----
 void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+// ---- routing.cpp ----
 // Ops with both a CPU kernel and a device-generic composite kernel would take the composite on `neuron`
 // (a different algorithm, different rounding, and an extra out= round trip). Route them to the CPU kernel
 // through the fallback instead, so the device computes exactly what the CPU does; likewise the composites ATen
 // guards with a device-type check that excludes PrivateUse1 (mode.values). Returns how many.
 int route_to_cpu_kernels();
-// (name, count) pairs
-std::vector<std::pair<std::string, int64_t>> executed_ops();
-std::vector<std::pair<std::string, int64_t>> fallback_ops();
-std::vector<std::pair<std::string, int64_t>> dtype_events();
-void clear_op_tracking();
 
-// ---- shared helpers (kernels.cpp) ----
+// ---- bridge.cpp: device tensors <-> the CPU tensors ATen's kernels compute on (zero-copy both ways) ----
 // A CPU tensor that aliases the device tensor's memory (same bytes, sizes, strides, offset): the zero-copy
 // bridge onto ATen CPU kernels. Pass `host_storage`, the CPU storage already made for the same device storage
 // in this op call, so that all aliases of one device storage share one CPU storage: ATen's overlap checks
@@ -134,14 +184,27 @@ struct HostAliases {
   c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 4> storages;  // device -> CPU storage
   at::Tensor operator()(const at::Tensor& device_tensor);
 };
-// CUDA's device check for explicit kernels: every defined tensor is on the neuron device of the first neuron
-// tensor (returned), else RuntimeError "Expected all tensors to be on the same device, but found at least two
-// devices, ...".
-c10::DeviceIndex check_same_device(const char* op, at::ArrayRef<at::Tensor> tensors);
+// The CPU alias of a (defined) neuron tensor; anything else as it is.
+at::Tensor on_host(const at::Tensor& t);
+std::optional<at::Tensor> on_host(const std::optional<at::Tensor>& t);
 // A device tensor over the memory of a CPU tensor produced by a kernel (adopted, no copy).
 at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device);
 // A neuron tensor over `storage` with the metadata (and conj/neg bits) of `like`.
 at::Tensor device_tensor_like(const c10::Storage& storage, const at::Tensor& like);
+// The one routine that changes the size of a device storage (resize_, set_, Storage.resize_, an out= argument a
+// CPU kernel resized). `kernel_memory`: host memory a CPU kernel allocated and filled for the storage, adopted as
+// its memory without a copy; without it, fresh device memory receives the first min(old, new) bytes.
+void resize_device_storage(c10::StorageImpl& storage, size_t nbytes,
+                           std::optional<c10::DataPtr> kernel_memory = std::nullopt);
+// After a CPU kernel wrote `alias`, the CPU alias of device tensor `dev`: when the kernel resized it, the device
+// storage takes the kernel's memory (and the alias keeps viewing it), and `dev` takes the alias's new shape.
+void sync_written(const at::Tensor& dev, const at::Tensor& alias);
+
+// ---- kernels.cpp ----
+// CUDA's device check for explicit kernels: every defined tensor is on the neuron device of the first neuron
+// tensor (returned), else RuntimeError "Expected all tensors to be on the same device, but found at least two
+// devices, ...".
+c10::DeviceIndex check_same_device(const char* op, at::ArrayRef<at::Tensor> tensors);
 
 // ---- profiler.cpp: device events for torch.profiler (ProfilerActivity.PrivateUse1) ----
 extern std::atomic<bool> g_tracing_device;  // a trace of the device is recording

@@ -1,4 +1,4 @@
-"""Applies the device policies (dtype rules, fallback behaviour) and the native op table to the C++ core."""
+"""Applies the device policies (dtype rules, fallback behaviour) and the op table to the C++ core."""
 from __future__ import annotations
 
 from .. import _C
@@ -16,13 +16,10 @@ def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = 
     if dtype_policy not in DTYPE_POLICIES or fallback_policy not in FALLBACK_POLICIES:
         raise ValueError(f"dtype policy must be one of {DTYPE_POLICIES} and fallback policy one of "
                          f"{FALLBACK_POLICIES}; got {dtype_policy!r}, {fallback_policy!r}")
-    _C._set_policies(DTYPE_POLICIES.index(dtype_policy), FALLBACK_POLICIES.index(fallback_policy))
+    _C._set_policies(dtype_policy, fallback_policy)
     module._set_config(dtype_policy=dtype_policy, fallback_policy=fallback_policy)
 
 
 def install_op_tables() -> None:
     """Hand the op table's per-base-name facts to the C++ core (runtime/optable.py)."""
-    if hasattr(_C, "_set_op_table"):
-        _C._set_op_table(names("native"), names("exact"), names("host_tensors"))
-    else:  # a core built before the [cppsplit] bindings: host tensors stay its built-in list
-        _C._set_op_tables(names("native"), names("exact"))
+    _C._set_op_table(names("native"), names("exact"), names("host_tensors"))
