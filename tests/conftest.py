@@ -24,6 +24,26 @@ def run_py(code: str, env: dict | None = None, timeout: float = 300, check: bool
     return p
 
 
+# Every op the suite ran on neuron (C++ counters, eager) or compiled (the compiler's classification of each graph
+# node), for the cross-layer check at the end of the session (tests/op_consistency.py).
+_RAN: dict[str, set[str]] = {"executed": set(), "fallback": set()}
+_COMPILED: dict[str, str] = {}
+_ROWS_READ = [0]  # compile-metrics rows already read
+
+
+def _collect_ops() -> None:
+    """Read the counters before the next test clears them (cheap: names only, new metrics rows only)."""
+    _RAN["executed"].update(dict(torchneuron._C._executed_ops()))
+    _RAN["fallback"].update(dict(torchneuron._C._fallback_ops()))
+    metrics = sys.modules.get("torchneuron.compiler.metrics")  # only when a test compiled something
+    rows = metrics._ROWS if metrics else []
+    if len(rows) < _ROWS_READ[0]:  # a test reset the metrics
+        _ROWS_READ[0] = 0
+    for row in rows[_ROWS_READ[0]:]:
+        _COMPILED.update(row.get("op_engines", {}))
+    _ROWS_READ[0] = len(rows)
+
+
 @pytest.fixture(autouse=True)
 def _device_state():
     """Each test starts on neuron:0 with the default policies and clean op counters."""
@@ -31,8 +51,31 @@ def _device_state():
     torchneuron.clear_op_tracking()
     torch.neuron.set_device(0)
     yield
+    _collect_ops()
     torchneuron.set_policies("trainium", "warn")
     torch.neuron.set_device(0)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session when any op the suite ran or compiled is classified differently by two layers."""
+    if not (_RAN["executed"] or _RAN["fallback"] or _COMPILED):
+        return
+    from op_consistency import disagreements
+
+    names = dict.fromkeys(_RAN["executed"] | _RAN["fallback"]) | _COMPILED
+    bad = disagreements(names, _RAN["executed"], _RAN["fallback"])
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if not bad and reporter:
+        reporter.write_line(f"op table consistency: the {len(names)} ops this session ran agree across layers")
+    if bad:
+        lines = [f"FAILED op table consistency: {len(bad)} disagreement(s) over the {len(names)} ops this session ran "
+                 "(tests/op_consistency.py):", *bad]
+        if reporter:
+            reporter.write_line("\n".join(lines), red=True, bold=True)
+        else:
+            print("\n".join(lines))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

@@ -102,7 +102,7 @@ def test_activation_goes_to_the_scalar_engine_and_views_are_free():
     assert c.engine == "scalar"
     assert c.compute_s == pytest.approx(1024 * 1024 / (128 * 1.4e9) + 4 * 60 / 1.4e9)
     v = op_cost("aten::view", [((8, 8), F32)], [((64,), F32)], "trn1")
-    assert v.time_s == 0 and v.engine == "none"
+    assert v.time_s == 0 and v.engine == "free"
 
 
 def test_embedding_reads_only_the_rows_it_returns():

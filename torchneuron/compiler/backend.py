@@ -68,6 +68,7 @@ class Session:
     kernels: int = 0
     cached: int = 0
     host_ops: Counter = dataclasses.field(default_factory=Counter)
+    op_engines: dict[str, str] = dataclasses.field(default_factory=dict)
     eager_nodes: int = 0
     rng_draws: int = 0
     float64_rounded: int = 0
@@ -180,7 +181,8 @@ def _compile(gm: fx.GraphModule, example_inputs: list, opts: Options, name: str)
 def _finish(row: dict, session: Session, start: float) -> dict:
     row.update(compile_time_s=time.perf_counter() - start, kernels=session.kernels,
                cache_hit=0 < session.kernels == session.cached, cached_kernels=session.cached,
-               host_ops=dict(session.host_ops), eager_nodes=session.eager_nodes, rng_draws=session.rng_draws,
+               host_ops=dict(session.host_ops), op_engines=dict(session.op_engines), eager_nodes=session.eager_nodes,
+               rng_draws=session.rng_draws,
                float64_rounded=session.float64_rounded)
     return row
 
@@ -261,6 +263,7 @@ def _compile_graph(session: Session, gm: fx.GraphModule, example_inputs: list, *
     session.kernels += len(kernels)
     session.cached += sum(c.cache_hit for c in kernels)
     session.host_ops.update(report.host_ops)
+    session.op_engines.update(report.op_engines)
     session.eager_nodes += len(report.eager_nodes)
     session.rng_draws += len(report.rng_prologue)
     session.float64_rounded += len(report.float64_rounded)

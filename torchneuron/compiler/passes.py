@@ -15,44 +15,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from ..runtime.native_ops import ENGINE_OF, EXACT_OPS, base_name
+from ..runtime.optable import op_info
 
 aten, prims = torch.ops.aten, torch.ops.prims
-
-# Random primitives: their decompositions would replace the device's draw with one from Inductor's own
-# generator.
-RANDOM_PRIMITIVES = frozenset({
-    "bernoulli", "native_dropout", "normal", "normal_functional", "uniform", "exponential", "cauchy",
-    "geometric", "log_normal", "rand", "randn", "randint", "randperm", "random", "rand_like", "randn_like",
-    "randint_like", "multinomial", "poisson",
-})
-# Inductor decompositions that ask the tensor's device for Inductor backend features (there is no Inductor backend
-# for `neuron`: its kernels are host code); these ops are native on the device and stay whole.
-ASKS_DEVICE = frozenset({"masked_scatter"})
-# Random ops that read only the shape, dtype and device of their tensor arguments (functional forms of the
-# in-place fills, factories, *_like): their draws can be made before the kernel runs.
-SHAPE_ONLY_RANDOM = frozenset({
-    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like", "uniform",
-    "normal_functional", "exponential", "geometric", "log_normal", "cauchy", "random",
-})
-# Ops outside the native table that cost no engine time (metadata only) or are what eager mode composes from
-# native ops (factories fill memory, prims casts run on the vector engine).
-FREE_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "expand", "permute", "t", "transpose", "squeeze", "unsqueeze", "slice",
-    "select", "as_strided", "alias", "detach", "split", "split_with_sizes", "unbind", "diagonal",
-    "_reshape_alias", "view_as_real", "view_as_complex", "unfold", "narrow", "chunk", "sym_size",
-    "sym_stride", "sym_numel",
-})
-EXTRA_ENGINES = {**dict.fromkeys(("empty", "empty_strided", "empty_like", "full", "full_like", "zeros",
-                                   "zeros_like", "ones", "ones_like", "new_empty", "new_zeros", "new_ones",
-                                   "scalar_tensor", "copy_", "lift_fresh_copy"), "dma"),
-                 "convert_element_type": "vector", "iota": "gpsimd"}
-
 
 def decompositions() -> dict:
     """What AOTAutograd decomposes: Inductor's table (down to the ops its host code generator lowers), plus
     PyTorch's core decomposition of any op the device does not run natively and Inductor would only call as
-    an ATen kernel. Composite ops keep their own decomposition; random primitives stay whole (see lift_rng)."""
+    an ATen kernel. Composite ops keep their own decomposition; random primitives (and ops the op table says
+    `decompose=False`: their decompositions ask the device for Inductor features it lacks) stay whole."""
     from torch._decomp import core_aten_decompositions
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.lowering import fallbacks, lowerings
@@ -60,26 +31,14 @@ def decompositions() -> dict:
     table = dict(select_decomp_table())
     for op, fn in core_aten_decompositions().items():
         composite = torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
-        if op not in table and not is_native(op) and not composite and (op not in lowerings or op in fallbacks):
+        if op not in table and not op_info(op).native and not composite and (op not in lowerings or op in fallbacks):
             table[op] = fn
-    return {op: fn for op, fn in table.items() if base_name(op.name()) not in RANDOM_PRIMITIVES | ASKS_DEVICE}
-
-
-def is_native(op: torch._ops.OpOverload) -> bool:
-    return base_name(op.name()) in ENGINE_OF
+    return {op: fn for op, fn in table.items() if op_info(op).decompose and not op_info(op).random}
 
 
 def engine_of(op: Any) -> str | None:
-    """The engine an op runs on: a native_ops engine, "free" (metadata), "host" (not native), None (not an
-    op)."""
-    if not isinstance(op, torch._ops.OpOverload):
-        return None
-    name = base_name(op.name())
-    if name in ENGINE_OF:
-        return ENGINE_OF[name]
-    if op.is_view or name in FREE_OPS:
-        return "free"
-    return EXTRA_ENGINES.get(name, "host")
+    """The engine an op runs on (the op table's: "host" for a host fallback), None for a node that is not an op."""
+    return op_info(op).engine if isinstance(op, torch._ops.OpOverload) else None
 
 
 def is_random(op: Any) -> bool:
@@ -92,6 +51,7 @@ class Report:
 
     engines: Counter = field(default_factory=Counter)
     host_ops: Counter = field(default_factory=Counter)
+    op_engines: dict[str, str] = field(default_factory=dict)  # "aten::mm" -> "tensor": each op's classification
     float64_rounded: list[str] = field(default_factory=list)
     constants: list[str] = field(default_factory=list)
     rng_prologue: list[str] = field(default_factory=list)
@@ -130,6 +90,7 @@ def classify(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
         engine = engine_of(n.target) if n.op == "call_function" else None
         if engine:
             report.engines[engine] += 1
+            report.op_engines[n.target.name()] = engine
         if engine == "host":
             report.host_ops[str(n.target)] += 1
 
@@ -145,8 +106,7 @@ def round_float64(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
         v = n.meta.get("val")
         if n.op != "call_function" or not isinstance(v, torch.Tensor) or v.dtype not in wide:
             continue
-        if (v.device.type != "neuron" or engine_of(n.target) in (None, "free")
-                or base_name(n.target.name()) in EXACT_OPS):
+        if v.device.type != "neuron" or not isinstance(n.target, torch._ops.OpOverload) or op_info(n.target).exact:
             continue
         users = list(n.users)
         with gm.graph.inserting_after(n):
@@ -227,10 +187,8 @@ def lift_rng(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
             continue
         if n.op != "call_function" or not is_random(n.target):
             continue
-        name = base_name(n.target.name())
-        dropout = name == "native_dropout" and n.args[2] is not False
-        shape_only = (name in SHAPE_ONLY_RANDOM or n.target in (aten.bernoulli.p, aten.normal.float_float)
-                      or dropout)
+        dropout = op_info(n.target).name == "native_dropout" and n.args[2] is not False
+        shape_only = op_info(n.target).random == "shape" or dropout
         if not (hoisting and shape_only):
             hoisting = False
             report.eager_nodes[n.name] = f"{n.target}: a random draw that reads values computed in the graph"
@@ -261,16 +219,12 @@ def lift_rng(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
         report.rng_prologue.append(n.name)
 
 
-EAGER_FUSED = ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward")
-
-
 def eager_fused_attention(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
     """Fused attention (what F.scaled_dot_product_attention dispatches to on neuron) runs as its device kernel
     between the compiled kernels, with eager's numerics: Inductor's host lowering of the op expects CUDA's outputs
     (its philox seed and offset are host tensors, which a host kernel cannot return as device values)."""
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) \
-                and base_name(n.target.name()) in EAGER_FUSED:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and op_info(n.target).eager:
             report.eager_nodes[n.name] = f"{n.target}: fused attention runs as the device kernel"
             for u in (n, *(u for u in n.users if u.target is operator.getitem)):  # with its tuple's items
                 u.meta["neuron_eager"] = True

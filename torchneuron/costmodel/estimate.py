@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..hardware.chips import CHIPS, GPU_INSTANCES, INSTANCES, LARGEST_INSTANCE, Chip
+from ..runtime.optable import Rule, op_info
 from .ops import OpCost, Target, collective_cost, kernel_time, op_cost, target
 from .trace import Rec, Trace, trace
 
@@ -230,12 +231,12 @@ class Coster:
 
     @staticmethod
     def groups(recs: list[Rec], costs: list[OpCost]) -> list[list[int]]:
-        """Greedy fusion in program order: a vector/scalar/DMA op joins the open kernel when it consumes a
-        value made in it (same phase); anything else opens a new kernel; collectives stand alone."""
+        """Greedy fusion in program order: a vector/scalar/DMA (or host fallback) op joins the open kernel when it
+        consumes a value made in it (same phase); anything else opens a new kernel; collectives stand alone."""
         groups: list[list[int]] = []
         made: set[int] = set()
         for i, (r, c) in enumerate(zip(recs, costs)):
-            joins = (groups and c.engine in ("vector", "scalar", "dma") and not made.isdisjoint(r.in_ids)
+            joins = (groups and c.engine in ("vector", "scalar", "dma", "host") and not made.isdisjoint(r.in_ids)
                      and costs[groups[-1][0]].engine != "collective" and recs[groups[-1][0]].phase == r.phase)
             if joins:
                 groups[-1].append(i)
@@ -318,7 +319,7 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
                   c.achieved, micro, _shapes(r)) for r, c, t, nbytes in co.times(tr.recs)]
     if plan.train and plan.recompute != "none":
         ops += [replace(o, phase="recompute") for o in ops if o.phase == "forward"
-                and (plan.recompute == "full" or o.op.startswith("_scaled_dot_product"))]
+                and (plan.recompute == "full" or op_info(o.op).rule is Rule.ATTENTION)]
     itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
     if plan.train:
         ops += _optimizer_ops(tr, layout, plan, itemsize)

@@ -1,7 +1,8 @@
 """Op costs as pure functions of (op, shapes, dtypes, target): the engine that runs the op, its FLOPs and HBM
 bytes, and its modelled time, bound and fraction of peak.
 
-The engine of an op comes from runtime.native_ops (the table the device and the compiler read too). The rules:
+The engine and the cost rule of an op come from the op table (runtime/optable.py, which the device, the compiler
+and the profiler read too); an op missing from it is a host fallback, priced as a VectorE sweep. The rules:
 - TensorE (matmul, conv, attention): the 128x128 systolic array. A matmul pass takes a stationary tile of
   K<=128 (256 for fp8 double-row) contraction rows x <=128 output columns and streams a moving tile of <=512
   (one PSUM bank); it issues every max(moving free size, 64) cycles and larger K accumulates in PSUM. Partial
@@ -9,7 +10,7 @@ The engine of an op comes from runtime.native_ops (the table the device and the 
   costs 4x. The orientation (which operand is stationary) is the cheaper one.
 - VectorE / ScalarE / GpSimd (elementwise, activations, reductions, indexing): `passes` sweeps of the datapath
   over the largest tensor (one input ~N cycles, two inputs ~2N), plus ~60 cycles per instruction.
-- DMA (copies, concatenation): bandwidth-bound data movement.
+- DMA (copies, concatenation): bandwidth-bound data movement. Free ops (metadata, allocation) cost nothing.
 - Every op also moves its inputs and outputs through HBM; a tiled matmul re-reads operands when they do not
   fit in SBUF (the Hong-Kung bound 2MNK/sqrt(SBUF)). Engines, DMA and HBM overlap: an op takes the longest.
 - A kernel pays a fixed cost (two DMA transfers that cannot overlap: ~1.3 us each); an eager op also pays a
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..hardware.chips import CHIPS, GPU_INSTANCES, GPUS, INSTANCES, Chip, Gpu
-from ..runtime.native_ops import ENGINE_OF, base_name
+from ..runtime.optable import Rule, base_name, op_info
 
 ITEMSIZE = {"float64": 8, "complex64": 8, "int64": 8, "uint64": 8, "float32": 4, "int32": 4, "uint32": 4,
             "bfloat16": 2, "float16": 2, "int16": 2, "uint16": 2, "int8": 1, "uint8": 1, "bool": 1}
@@ -56,6 +57,23 @@ def dtype_class(dtype: str) -> str:
     if dtype.startswith("float8"):
         return "float8"
     return "bfloat16" if dtype in ("bfloat16", "float16") else "float32"
+
+
+def datapath(engine: str) -> str:
+    """The engine whose rates price an op: its own, VectorE for a host fallback (what neuronx-cc lowers it to)."""
+    return "vector" if engine == "host" else engine
+
+
+class Work(NamedTuple):
+    """What a cost rule computes for one op: its FLOPs (elements for the vector-like engines), the busy time of its
+    engine, its compulsory HBM bytes, its HBM bytes when run alone, and the peak FLOP/s of its engine (0 where
+    FLOPs are not the measure)."""
+
+    flops: float
+    compute_s: float
+    io_bytes: float
+    bytes: float
+    peak_flops: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -111,10 +129,10 @@ class Target:
         return self.spec.peak_flops[dclass] * self.lnc
 
     def engine_rate(self, engine: str, itemsize: int) -> float:
-        """Elements per second of a vector-like engine."""
+        """Elements per second of a vector-like engine (a host fallback is priced on VectorE)."""
         s = self.spec
         if isinstance(s, Chip):
-            return getattr(s, engine).rate(itemsize) * self.lnc
+            return getattr(s, datapath(engine)).rate(itemsize) * self.lnc
         return s.vector_flops  # a GPU's CUDA cores: one element per FP32 FLOP
 
 
@@ -144,7 +162,7 @@ class OpCost:
     time of its HBM traffic when it runs alone, `overhead_s` the fixed kernel / launch cost it pays."""
 
     op: str
-    engine: str  # tensor | vector | scalar | gpsimd | dma | collective | none
+    engine: str  # an op table engine (tensor | vector | scalar | gpsimd | dma | free | host), collective, none
     flops: float
     bytes: float  # HBM traffic when run alone (compulsory inputs and outputs, plus tiled re-reads)
     io_bytes: float  # compulsory part: inputs read once, outputs written once
@@ -206,13 +224,11 @@ def _reread_bytes(b: int, m: int, k: int, n: int, itemsize: int, t: Target) -> f
     return b * 2 * m * n * k * itemsize / math.sqrt(t.sbuf_bytes / itemsize)
 
 
-# Operand positions of matmul-like ops (default: the first two tensors).
-_OPERANDS = {"addmm": (1, 2), "baddbmm": (1, 2), "addbmm": (1, 2), "addmv": (1, 2), "addr": (1, 2)}
 _DIMS = {"a": "bmk", "b": "bkn", "c": "bmn"}
 
 
 def _matmul(op, ins, outs, attrs, shard, t):
-    ia, ib = _OPERANDS.get(op, (0, 1))
+    ia, ib = op_info(op).operands
     a, b = ins[ia].shape, ins[ib].shape
     if op == "linear":  # weight is [N, K]
         b = (*b[:-2], b[-1], b[-2]) if len(b) >= 2 else b
@@ -226,7 +242,7 @@ def _matmul(op, ins, outs, attrs, shard, t):
     io = size["a"] * ins[ia].itemsize + size["b"] * ins[ib].itemsize + size["c"] * outs[0].itemsize
     b, m, k, n = dims["b"], dims["m"], dims["k"], dims["n"]
     nbytes = max(io, _reread_bytes(b, m, k, n, ins[ia].itemsize, t))
-    return "tensor", 2 * b * m * k * n, _gemm_s(b, m, k, n, t, dclass), io, nbytes, t.matmul_flops(dclass)
+    return Work(2 * b * m * k * n, _gemm_s(b, m, k, n, t, dclass), io, nbytes, t.matmul_flops(dclass))
 
 
 def _conv_gemm(ins, outs, attrs):
@@ -247,8 +263,7 @@ def _conv(op, ins, outs, attrs, shard, t):
         n = math.ceil(n / shard[1])
     dclass = dtype_class(ins[0].dtype)
     io = sum(x.nbytes for x in (*ins, *outs))
-    return "tensor", gemms * 2 * g * m * k * n, gemms * _gemm_s(g, m, k, n, t, dclass), io, io, \
-        t.matmul_flops(dclass)
+    return Work(gemms * 2 * g * m * k * n, gemms * _gemm_s(g, m, k, n, t, dclass), io, io, t.matmul_flops(dclass))
 
 
 _ATTN_BWD_GEMMS = 2.5  # backward: recompute QK^T, then dV, dP, dQ, dK: 5 GEMMs against the forward's 2
@@ -274,63 +289,37 @@ def _attention(op, ins, outs, attrs, shard, t):
     mult = _ATTN_BWD_GEMMS if bwd else 1
     qo = bsz * h * sq * (d + dv) * q.itemsize * (3 if bwd else 1)  # q, o (and dO, dQ, dO.o terms backward)
     kv = bsz * hk * sk * (d + dv) * k.itemsize * (2 if bwd else 1)  # k, v (and dK, dV)
-    return "tensor", flops * mult, max(gemm * mult, scalar, vector), qo + kv, qo + kv, t.matmul_flops(dclass)
+    return Work(flops * mult, max(gemm * mult, scalar, vector), qo + kv, qo + kv, t.matmul_flops(dclass))
 
 
 # ---------------------------------------------------------------------------------------------- other engines
 
-# Datapath sweeps over the largest tensor of an op, where not the number of its tensor inputs (S12: one input
-# ~N cycles, two inputs ~2N). A callable receives the input tensors.
-def _log2_last(ins: Sequence[T]) -> float:
-    return max(1.0, math.log2(max(ins[0].shape[-1:] or (1,))))
-
-
-PASSES: dict[str, float | Callable[[Sequence[T]], float]] = {
-    "_softmax": 3, "_log_softmax": 3, "_safe_softmax": 3, "_softmax_backward_data": 2,
-    "_log_softmax_backward_data": 2, "logsumexp": 3,
-    "native_layer_norm": 3, "native_layer_norm_backward": 5,
-    "_fused_rms_norm": 2, "_fused_rms_norm_backward": 4,
-    "native_batch_norm": 3, "_native_batch_norm_legit": 3, "_native_batch_norm_legit_no_training": 2,
-    "native_batch_norm_backward": 5, "native_group_norm": 3, "native_group_norm_backward": 5,
-    "var": 2, "std": 2, "var_mean": 2, "std_mean": 2,
-    "addcmul": 3, "addcdiv": 3, "lerp": 3, "where": 3, "masked_fill": 2,
-    "nll_loss_forward": 1, "nll_loss_backward": 2, "gelu_backward": 3, "silu_backward": 3,
-    "_fused_adam": 12, "_fused_adamw": 12, "_fused_sgd": 4,
-    **dict.fromkeys(("sort", "argsort", "topk", "cumsum", "cumprod"), _log2_last),
-}
-
-# Ops that cost nothing: metadata and allocation.
-FREE_OPS = frozenset({
-    "view", "_unsafe_view", "reshape", "expand", "t", "transpose", "permute", "slice", "select", "unsqueeze",
-    "squeeze", "alias", "detach", "as_strided", "split", "split_with_sizes", "unbind", "chunk", "narrow",
-    "diagonal", "unfold", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty",
-    "new_empty_strided", "_reshape_alias", "view_as_real", "view_as_complex", "sym_size", "sym_stride",
-    "_to_dense",
-    "resize", "set", "_local_scalar_dense", "item", "is_nonzero", "equal",
-})
-
-
 def _sweep(op, ins, outs, attrs, shard, t):
-    engine = ENGINE_OF.get(op, "vector")
+    """`passes` sweeps of the engine's datapath over the largest tensor (the op table's, else one per tensor input:
+    S12, one input ~N cycles, two inputs ~2N; sorts and scans log2 of the last dim), plus the instruction cost."""
+    info = op_info(op)
+    engine = datapath(info.engine)
     tensors = [*ins, *outs]
     big = max(tensors, key=lambda x: x.numel, default=T((0,)))
     elems = big.numel / (shard[1] if shard else 1)
     io = sum(x.nbytes for x in tensors) / (shard[1] if shard else 1)
-    if engine == "dma":
-        return "dma", 0.0, 0.0, io, io, 0.0
-    p = PASSES.get(op, max(1, len(ins)))
-    passes = p(ins) if callable(p) else p
+    if info.rule is Rule.SORT:
+        passes = max(1.0, math.log2(max(ins[0].shape[-1:] or (1,))))
+    else:
+        passes = info.passes or max(1, len(ins))
     chunk = 128 * 2048  # elements per instruction: 128 partitions x a 2048-element free-axis tile
     if t.is_neuron:
         overhead = math.ceil(elems / chunk) * passes * t.spec.instr_cycles / getattr(t.spec, engine).clock_hz
     else:
         overhead = 0.0
     busy = elems * passes / t.engine_rate(engine, big.itemsize) + overhead
-    return engine, elems * passes, busy, io, io, 0.0
+    return Work(elems * passes, busy, io, io)
 
 
-GATHERS = frozenset({"embedding", "index_select", "gather", "index", "take", "embedding_bag",
-                     "_embedding_bag", "masked_select"})
+def _copy(op, ins, outs, attrs, shard, t):
+    """DMA: bandwidth-bound, no engine time."""
+    io = sum(x.nbytes for x in (*ins, *outs)) / (shard[1] if shard else 1)
+    return Work(0.0, 0.0, io, io)
 
 
 def _gather(op, ins, outs, attrs, shard, t):
@@ -338,11 +327,7 @@ def _gather(op, ins, outs, attrs, shard, t):
     ways = shard[1] if shard else 1
     elems = sum(o.numel for o in outs[:1]) / ways
     io = (2 * sum(o.nbytes for o in outs[:1]) + sum(x.nbytes for x in ins if x.itemsize == 8)) / ways
-    return "gpsimd", elems, elems / t.engine_rate("gpsimd", outs[0].itemsize), io, io, 0.0
-
-
-SCATTERS = frozenset({"index_copy", "index_put", "_index_put_impl", "index_add", "scatter", "scatter_add",
-                      "scatter_reduce", "masked_scatter", "slice_scatter", "select_scatter", "index_fill"})
+    return Work(elems, _indexing_s(op, elems, outs[0].itemsize, t), io, io)
 
 
 def _scatter(op, ins, outs, attrs, shard, t):
@@ -351,18 +336,24 @@ def _scatter(op, ins, outs, attrs, shard, t):
     upd = [x for x in ins[1:] if x.itemsize != 8] or ins[:1]
     elems = max(x.numel for x in upd) / ways
     io = (2 * sum(x.nbytes for x in upd) + sum(x.nbytes for x in ins if x.itemsize == 8)) / ways
-    return "gpsimd", elems, elems / t.engine_rate("gpsimd", upd[0].itemsize), io, io, 0.0
+    return Work(elems, _indexing_s(op, elems, upd[0].itemsize, t), io, io)
 
 
-RULES: dict[str, Callable] = {
-    **dict.fromkeys(GATHERS, _gather),
-    **dict.fromkeys(SCATTERS, _scatter),
-    **dict.fromkeys(("mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "mv", "addmv", "dot",
-                     "vdot", "addr", "_scaled_mm"), _matmul),
-    **dict.fromkeys(("convolution", "_convolution", "convolution_backward"), _conv),
-    **dict.fromkeys((f"_scaled_dot_product_{kind}{end}" for end in ("", "_backward")
-                     for kind in ("flash_attention", "flash_attention_for_cpu", "efficient_attention",
-                                  "cudnn_attention")), _attention),
+def _indexing_s(op: str, elems: float, itemsize: int, t: Target) -> float:
+    """Engine time of an indexed access: GpSimd walks the indices (a host fallback is priced there too); on DMA
+    (contiguous slices) only the traffic counts."""
+    engine = op_info(op).engine
+    return 0.0 if engine == "dma" else elems / t.engine_rate("gpsimd" if engine == "host" else engine, itemsize)
+
+
+def _free(op, ins, outs, attrs, shard, t):
+    return Work(0.0, 0.0, 0.0, 0.0)
+
+
+# The implementation of each cost rule of the op table.
+RULES: dict[Rule, Callable[..., Work]] = {
+    Rule.MATMUL: _matmul, Rule.CONV: _conv, Rule.ATTENTION: _attention, Rule.SWEEP: _sweep, Rule.SORT: _sweep,
+    Rule.GATHER: _gather, Rule.SCATTER: _scatter, Rule.COPY: _copy, Rule.FREE: _free,
 }
 
 MODES = ("eager", "kernel", "fused")
@@ -377,16 +368,16 @@ def op_cost(op: str, inputs: Sequence[T], outputs: Sequence[T], tgt: Target | st
     costs this core's share of a tensor-parallel op: for matmuls dim is "b", "m", "k" or "n", for attention
     "heads", otherwise "all" (elements). `mode`: "eager" (its own launched kernel), "kernel" (its own kernel
     in a compiled graph), or "fused" (inside a larger kernel: no fixed cost; see kernel_time)."""
-    t, name = target(tgt), base_name(op)
+    t, name, info = target(tgt), base_name(op), op_info(op)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}")
     ins, outs = [T(*x) for x in inputs], [T(*x) for x in outputs]
-    if name in FREE_OPS:
-        return OpCost(name, "none", 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, t.hbm_bw)
-    rule = RULES.get(name, _sweep)
-    engine, flops, compute, io, nbytes, peak = rule(name, ins, outs, dict(attrs or {}), shard, t)
+    if info.rule is Rule.FREE:
+        return OpCost(name, info.engine, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, t.hbm_bw)
+    w = RULES[info.rule](name, ins, outs, dict(attrs or {}), shard, t)
     overhead = {"eager": t.launch_s + t.kernel_s, "kernel": t.kernel_s, "fused": 0.0}[mode]
-    return OpCost(name, engine, flops, nbytes, io, compute, nbytes / t.hbm_bw, overhead, peak, t.hbm_bw)
+    return OpCost(name, info.engine, w.flops, w.bytes, w.io_bytes, w.compute_s, w.bytes / t.hbm_bw, overhead,
+                  w.peak_flops, t.hbm_bw)
 
 
 def kernel_time(costs: Sequence[OpCost], hbm_bytes: float, tgt: Target | str, *,
@@ -397,7 +388,7 @@ def kernel_time(costs: Sequence[OpCost], hbm_bytes: float, tgt: Target | str, *,
     t = target(tgt)
     busy: dict[str, float] = defaultdict(float)
     for c in costs:
-        busy[c.engine] += c.compute_s
+        busy[datapath(c.engine)] += c.compute_s
     fixed = t.kernel_s + (t.launch_s if eager else 0.0)
     return max(max(busy.values(), default=0.0), hbm_bytes / t.hbm_bw) + fixed
 

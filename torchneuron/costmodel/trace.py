@@ -22,12 +22,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..runtime.native_ops import ENGINE_OF, base_name
-from .ops import FREE_OPS, RULES, T, _attention, _conv, _matmul
-
-# Ops through which a partial sum stays partial (they are linear in every P input).
-_LINEAR = frozenset({"add", "sub", "neg", "_to_copy", "clone", "copy", "sum", "mean", "cat"})
-_SCALING = frozenset({"mul", "div"})  # linear in one P input only
+from ..runtime.optable import Rule, base_name, op_info
+from .ops import T
 
 
 @dataclass
@@ -71,8 +67,7 @@ def _attrs(func, args, kwargs) -> dict:
 
 
 def _kind(op: str) -> str:
-    rule = RULES.get(op)
-    return {_matmul: "mm", _conv: "conv", _attention: "attn"}.get(rule, "other")
+    return {Rule.MATMUL: "mm", Rule.CONV: "conv", Rule.ATTENTION: "attn"}.get(op_info(op).rule, "other")
 
 
 class Recorder(TorchDispatchMode):
@@ -114,7 +109,7 @@ class Recorder(TorchDispatchMode):
         op = base_name(func._overloadpacket.__name__)
         tins = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         pl = [self.place.get(self._key(x), "R") for x in tins]
-        if func.is_view or op in FREE_OPS:
+        if func.is_view or op_info(op).engine == "free":
             out = func(*args, **kwargs)
             for o in pytree.tree_leaves(out):
                 if isinstance(o, torch.Tensor) and tins and o is not tins[0]:
@@ -122,8 +117,9 @@ class Recorder(TorchDispatchMode):
                     self._note(o)
             return out
         kind = _kind(op)
-        scaling = op in _SCALING and pl.count("P") == 1 and "S" not in pl
-        if "P" in pl and not (scaling or (op in _LINEAR and all(p == "P" for p in pl))):
+        linear = op_info(op).tp_linear  # how a partial sum passes through the op
+        scaling = linear == "one" and pl.count("P") == 1 and "S" not in pl
+        if "P" in pl and not (scaling or (linear == "all" and all(p == "P" for p in pl))):
             for x, p in zip(tins, pl):
                 if p == "P":
                     self._reduce(x)
@@ -147,7 +143,7 @@ class Recorder(TorchDispatchMode):
     def _layout(op: str, kind: str, tins: list[torch.Tensor], pl: list[str]) -> tuple[str, str | None]:
         """(placement of the outputs, what TP divides) for one op."""
         if kind in ("mm", "conv"):
-            ia, ib = {"addmm": (1, 2), "baddbmm": (1, 2), "addbmm": (1, 2), "addmv": (1, 2)}.get(op, (0, 1))
+            ia, ib = op_info(op).operands
             if kind == "conv" or op == "linear":  # the weight is the second operand, its rows the outputs
                 ia, ib = (0, 1) if op != "convolution_backward" else (1, 2)
             pa, pb = pl[ia], pl[ib]
@@ -168,7 +164,7 @@ class Recorder(TorchDispatchMode):
             return ("S", "heads") if "S" in pl else ("R", None)
         if "P" in pl:  # linear ops on partial sums: as if after a reduce-scatter under sequence parallelism
             return "P", "sp"
-        if "W" in pl and ENGINE_OF.get(op) == "gpsimd":  # lookup in a vocab-sharded table: partial rows
+        if "W" in pl and op_info(op).engine == "gpsimd":  # lookup in a vocab-sharded table: partial rows
             return "P", None
         if "S" in pl:
             return "S", "all"
@@ -268,7 +264,7 @@ def fx_trace(gm: torch.fx.GraphModule) -> Trace:
         nodes = [alias.get(id(a), id(a)) for a in pytree.tree_leaves((n.args, n.kwargs))
                  if isinstance(a, torch.fx.Node) and alias.get(id(a), id(a)) in specs]
         op = n.target if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) else None
-        if op is not None and (op.is_view or base_name(op._overloadpacket.__name__) in FREE_OPS) and nodes:
+        if op is not None and (op.is_view or op_info(op).engine == "free") and nodes:
             alias[id(n)] = nodes[0]
             continue
         if outs:

@@ -24,10 +24,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..costmodel.ops import OpCost, T, Target, op_cost, target
 from ..costmodel.trace import fx_trace
-from ..runtime.native_ops import base_name
+from ..runtime import optable
+from ..runtime.optable import base_name
 from ..runtime.tracking import KERNEL_OBSERVERS
 
-ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma", "collective", "none")
+# Trace rows: the op table's engines, collectives, and "none" (a compiled kernel without a graph, an op the cost
+# model could not price).
+ENGINES = (*optable.ENGINES, "collective", "none")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
-"""Applies the device policies (dtype rules, fallback behaviour) and the native op table to the C++ core."""
+"""Applies the device policies (dtype rules, fallback behaviour) and the op table to the C++ core."""
 from __future__ import annotations
 
 from .. import _C
 from ..hardware import config
-from .native_ops import EXACT_OPS, HOST_TENSOR_OPS, native_op_names
+from .optable import names
 
 
 def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = None) -> None:
@@ -16,4 +16,5 @@ def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = 
 
 
 def install_op_tables() -> None:
-    _C._set_op_table(native_op_names(), list(EXACT_OPS), list(HOST_TENSOR_OPS))
+    """Hand the op table's per-base-name facts to the C++ core (runtime/optable.py)."""
+    _C._set_op_table(names("native"), names("exact"), names("host_tensors"))

@@ -1,0 +1,85 @@
+"""The op table (runtime/optable.py): every layer classifies each op as the table does, the default of an unlisted op
+is the same everywhere, and the cross-layer check can fail."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+from op_consistency import disagreements
+
+import torchneuron
+from torchneuron import _C
+from torchneuron.costmodel.ops import op_cost
+from torchneuron.runtime.optable import DEFAULT, TABLE, Rule, base_name, op_info
+
+
+def _aten_names() -> list[str]:
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith(("aten::", "prims::")))
+
+
+def test_the_table_and_a_sample_of_unlisted_ops_agree_across_layers():
+    listed = [f"aten::{k}" for k in TABLE]
+    unlisted = [n for n in _aten_names() if base_name(n) not in TABLE][::20]  # a spread of what nobody listed
+    assert len(unlisted) > 50
+    assert disagreements(dict.fromkeys([*listed, *unlisted, "aten::add_.Tensor", "prims::iota"])) == []
+
+
+def test_every_view_torch_knows_is_free():
+    """Views are metadata on every layer (the compiler used to ask `is_view`, the cost model a list of its own)."""
+    not_free = set()
+    for name in _aten_names():
+        ns, _, rest = name.partition("::")
+        packet, _, overload = rest.partition(".")
+        op = getattr(getattr(getattr(torch.ops, ns), packet), overload or "default")
+        if op.is_view and op_info(op).engine != "free":
+            not_free.add(base_name(name))
+    assert not_free == {"contiguous"}  # a copy when it is not a no-op
+
+
+def test_an_unlisted_op_is_a_host_fallback_priced_as_a_vector_sweep():
+    info = op_info("aten::linalg_qr.default")
+    assert info == replace(DEFAULT, name="linalg_qr")
+    assert (info.engine, info.native, info.exact, info.random, info.host_tensors, info.rule) == \
+        ("host", False, False, None, False, Rule.SWEEP)
+    spec = [((256, 256), "float32")]
+    host, vector = op_cost("linalg_qr", spec, spec, "trn2"), op_cost("sign", spec, spec, "trn2")  # one input each
+    assert host.engine == "host" and vector.engine == "vector"
+    assert host.compute_s == vector.compute_s and host.flops == 256 * 256  # one pass over the tensor
+
+
+def test_the_overload_rows_refine_only_the_random_draw():
+    assert op_info("aten::bernoulli.p").random == "shape" and op_info("aten::bernoulli.Tensor").random == "values"
+    assert op_info(torch.ops.aten.normal.float_float).random == "shape"
+    assert op_info("aten::bernoulli.p").native == op_info("aten::bernoulli").native
+
+
+def test_eager_counters_match_the_table():
+    x = torch.randn(4, 4, device="neuron")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (x @ x).relu().sum().item()
+        torch.equal(x, x)  # a host fallback
+        torch.empty(3, device="neuron").log_normal_()  # an explicit C++ kernel, counted as executed
+    executed = set(dict(_C._executed_ops()))
+    fallback = set(dict(_C._fallback_ops()))
+    assert {"aten::mm", "aten::log_normal_", "aten::_local_scalar_dense"} <= executed and "aten::equal" in fallback
+    assert disagreements(dict.fromkeys(executed | fallback), executed, fallback) == []
+
+
+def test_a_disagreement_is_reported():
+    """The check is not vacuous: an op counted against its classification is named."""
+    bad = disagreements({"aten::linalg_qr": None, "aten::mm": "vector"}, executed={"aten::linalg_qr"},
+                        fallback={"aten::mm"})
+    assert len(bad) == 3 and all(("linalg_qr" in b) != ("mm" in b.split(":")[2]) for b in bad)
+
+
+@pytest.mark.skipif(not hasattr(_C, "_op_class"), reason="a C++ core built before the op-table bindings")
+def test_the_cpp_core_reads_the_table_and_names_ops_like_python():
+    for name in ("aten::add_.Tensor", "aten::__and__.Tensor", "aten::__iand__.Tensor", "aten::index_put_",
+                 "aten::_local_scalar_dense", "aten::linalg_qr", "aten::masked_scatter_"):
+        info = op_info(name)
+        assert dict(_C._op_class(name)) == {"base": base_name(name), "native": info.native, "exact": info.exact,
+                                            "host_tensors": info.host_tensors}, name
+    assert torchneuron  # the device loaded the table at import
