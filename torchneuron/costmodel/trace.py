@@ -14,7 +14,7 @@ the TP degree: costing applies it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.optable import Rule, base_name, op_info
 from .ops import T
+
+
+class OpLayout(NamedTuple):
+    """How tensor parallelism lays out one op's outputs: their placement (W/R/S/P) and which dimension of the work
+    it divides (m, n, k, b, heads, sp, all; None: not divided)."""
+
+    placement: str
+    divides: str | None
 
 
 @dataclass
@@ -126,7 +134,8 @@ class Recorder(TorchDispatchMode):
             pl = [("R" if p == "P" else p) for p in pl]
         out = func(*args, **kwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        result, shard = self._layout(op, kind, tins, pl)
+        layout = self._layout(op, kind, tins, pl)
+        result, shard = layout.placement, layout.divides
         ids = [self._note(x) for x in tins]
         out_ids = [self._note(o, result) for o in outs]
         if result == "P":
@@ -140,8 +149,8 @@ class Recorder(TorchDispatchMode):
         return out
 
     @staticmethod
-    def _layout(op: str, kind: str, tins: list[torch.Tensor], pl: list[str]) -> tuple[str, str | None]:
-        """(placement of the outputs, what TP divides) for one op."""
+    def _layout(op: str, kind: str, tins: list[torch.Tensor], pl: list[str]) -> OpLayout:
+        """How tensor parallelism lays out this op's outputs."""
         if kind in ("mm", "conv"):
             ia, ib = op_info(op).operands
             if kind == "conv" or op == "linear":  # the weight is the second operand, its rows the outputs
@@ -151,26 +160,26 @@ class Recorder(TorchDispatchMode):
             if "W" in (pa, pb):
                 act = pb if pa == "W" else pa
                 if act == "W":
-                    return "R", None
+                    return OpLayout("R", None)
                 if act == "S":
-                    return "P", "k"
-                return "S", ("n" if pb == "W" or kind == "conv" else "m")
+                    return OpLayout("P", "k")
+                return OpLayout("S", "n" if pb == "W" or kind == "conv" else "m")
             if pa == "S" and pb == "S":
-                return ("S", "b") if batched else ("P", "k")
+                return OpLayout("S", "b") if batched else OpLayout("P", "k")
             if "S" in (pa, pb):
-                return "S", "b" if batched else ("m" if pa == "S" else "n")
-            return "R", None
+                return OpLayout("S", "b" if batched else ("m" if pa == "S" else "n"))
+            return OpLayout("R", None)
         if kind == "attn":
-            return ("S", "heads") if "S" in pl else ("R", None)
+            return OpLayout("S", "heads") if "S" in pl else OpLayout("R", None)
         if "P" in pl:  # linear ops on partial sums: as if after a reduce-scatter under sequence parallelism
-            return "P", "sp"
+            return OpLayout("P", "sp")
         if "W" in pl and op_info(op).engine == "gpsimd":  # lookup in a vocab-sharded table: partial rows
-            return "P", None
+            return OpLayout("P", None)
         if "S" in pl:
-            return "S", "all"
+            return OpLayout("S", "all")
         if pl and all(p == "W" for p in pl):  # casts and updates of weights stay weights
-            return "W", "all"
-        return "R", "sp"
+            return OpLayout("W", "all")
+        return OpLayout("R", "sp")
 
 
 def _meta(x: Any, dtype: torch.dtype | None) -> Any:
