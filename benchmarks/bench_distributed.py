@@ -41,7 +41,8 @@ def _paired(runs: dict[str, Callable[[], None]], rounds: int, group_of: dict[str
             if r:
                 times[kind].append(time.perf_counter() - t0)
     out = {k: statistics.median(v) for k, v in times.items()}
-    out.update({f"ratio:{k}": statistics.median(c / t for c, t in zip(times["cpu"], v)) for k, v in times.items()})
+    out.update({f"ratio:{k}": statistics.median(c / t for c, t in zip(times["cpu"], v, strict=True))
+                for k, v in times.items()})
     return out
 
 

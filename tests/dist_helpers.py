@@ -99,7 +99,7 @@ def run_commands(cmds: list[list[str]], envs: list[dict[str, str]], outdir: Path
                  allow_fail: tuple[int, ...] = ()) -> list[Any]:
     logs = [outdir / f"log{i}.txt" for i in range(len(cmds))]
     procs = []
-    for cmd, env, log in zip(cmds, envs, logs):
+    for cmd, env, log in zip(cmds, envs, logs, strict=True):
         with open(log, "w") as f:
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=HERE.parent,
                                           start_new_session=True))

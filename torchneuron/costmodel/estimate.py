@@ -223,7 +223,7 @@ class Coster:
             kt = kernel_time([costs[i] for i in idx], hbm, self.t)
             weight = [max(costs[i].compute_s, costs[i].memory_s) for i in idx]
             total = sum(weight)
-            for i, w in zip(idx, weight):
+            for i, w in zip(idx, weight, strict=True):
                 share = w / total if total else 1 / len(idx)
                 out.append((recs[i], costs[i], kt * share, hbm * share))
         return out
@@ -234,7 +234,7 @@ class Coster:
         value made in it (same phase); anything else opens a new kernel; collectives stand alone."""
         groups: list[list[int]] = []
         made: set[int] = set()
-        for i, (r, c) in enumerate(zip(recs, costs)):
+        for i, (r, c) in enumerate(zip(recs, costs, strict=True)):
             joins = (groups and c.engine in ("vector", "scalar", "dma") and not made.isdisjoint(r.in_ids)
                      and costs[groups[-1][0]].engine != "collective" and recs[groups[-1][0]].phase == r.phase)
             if joins:

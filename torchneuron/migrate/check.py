@@ -609,7 +609,7 @@ ONLY: dict[str, tuple[Any, str]] = {
     "int_arg": (lambda v, s: bool(s.call.args) and not _is_str(a := s.call.args[0].value) and not (
         isinstance(a, cst.Call) and v.qnames(a.func) & {"torch.device"} and any(_is_str(b.value) for b in a.args)),
         "the device names CUDA (a string or `torch.device(\"cuda\", ...)`)"),
-    "no_device": (lambda v, s: all(_is_none(a.value) for k, a in zip(s.kw, s.call.args)
+    "no_device": (lambda v, s: all(_is_none(a.value) for k, a in zip(s.kw, s.call.args, strict=True)
                                    if (k or (a.keyword and a.keyword.value)) == "device"), "it names a CUDA device"),
     "with_item": (lambda v, s: id(s.call) in v.with_items and len(s.call.args) == 1,
                   "not a `with torch.cuda.stream(s):` item"),
