@@ -41,7 +41,8 @@ def _paired(runs: dict[str, Callable[[], None]], rounds: int, group_of: dict[str
             if r:
                 times[kind].append(time.perf_counter() - t0)
     out = {k: statistics.median(v) for k, v in times.items()}
-    out.update({f"ratio:{k}": statistics.median(c / t for c, t in zip(times["cpu"], v)) for k, v in times.items()})
+    out.update({f"ratio:{k}": statistics.median(c / t for c, t in zip(times["cpu"], v, strict=True))
+                for k, v in times.items()})
     return out
 
 
@@ -72,30 +73,19 @@ def _allreduce_worker(sizes_mib: list[int], rounds: tuple[int, int], unchecked: 
 
 
 def _gpt(device: str):
-    """A small GPT from torch's own layers (2 pre-norm causal blocks, d=64)."""
+    """torchneuron.models.TinyGPT without dropout (2 pre-norm causal blocks, d=64, 128 tokens of context)."""
     import torch
-    import torch.nn as nn
 
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.head = nn.Embedding(128, 64), nn.Linear(64, 128)
-            layer = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True, norm_first=True)
-            self.blocks = nn.TransformerEncoder(layer, 2)
-
-        def forward(self, x):
-            mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
-            return self.head(self.blocks(self.tok(x), mask=mask, is_causal=True))
+    from torchneuron.models import GPTConfig, TinyGPT
 
     torch.manual_seed(0)
-    return GPT().to(device)
+    return TinyGPT(GPTConfig(vocab_size=128, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.0)).to(device)
 
 
 def _ddp_worker(rounds: int) -> list[dict]:
     """A DDP training step (AdamW, 8 sequences of 64 tokens per rank), neuron and CPU in alternation."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     n, rank = dist.get_world_size(), dist.get_rank()
@@ -106,7 +96,7 @@ def _ddp_worker(rounds: int) -> list[dict]:
         opt, x = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.randint(128, (8, 64), device=device)
 
         def go() -> None:
-            F.cross_entropy(model(x).flatten(0, 1), x.roll(-1, 1).flatten()).backward()
+            model(x, x.roll(-1, 1))[1].backward()
             opt.step()
             opt.zero_grad()
         return go

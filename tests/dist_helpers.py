@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib.util
-import math
 import os
 import pickle
 import shutil
@@ -99,7 +98,7 @@ def run_commands(cmds: list[list[str]], envs: list[dict[str, str]], outdir: Path
                  allow_fail: tuple[int, ...] = ()) -> list[Any]:
     logs = [outdir / f"log{i}.txt" for i in range(len(cmds))]
     procs = []
-    for cmd, env, log in zip(cmds, envs, logs):
+    for cmd, env, log in zip(cmds, envs, logs, strict=True):
         with open(log, "w") as f:
             procs.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=HERE.parent,
                                           start_new_session=True))
@@ -125,42 +124,14 @@ def to_cpu(x: Any) -> Any:
 # ---- a tiny GPT and its data ----
 
 def tiny_gpt(seed: int = 0, vocab: int = 64, block: int = 16, d: int = 32, heads: int = 2, layers: int = 2):
-    """A nanoGPT-style decoder built on the CPU from `seed` (so every process builds the same weights)."""
+    """torchneuron.models.TinyGPT without dropout, built on the CPU from `seed` (every process builds the same
+    weights)."""
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, _ = x.shape
-            qkv = self.qkv(self.ln1(x)).split(d, 2)
-            q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2) for z in qkv)
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(d // heads)
-            att = att.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
-            x = x + self.proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d))
-            return x + self.mlp(self.ln2(x))
-
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
-
-        def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-            for blk in self.blocks:
-                x = blk(x)
-            return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
+    from torchneuron.models import GPTConfig, TinyGPT
 
     torch.manual_seed(seed)
-    return GPT()
+    return TinyGPT(GPTConfig(vocab_size=vocab, block_size=block, n_layer=layers, n_head=heads, n_embd=d, dropout=0.0))
 
 
 def batches(steps: int, batch: int = 8, block: int = 16, vocab: int = 64, seed: int = 1):
@@ -183,7 +154,7 @@ def train_losses(model, data, device, shard: tuple[int, int] = (0, 1), reduce=No
     losses = []
     for x, y in data:
         n = len(x) // world
-        loss = model(x[rank * n:(rank + 1) * n].to(device), y[rank * n:(rank + 1) * n].to(device))
+        _, loss = model(x[rank * n:(rank + 1) * n].to(device), y[rank * n:(rank + 1) * n].to(device))
         loss.backward()
         opt.step()
         opt.zero_grad()

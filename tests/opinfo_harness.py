@@ -67,7 +67,7 @@ def is_random(op, sample) -> bool:
 def _same_structure(dev, ref, where: str) -> None:
     a, b = torch.utils._pytree.tree_flatten(dev)[0], torch.utils._pytree.tree_flatten(ref)[0]
     assert len(a) == len(b), f"{where}: {len(a)} outputs, the CPU gives {len(b)}"
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         if isinstance(y, torch.Tensor):
             assert (x.shape, x.dtype) == (y.shape, y.dtype), f"{where}: {x.shape} {x.dtype} vs CPU {y.shape} {y.dtype}"
 
@@ -116,8 +116,9 @@ def _sum_outputs(out):
     return sum(parts) if parts else None
 
 
-def compare_backward(op, dtype: torch.dtype, atol: float, rtol: float) -> bool:
-    """Gradients of sum(outputs) for the first sample with differentiable outputs; False if none applies."""
+def compare_backward(op, dtype: torch.dtype, atol: float, rtol: float) -> int:
+    """Gradients of sum(outputs) for the first sample that has a gradient to compare; returns how many gradients
+    were compared, 0 if no sample has one (no differentiable output, or no input the CPU's gradient reaches)."""
     for sample in op.sample_inputs("neuron", dtype, requires_grad=True):
         cpu_sample = sample.transform(to_cpu)
         try:  # samples whose gradient the CPU itself cannot take (e.g. complex32 sums) test nothing
@@ -134,17 +135,21 @@ def compare_backward(op, dtype: torch.dtype, atol: float, rtol: float) -> bool:
             dl = dl.abs() if dl.is_complex() else dl
             return torch.autograd.grad(dl, di, allow_unused=True)
         dg = dev_grads()
+        if all(g is None for g in (*dg, *cg)):  # no input reached on either device: nothing to compare here
+            continue
         if is_random(op, sample):  # reproducible on neuron (see the module docstring)
             _same_structure([a.cpu() if a is not None else a for a in dg], list(cg), f"{op_id(op)} backward")
             cg, atol, rtol = [a.cpu() if a is not None else a for a in dev_grads()], 0, 0
-        for a, b in zip(dg, cg):
+        compared = 0
+        for a, b in zip(dg, cg, strict=True):
             if a is None or b is None:
                 assert a is None and b is None, f"{op_id(op)}: gradient defined on one device only"
                 continue
             torch.testing.assert_close(a.cpu(), b, atol=atol, rtol=rtol, equal_nan=True,
                                        msg=lambda m: f"{op_id(op)} backward: {m}")
-        return True
-    return False
+            compared += 1
+        return compared
+    return 0
 
 
 # ---- the deeper checks: other dtypes, non-contiguous samples, out= and in-place variants, error inputs ----
@@ -268,7 +273,7 @@ def check_error_inputs(op) -> int:
     """Every declared error input the CPU rejects raises the declared exception type and message (the entries made
     for a non-CPU device declare CUDA's). Entries are made on each device alike, so aliasing (overlap) is kept."""
     done = 0
-    for cpu_ei, ei in zip(op.error_inputs("cpu"), op.error_inputs("neuron")):
+    for cpu_ei, ei in zip(op.error_inputs("cpu"), op.error_inputs("neuron"), strict=True):
         try:
             _raw_call(op, cpu_ei.sample_input)
         except Exception:  # noqa: BLE001

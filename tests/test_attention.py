@@ -44,13 +44,13 @@ def test_fused_attention_equals_cpu(case):
     ops = torchneuron.get_executed_ops()
     assert ops.get("aten::_scaled_dot_product_efficient_attention") == 1
     assert ops.get("aten::_scaled_dot_product_efficient_attention_backward") == 1
-    for d, c in zip(dev, run(q, k, v, kw, "cpu")):
+    for d, c in zip(dev, run(q, k, v, kw, "cpu"), strict=True):
         torch.testing.assert_close(d, c, rtol=1e-5, atol=1e-6)
 
 
 def test_bf16_equals_cpu():
     q, k, v, kw = inputs(4, 4, 8, 8, {"is_causal": True}, torch.bfloat16)
-    for d, c in zip(run(q, k, v, kw, "neuron"), run(q, k, v, kw, "cpu")):
+    for d, c in zip(run(q, k, v, kw, "neuron"), run(q, k, v, kw, "cpu"), strict=True):
         torch.testing.assert_close(d, c, rtol=1.6e-2, atol=1e-2)
 
 
@@ -67,7 +67,7 @@ def test_dropout_masks_come_from_the_neuron_generator():
     att = (leaves[0] @ leaves[1].transpose(-2, -1) / 4).softmax(-1)
     out = (att * keep / 0.6) @ leaves[2]
     out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
-    for d, c in zip(dev, [out.detach(), *(x.grad for x in leaves)]):
+    for d, c in zip(dev, [out.detach(), *(x.grad for x in leaves)], strict=True):
         torch.testing.assert_close(d, c, rtol=1e-5, atol=1e-6)
 
 
@@ -86,7 +86,7 @@ def test_gqa_takes_math_counted():
     torchneuron.clear_op_tracking()
     dev = run(q, k, v, kw, "neuron")
     assert torchneuron.get_executed_ops().get("aten::_scaled_dot_product_attention_math") == 1
-    for d, c in zip(dev, run(q, k, v, kw, "cpu")):
+    for d, c in zip(dev, run(q, k, v, kw, "cpu"), strict=True):
         torch.testing.assert_close(d, c, rtol=1e-5, atol=1e-6)
 
 
@@ -102,5 +102,5 @@ def test_compiled_attention_equals_eager(kw):
         leaves = [t.to("neuron").requires_grad_() for t in (q, k, v)]
         fn(*leaves).backward()
         grads.append([x.grad.cpu() for x in leaves])
-    for e, c in zip(*grads):
+    for e, c in zip(*grads, strict=True):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)

@@ -84,7 +84,7 @@ def test_outputs_are_adopted_without_leaks():
     outs = g(x)  # three results over one fresh buffer: adopted once, the others are views of it
     with torch.no_grad():
         refs = (lambda y: (y, y[1:], y.t()))((x * 2).view(10, 100))
-    assert all(torch.equal(o, r) for o, r in zip(outs, refs))
+    assert all(torch.equal(o, r) for o, r in zip(outs, refs, strict=True))
     del refs
     assert torch.neuron.memory_allocated() - base == 4000
     assert len({o.untyped_storage().data_ptr() for o in outs}) == 1

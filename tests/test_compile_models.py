@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from compile_models import CNN, GPT, MLP, hf_gpt2
+from compile_models import CNN, MLP, hf_gpt2
+
+from torchneuron.models import GPTConfig, TinyGPT
 
 STEPS = 2
 TOL = {"rtol": 1e-4, "atol": 1e-5}
@@ -49,10 +51,11 @@ def train(model, batch, step_fn, device: str, compiled: bool) -> dict:
     return out
 
 
+GPT = GPTConfig(vocab_size=128, block_size=32, dropout=0.1)
 CASES = {
     "mlp": (MLP, lambda: (torch.randn(16, 32), torch.randint(0, 10, (16,))), classify),
     "cnn": (CNN, lambda: (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))), classify),
-    "gpt": (lambda: GPT(dropout=0.1), lambda: (torch.randint(0, 128, (4, 32)),) * 2, language),
+    "gpt": (lambda: TinyGPT(GPT), lambda: (torch.randint(0, 128, (4, 32)),) * 2, language),
     "hf_gpt2": (hf_gpt2, lambda: (torch.randint(0, 128, (2, 16)),) * 2, hf_language),
 }
 

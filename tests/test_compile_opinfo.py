@@ -124,7 +124,7 @@ COMPILED, EAGER = "compiled", "eager"  # passing outcomes: in a neuron graph, or
 
 
 def _outcome(cases: list, outs: list, in_graph: list[bool], names: list[str], results: dict) -> None:
-    for (op, s), out, compiled, n in zip(cases, outs, in_graph, names):
+    for (op, s), out, compiled, n in zip(cases, outs, in_graph, names, strict=True):
         try:
             _check(op, s, out)
         except AssertionError as e:

@@ -257,11 +257,11 @@ def coalesced(c: Ctx) -> Any:
     cm.wait()
     ag = [torch.empty(c.n * 2, device=c.dev), torch.empty(c.n * 3, device=c.dev)]
     with dist._coalescing_manager(group=c.g):
-        for o, i in zip(ag, [c.x(2), c.x(3, k=4)]):
+        for o, i in zip(ag, [c.x(2), c.x(3, k=4)], strict=True):
             dist.all_gather_into_tensor(o, i, group=c.g)
     rs = [torch.empty(2, device=c.dev), torch.empty(1, device=c.dev)]
     with dist._coalescing_manager(group=c.g):
-        for o, i in zip(rs, [c.x(2 * c.n), c.x(c.n, k=5)]):
+        for o, i in zip(rs, [c.x(2 * c.n), c.x(c.n, k=5)], strict=True):
             dist.reduce_scatter_tensor(o, i, group=c.g)
     return ts, ag, rs
 

@@ -187,7 +187,7 @@ def fsdp2_meta_init(ckpt_dir: str) -> dict[str, Any]:
             loss = functional_call(ref, low, (x[i * half:(i + 1) * half].to(device()),
                                               y[i * half:(i + 1) * half].to(device())))
             grads = torch.autograd.grad(loss, list(low.values()))
-            for p, g in zip(ref.parameters(), grads):
+            for p, g in zip(ref.parameters(), grads, strict=True):
                 p.grad = g.float() / n if p.grad is None else p.grad + g.float() / n
             total += loss.float().item() / n
         ropt.step()

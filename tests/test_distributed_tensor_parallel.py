@@ -42,7 +42,7 @@ def tensor_parallel() -> dict[str, Any]:
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (sharded, ref)]
         for _ in range(3):
             ys = [sharded(local_x), ref(x)]
-            for y, opt in zip(ys, opts):  # the global mean of squares, summed over the ranks' parts
+            for y, opt in zip(ys, opts, strict=True):  # the global mean of squares, summed over the ranks' parts
                 (y.pow(2).sum() / ys[1].numel()).backward()
                 opt.step()
                 opt.zero_grad()

@@ -9,6 +9,7 @@ import torch
 import torchneuron
 from torchneuron.costmodel import presets
 from torchneuron.costmodel.estimate import estimate
+from torchneuron.hardware.chips import CHIPS
 from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
 
 
@@ -54,6 +55,70 @@ def test_comparison_uses_the_same_trace_on_an_h100(gpt):
     assert c.cost_per_hour == pytest.approx(55.04 / 8)
     assert {o.op for o in c.ops} == {o.op for o in r.ops}
     assert "h100 GPU" in c.summary()
+
+
+# ---- one-op models against rooflines computed here from the chip's published numbers (hardware/chips.py) ----
+
+TRN2, LNC = CHIPS["trn2"], 2  # a trn2 logical core is two physical cores
+HBM_BW = TRN2.hbm_bw / TRN2.logical_cores(LNC)  # its share of the chip's HBM bandwidth
+TOL = 0.03  # the model adds per-kernel DMA fixed costs and instruction overheads (a few us) to the roofline
+
+
+class Matmul(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(n, n))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+class Axpy(torch.nn.Module):
+    def forward(self, x):
+        return x + 2 * x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("execution", ["eager", "compiled"])
+def test_matmul_is_its_compute_roofline(dtype, execution):
+    """[4096,4096] @ [4096,4096]: 2n^3 FLOPs at the array's rate (2 FLOP/PE/cycle, a quarter for fp32) on two
+    physical cores, compute bound (n^2 x 3 x itemsize bytes take a sixth of that), plus one launch."""
+    n = 4096
+    with torch.device("meta"):
+        model, x = Matmul(n), torch.empty(n, n)
+    r = estimate(model, (x,), target="trn2", mode="forward", execution=execution, dtype=dtype, compare=None)
+    peak = LNC * TRN2.tensor_flops("float32" if dtype == torch.float32 else "bfloat16")
+    compute, memory = 2 * n**3 / peak, 3 * n * n * dtype.itemsize / HBM_BW
+    assert memory < compute / 6
+    assert r.step_time_s == pytest.approx(compute + TRN2.launch_s, rel=TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_elementwise_is_its_memory_roofline(dtype):
+    """Eager `x + 2 * x` on 16M elements: two kernels, each reading its inputs and writing its output from HBM
+    (2 then 3 tensors), memory bound, plus a launch each."""
+    n = 4096 * 4096
+    with torch.device("meta"):
+        x = torch.empty(4096, 4096)
+    r = estimate(Axpy(), (x,), target="trn2", mode="forward", execution="eager", dtype=dtype, compare=None)
+    vector = LNC * TRN2.vector.rate(dtype.itemsize)
+    assert 2 * n / vector < 5 * n * dtype.itemsize / HBM_BW  # the vector engine outruns HBM
+    assert r.step_time_s == pytest.approx(5 * n * dtype.itemsize / HBM_BW + 2 * TRN2.launch_s, rel=TOL)
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_gradient_all_reduce_is_its_bandwidth_roofline(dp):
+    """The gradient sync of a [4096,4096] fp32 weight over `dp` cores of one instance: a ring all-reduce moves
+    2(dp-1)/dp of the buffer per rank at the NeuronLink share of a core times the measured efficiency, after the
+    fixed collective latency (each hop adds 1.5 us)."""
+    n = 4096
+    with torch.device("meta"):
+        model, x = Matmul(n), torch.empty(n, n)
+    r = estimate(model, (x,), target="trn2", mode="train", dp=dp, optimizer="sgd", compare=None)
+    busbw = TRN2.link_bw / TRN2.logical_cores(LNC) * TRN2.fabric.efficiency
+    nbytes = n * n * 4
+    assert r.by("phase")["grad_sync"] == pytest.approx(
+        TRN2.fabric.fixed_s + 2 * (dp - 1) / dp * nbytes / busbw, rel=TOL)
 
 
 def test_top_level_lazy_api():

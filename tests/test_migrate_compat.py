@@ -74,7 +74,7 @@ def run_all(env: dict[str, str], cwd: Path, scripts: Path = SCRIPTS, names: list
     """{script name: its last JSON line} for every single-process script (or `names`), run in one interpreter."""
     names = names or sorted(REFERENCES)
     p = run_script([sys.executable, "-c", DRIVER, str(cwd), *(str(scripts / f"{n}.py") for n in names)], env, cwd)
-    return dict(zip(names, map(json.loads, p.stdout.splitlines()[-len(names):])))
+    return dict(zip(names, map(json.loads, p.stdout.splitlines()[-len(names):]), strict=True))
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 and a summary table."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -42,7 +43,7 @@ def test_neuron_ops_are_recorded_with_modelled_device_time(tmp_path):
     assert mm.cost.flops == 2 * 32 * 64 * 128
     # one device queue: each op starts after the previous one ends
     timed = [e for e in prof.events if e.device_s > 0]
-    assert all(b.device_start_s >= a.device_start_s + a.device_s - 1e-12 for a, b in zip(timed, timed[1:]))
+    assert all(b.device_start_s >= a.device_start_s + a.device_s - 1e-12 for a, b in itertools.pairwise(timed))
 
     path = prof.export_chrome_trace(tmp_path / "trace.json")
     spans = _check_trace(json.loads(path.read_text()))

@@ -210,7 +210,7 @@ def test_module_conversion_keeps_parameters_with_weakrefs_and_ties():
         loss = step(model, opt, ids.to("neuron"))
         ref_loss = step(ref_model, ref_opt, ids)
     torch.testing.assert_close(loss.cpu(), ref_loss)
-    for p, q in zip(model.parameters(), ref_model.parameters()):
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
         torch.testing.assert_close(p.cpu(), q)
     model.cpu()
     assert [r() for r in refs] == params and all(p.device.type == "cpu" for p in params)

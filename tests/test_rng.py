@@ -151,7 +151,7 @@ def test_same_seed_same_draws_every_op():
         return [torch.randint(0, 10, (5,), device="neuron"), torch.randperm(7, device="neuron"),
                 torch.empty(5, device="neuron").exponential_(), torch.multinomial(torch.ones(6, device="neuron"), 3),
                 torch.normal(torch.zeros(5, device="neuron"), 1.0), torch.rand(5, device="neuron")]
-    for a, b in zip(draws(), draws()):
+    for a, b in zip(draws(), draws(), strict=True):
         assert a.is_neuron and torch.equal(a.cpu(), b.cpu())
 
 

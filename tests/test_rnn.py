@@ -29,7 +29,7 @@ def run(module: nn.Module, device: str, x: torch.Tensor, h=None, seed: int = 0):
 
 
 def assert_same(dev, ref, **tol):
-    for a, b in zip(dev[:3], ref[:3]):
+    for a, b in zip(dev[:3], ref[:3], strict=True):
         torch.testing.assert_close(a, b, **(tol or TOL))
     assert dev[3].keys() == ref[3].keys()
     for n in ref[3]:
@@ -84,7 +84,7 @@ class Stacked(nn.Module):
             if i < len(self.layers) - 1:
                 x = nn.functional.dropout(x, self.p, training=True)
         if isinstance(states[0], tuple):
-            return x, tuple(torch.cat(s) for s in zip(*states))
+            return x, tuple(torch.cat(s) for s in zip(*states, strict=True))
         return x, torch.cat(states)
 
 
@@ -167,7 +167,7 @@ def test_cells_match_cpu(cell, bias):
         sum(o.sum() * (i + 1) for i, o in enumerate(outs)).backward()
         return [o.detach().cpu() for o in outs] + [xd.grad.cpu()] + [p.grad.cpu() for p in md.parameters()]
 
-    for a, b in zip(go("neuron"), go("cpu")):
+    for a, b in zip(go("neuron"), go("cpu"), strict=True):
         torch.testing.assert_close(a, b, **TOL)
 
 
@@ -184,7 +184,7 @@ def test_fused_cell_backward_kernels_match_autograd():
     auto = torch.autograd.grad((hy * ghy).sum() + (cy * gcy).sum(), inputs)
     aten = torch.ops.aten
     g_gates, g_cx, g_b = aten._thnn_fused_lstm_cell_backward_impl(ghy, gcy, cx.detach(), cy.detach(), ws.detach(), True)
-    for a, b in zip((g_gates, g_gates, g_cx, g_b, g_b), auto):
+    for a, b in zip((g_gates, g_gates, g_cx, g_b, g_b), auto, strict=True):
         torch.testing.assert_close(a.cpu(), b.cpu(), **TOL)
 
     ig, hg, hx, b1, b2 = inputs = leaves((3, 18), (3, 18), (3, 6), (18,), (18,))
@@ -192,7 +192,7 @@ def test_fused_cell_backward_kernels_match_autograd():
     ghy = torch.randn_like(hy)
     auto = torch.autograd.grad((hy * ghy).sum(), inputs)
     manual = torch.ops.aten._thnn_fused_gru_cell_backward(ghy, ws.detach(), True)
-    for a, b in zip(manual, auto):
+    for a, b in zip(manual, auto, strict=True):
         torch.testing.assert_close(a.cpu(), b.cpu(), **TOL)
 
 

@@ -2,6 +2,7 @@
 with its modelled device time (the cost model's), linked to the host op that launched it."""
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import Counter
@@ -70,7 +71,7 @@ def test_eager_kernels_are_device_events_with_modelled_time():
     assert "Self NEURON" in table and "neuron::mm" in table
     # one queue per device: kernels do not overlap
     spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    assert all(b[0] >= a[1] - 1e-3 for a, b in zip(spans, spans[1:]))
+    assert all(b[0] >= a[1] - 1e-3 for a, b in itertools.pairwise(spans))
 
 
 def test_chrome_trace_has_the_device_track(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,6 +43,27 @@ class OpTime:
     achieved: float
     count: float = 1.0
     shapes: str = ""
+
+
+class TopOp(NamedTuple):
+    """One row of EstimateResult.top: an op (on one engine) and its share of a step."""
+
+    op: str
+    engine: str
+    time_s: float  # per step, all calls
+    bound: str  # what bounds most of its time
+    achieved: float  # time-weighted mean fraction of the engine's peak
+    calls: int  # per step
+
+
+class OpShare(NamedTuple):
+    """One recorded op as Coster.times costs it: its own cost, and its share of the modelled time and of the HBM
+    traffic of the kernel it runs in (fused kernels split theirs in proportion to each op's cost)."""
+
+    rec: Rec
+    cost: OpCost
+    time_s: float
+    hbm_bytes: float
 
 
 @dataclass(frozen=True)
@@ -126,8 +147,8 @@ class EstimateResult:
             out[getattr(o, key)] = out.get(getattr(o, key), 0.0) + o.time_s * o.count
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
-    def top(self, n: int = 10) -> list[tuple[str, str, float, str, float, int]]:
-        """The n ops with most time: (op, engine, seconds per step, bound, mean achieved, calls per step)."""
+    def top(self, n: int = 10) -> list[TopOp]:
+        """The n ops with most time per step."""
         agg: dict[tuple[str, str], list[float]] = {}
         for o in self.ops:
             a = agg.setdefault((o.op, o.engine), [0.0, 0.0, 0.0, {}])
@@ -135,9 +156,9 @@ class EstimateResult:
             a[1] += o.achieved * o.time_s * o.count
             a[2] += o.count
             a[3][o.bound] = a[3].get(o.bound, 0.0) + o.time_s
-        rows = [(op, eng, t, max(b, key=b.get), w / t if t else 0.0, int(round(c)))
+        rows = [TopOp(op, eng, t, max(b, key=b.get), w / t if t else 0.0, int(round(c)))
                 for (op, eng), (t, w, c, b) in agg.items()]
-        return sorted(rows, key=lambda r: -r[2])[:n]
+        return sorted(rows, key=lambda r: -r.time_s)[:n]
 
     def summary(self) -> str:
         per = {"train": "training step", "forward": "forward pass", "decode": "decode step"}[self.mode]
@@ -189,21 +210,21 @@ class Coster:
             shard = ("all" if r.shard == "sp" else r.shard, self.tp)
         return op_cost(r.op, r.ins, r.outs, self.t, attrs=r.attrs, shard=shard, mode=mode)
 
-    def times(self, recs: list[Rec]) -> list[tuple[Rec, OpCost, float, float]]:
-        """(record, its own cost, modelled time, HBM bytes) per op; collectives dropped when tp == 1. In a
-        fused kernel each op gets the kernel's time and traffic in proportion to its own cost."""
+    def times(self, recs: list[Rec]) -> list[OpShare]:
+        """Each op's cost and modelled time and traffic; collectives dropped when tp == 1. In a fused kernel each
+        op gets the kernel's time and traffic in proportion to its own cost."""
         recs = [r for r in recs if self.tp > 1 or r.op != "all_reduce"]
         if not self.compiled:
             out = []
             for r in recs:
                 c = self.op(r, "eager")
-                out.append((r, c, c.time_s + (self.t.launch_s if c.engine == "collective" else 0.0), c.bytes))
+                out.append(OpShare(r, c, c.time_s + (self.t.launch_s if c.engine == "collective" else 0.0), c.bytes))
             return out
         costs = [self.op(r, "fused") for r in recs]
         groups = self.groups(recs, costs)
         launch = OpCost("launch", "none", 0.0, 0.0, 0.0, 0.0, 0.0, self.t.launch_s, 0.0, self.t.hbm_bw)
-        out: list[tuple[Rec, OpCost, float, float]] = [  # one launch per compiled graph (forward, backward)
-            (Rec("launch", phase, [], [], [], []), launch, launch.time_s, 0.0)
+        out: list[OpShare] = [  # one launch per compiled graph (forward, backward)
+            OpShare(Rec("launch", phase, [], [], [], []), launch, launch.time_s, 0.0)
             for phase in dict.fromkeys(r.phase for r in recs)]
         owner = {i: g for g, idx in enumerate(groups) for i in idx}
         consumers: dict[int, set[int]] = {}
@@ -213,7 +234,7 @@ class Coster:
         for g, idx in enumerate(groups):
             if costs[idx[0]].engine == "collective":
                 c = costs[idx[0]]
-                out.append((recs[idx[0]], c, c.time_s, c.bytes))
+                out.append(OpShare(recs[idx[0]], c, c.time_s, c.bytes))
                 continue
             made = {t for i in idx for t in recs[i].out_ids}
             ext = {t for i in idx for t in recs[i].in_ids} - made
@@ -224,9 +245,9 @@ class Coster:
             kt = kernel_time([costs[i] for i in idx], hbm, self.t)
             weight = [max(costs[i].compute_s, costs[i].memory_s) for i in idx]
             total = sum(weight)
-            for i, w in zip(idx, weight):
+            for i, w in zip(idx, weight, strict=True):
                 share = w / total if total else 1 / len(idx)
-                out.append((recs[i], costs[i], kt * share, hbm * share))
+                out.append(OpShare(recs[i], costs[i], kt * share, hbm * share))
         return out
 
     @staticmethod
@@ -235,7 +256,7 @@ class Coster:
         consumes a value made in it (same phase); anything else opens a new kernel; collectives stand alone."""
         groups: list[list[int]] = []
         made: set[int] = set()
-        for i, (r, c) in enumerate(zip(recs, costs)):
+        for i, (r, c) in enumerate(zip(recs, costs, strict=True)):
             joins = (groups and c.engine in ("vector", "scalar", "dma", "host") and not made.isdisjoint(r.in_ids)
                      and costs[groups[-1][0]].engine != "collective" and recs[groups[-1][0]].phase == r.phase)
             if joins:
@@ -315,8 +336,9 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
     """Cost a recorded step on `layout` under `plan`."""
     co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled")
     micro = max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
-    ops = [OpTime(c.op if c.engine == "collective" else r.op, r.phase, c.engine, c.flops, nbytes, t, c.bound,
-                  c.achieved, micro, _shapes(r)) for r, c, t, nbytes in co.times(tr.recs)]
+    ops = [OpTime(x.cost.op if x.cost.engine == "collective" else x.rec.op, x.rec.phase, x.cost.engine,
+                  x.cost.flops, x.hbm_bytes, x.time_s, x.cost.bound, x.cost.achieved, micro, _shapes(x.rec))
+           for x in co.times(tr.recs)]
     if plan.train and plan.recompute != "none":
         ops += [replace(o, phase="recompute") for o in ops if o.phase == "forward"
                 and (plan.recompute == "full" or op_info(o.op).rule is Rule.ATTENTION)]

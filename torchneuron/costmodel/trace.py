@@ -68,7 +68,7 @@ def _spec(t: torch.Tensor) -> T:
 
 def _attrs(func, args, kwargs) -> dict:
     """The op's small non-tensor arguments by schema name (groups, transposed, is_causal, output_mask)."""
-    named = dict(zip((arg.name for arg in func._schema.arguments), args)) | kwargs
+    named = dict(zip((arg.name for arg in func._schema.arguments), args, strict=False)) | kwargs
     ok = (bool, int, float)
     small = lambda v: isinstance(v, ok) or isinstance(v, (list, tuple)) and all(isinstance(e, ok) for e in v)
     return {k: (tuple(v) if isinstance(v, list) else v) for k, v in named.items() if small(v)}
@@ -128,7 +128,7 @@ class Recorder(TorchDispatchMode):
         linear = op_info(op).tp_linear  # how a partial sum passes through the op
         scaling = linear == "one" and pl.count("P") == 1 and "S" not in pl
         if "P" in pl and not (scaling or (linear == "all" and all(p == "P" for p in pl))):
-            for x, p in zip(tins, pl):
+            for x, p in zip(tins, pl, strict=True):
                 if p == "P":
                     self._reduce(x)
             pl = [("R" if p == "P" else p) for p in pl]
@@ -140,8 +140,8 @@ class Recorder(TorchDispatchMode):
         out_ids = [self._note(o, result) for o in outs]
         if result == "P":
             made = [self.partial.get(self._key(x), self.specs[i])
-                    for x, i, p in zip(tins, ids, pl) if p == "P"]
-            for o, i in zip(outs, out_ids):
+                    for x, i, p in zip(tins, ids, pl, strict=True) if p == "P"]
+            for o, i in zip(outs, out_ids, strict=True):
                 same = [t for t in made if t.numel == self.specs[i].numel]
                 self.partial[self._key(o)] = min([*same, self.specs[i]], key=lambda t: t.nbytes)
         self.recs.append(Rec(op, self.phase, [self.specs[i] for i in ids], [self.specs[i] for i in out_ids],
@@ -198,7 +198,7 @@ class FusedAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kw = dict(zip(self._ARGS, args[3:])) | kwargs if func is F.scaled_dot_product_attention else {}
+        kw = dict(zip(self._ARGS, args[3:], strict=False)) | kwargs if func is F.scaled_dot_product_attention else {}
         if func is not F.scaled_dot_product_attention or kw.get("dropout_p", 0.0):
             return func(*args, **kwargs)  # no fused kernel with dropout is assumed: it runs decomposed
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu

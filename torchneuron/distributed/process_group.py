@@ -373,7 +373,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._agree("all_gather_into_tensor_coalesced", inputs)
         opts = _options(opts, c10d.AllgatherOptions)
         return self._run("all_gather_into_tensor_coalesced", lambda: [
-            self._gloo._allgather_base(_flat(o), _flat(i), opts) for o, i in zip(outputs, inputs)],
+            self._gloo._allgather_base(_flat(o), _flat(i), opts) for o, i in zip(outputs, inputs, strict=True)],
             list(outputs), inputs=inputs)
 
     def _reduce_scatter(self, name: str, outputs: Tensors, inputs: Sequence[Tensors], opts: Any) -> Work:
@@ -385,7 +385,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         opts.reduceOp = red.op
         finish = functools.partial(_finish_reduction, name, outputs, red.divisor)
         return self._run(name, lambda: [self._gloo.reduce_scatter([host_view(o)], [_views(chunks)], opts)
-                                        for o, chunks in zip(outputs, inputs)], list(outputs), finish, inputs)
+                                        for o, chunks in zip(outputs, inputs, strict=True)],
+                         list(outputs), finish, inputs)
 
     def _chunks(self, output: torch.Tensor, input: torch.Tensor) -> list[torch.Tensor]:
         if input.numel() != output.numel() * self.size():
@@ -403,7 +404,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
 
     def reduce_scatter_single_coalesced(self, outputs: Tensors, inputs: Tensors, opts: Any = None) -> Work:
         return self._reduce_scatter("reduce_scatter_tensor_coalesced", outputs,
-                                    [self._chunks(o, i) for o, i in zip(outputs, inputs)],
+                                    [self._chunks(o, i) for o, i in zip(outputs, inputs, strict=True)],
                                     _options(opts, c10d.ReduceScatterOptions))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int],
@@ -426,7 +427,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         unpacked = torch.empty(sum(recv), dtype=packed.dtype)
 
         def finish() -> None:
-            for o, chunk in zip(outputs, unpacked.split(recv)):
+            for o, chunk in zip(outputs, unpacked.split(recv), strict=True):
                 host_view(o).copy_(chunk.view(o.shape))
         return self._run("all_to_all", lambda: self._gloo.alltoall_base(
             unpacked, packed, recv, send, _options(opts, c10d.AllToAllOptions)), list(outputs), finish)

@@ -26,8 +26,10 @@ from libcst.codemod.visitors import RemoveImportsVisitor
 from libcst.metadata import MetadataWrapper, ParentNodeProvider, Scope, ScopeProvider
 
 from . import check
-from .check import GUARDS, Analysis, Finding, Imports, Site, _dotted, _walk, analyze, iter_files, literal, read_source
+from .check import Analysis, Finding, analyze, iter_files, read_source
 from .rules import Rule
+from .syntax import _dotted, _walk, literal
+from .visitor import GUARDS, Imports, Site
 
 HOIST = '{d} = {t}.accelerator.current_accelerator() if {t}.accelerator.is_available() else {t}.device("cpu")'
 DEVICE_NAMES = ("device", "accel_device", "default_device", "torch_device")

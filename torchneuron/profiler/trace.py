@@ -60,11 +60,11 @@ def kernel_cost(graph: torch.fx.GraphModule | None, t: Target) -> OpCost:
         return OpCost("compiled_kernel", "none", 0.0, 0.0, 0.0, 0.0, 0.0, t.launch_s, 0.0, t.hbm_bw)
     tr = fx_trace(graph)
     rows = [row for row in Coster(tr, Layout(t, "", 1, None, "", 0.0), 1, False, True).times(tr.recs)
-            if row[0].op != "launch"]  # the launch is the event's overhead
+            if row.rec.op != "launch"]  # the launch is the event's overhead
     busy: dict[str, float] = {}
-    for _, c, secs, _ in rows:
-        busy[c.engine] = busy.get(c.engine, 0.0) + secs
-    nbytes, flops = sum(b for *_, b in rows), sum(c.flops for _, c, *_ in rows)
+    for row in rows:
+        busy[row.cost.engine] = busy.get(row.cost.engine, 0.0) + row.time_s
+    nbytes, flops = sum(row.hbm_bytes for row in rows), sum(row.cost.flops for row in rows)
     engine = max(busy, key=busy.get, default="none")
     return OpCost("compiled_kernel", engine, flops, nbytes, nbytes, sum(busy.values()), 0.0, t.launch_s,
                   t.matmul_flops("bfloat16"), t.hbm_bw)
