@@ -12,7 +12,7 @@ from op_consistency import disagreements
 import torchneuron
 from torchneuron import _C
 from torchneuron.costmodel.ops import op_cost
-from torchneuron.runtime.optable import DEFAULT, TABLE, Rule, base_name, op_info
+from torchneuron.runtime.optable import DEFAULT, TABLE, Rule, base_name, device_checked, op_info
 
 
 def _aten_names() -> list[str]:
@@ -47,6 +47,16 @@ def test_an_unlisted_op_is_a_host_fallback_priced_as_a_vector_sweep():
     host, vector = op_cost("linalg_qr", spec, spec, "trn2"), op_cost("sign", spec, spec, "trn2")  # one input each
     assert host.engine == "host" and vector.engine == "vector"
     assert host.compute_s == vector.compute_s and host.flops == 256 * 256  # one pass over the tensor
+
+
+def test_device_checked_rows_name_real_overloads_routed_to_the_fallback():
+    """The composites the C++ core routes to the fallback (ATen refuses the device in them) are real aten overloads,
+    and nothing but an overload row can carry the flag (routing is per overload)."""
+    assert device_checked(), "ATen 2.13 has device-checked composites (mode.values): the table must name them"
+    for name in device_checked():
+        base, overload = name.split(".")
+        assert overload in getattr(torch.ops.aten, base).overloads()
+    assert not any(o.device_checked for k, o in TABLE.items() if "." not in k)
 
 
 def test_the_overload_rows_refine_only_the_random_draw():

@@ -34,10 +34,10 @@ def register() -> None:
     global _registered, _initialized
     if _registered:
         return
-    from ..runtime import policy
+    from ..runtime import optable, policy
 
     cfg, error = _config.current_or_none(), _config.error()  # the one read of the environment
-    _C._init([cfg.core_capacity] * cfg.device_count if cfg else [], error or "")
+    _C._init([cfg.core_capacity] * cfg.device_count if cfg else [], error or "", optable.device_checked())
     _registered = True
     _initialized = cfg is not None and cfg.local_rank_error is None
     policy.install_op_tables()

@@ -57,7 +57,8 @@ class Op:
     sweeps of the SWEEP rule (None: one per tensor input); `operands`: the two GEMM inputs (MATMUL);
     `tp_linear`: how a tensor-parallel partial sum passes through it ("all": linear in every input, "one": in one
     input only); `decompose`: False keeps it whole in compiled graphs; `eager`: runs as its device kernel between
-    compiled kernels."""
+    compiled kernels; `device_checked` (an overload row): ATen's composite for it refuses devices other than
+    CPU/CUDA/XPU, so the C++ core routes it to the fallback, where the CPU's entry runs it on host aliases."""
 
     name: str
     engine: str = "host"
@@ -71,6 +72,7 @@ class Op:
     tp_linear: str | None = None
     decompose: bool = True
     eager: bool = False
+    device_checked: bool = False
 
 
 def _group(engine: str, names: str, **kw: Any) -> list[Op]:
@@ -156,6 +158,8 @@ _TABLE: list[Op] = [
     *_group("host", "rand randn randint rand_like randn_like randint_like normal_functional", native=False,
             random="shape"),
     *_group("host", "poisson", native=False, random="values"),
+    *_group("host", "mode"),
+    *_group("host", "mode.values", device_checked=True),  # "mode only supports CPU, CUDA and XPU" (docs/device.md)
     *_group("dma", "clone copy _to_copy cat", tp_linear="all"),
     *_group("dma", "contiguous constant_pad_nd reflection_pad2d replication_pad2d split_with_sizes_copy "
             "narrow_copy expand_copy permute_copy t_copy transpose_copy view_copy unsqueeze_copy squeeze_copy "
@@ -183,14 +187,16 @@ def base_name(op: Any) -> str:
 
 
 def _merge(rows: list[Op]) -> dict[str, Op]:
-    """One record per key. An overload row (`bernoulli.p`) refines its base's record with its `random` field
-    only: the C++ core reads base names, so native, exact, engine and host tensors are per base name."""
+    """One record per key. An overload row (`bernoulli.p`) refines its base's record with its `random` and
+    `device_checked` fields only: the C++ core classifies by base name, so native, exact, engine and host tensors
+    are per base name."""
     table: dict[str, Op] = {}
     for r in rows:
         assert r.name not in table, f"{r.name} is listed twice"
         assert r.engine in ENGINES and r.native == (r.engine != "host"), f"{r.name}: host iff not native"
         base = r.name.split(".")[0]
-        table[r.name] = replace(table[base], name=r.name, random=r.random) if base != r.name else r
+        table[r.name] = (replace(table[base], name=r.name, random=r.random, device_checked=r.device_checked)
+                         if base != r.name else r)
     return table
 
 
@@ -211,6 +217,11 @@ def op_info(op: Any) -> Op:
     if overload and f"{b}.{overload}" in TABLE:
         return TABLE[f"{b}.{overload}"]
     return TABLE.get(b) or replace(DEFAULT, name=b)
+
+
+def device_checked() -> list[str]:
+    """The `name.overload`s the C++ core routes to the fallback because ATen's composite refuses the device."""
+    return sorted(k for k, o in TABLE.items() if o.device_checked)
 
 
 def names(field: str) -> list[str]:
