@@ -1,8 +1,6 @@
 """torchneuron.estimate: a step is the sum of its ops; large models from configs cost no memory or time."""
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -132,12 +130,10 @@ def _llama(name: str, layers: int | None = None):
     return model
 
 
-def test_llama_8b_training_estimate_under_a_minute():
+def test_llama_8b_training_estimate():
     model = _llama("llama-8b")
-    start = time.perf_counter()
     r = estimate(model, presets.lm_inputs(model, seq=2048), target="trn2", tp=8, dp=8, dtype=torch.bfloat16,
                  batch_tokens=512 * 2048)
-    assert time.perf_counter() - start < 60
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(8.03e9, rel=0.01)
     assert r.micro_steps == 64 and r.items_per_step == 512 * 2048
     assert 0.1 < r.mfu < 1
@@ -146,16 +142,14 @@ def test_llama_8b_training_estimate_under_a_minute():
     assert any(o.engine == "collective" and o.phase == "forward" for o in r.ops)
 
 
-def test_llama_70b_estimates_under_a_minute():
+def test_llama_70b_estimates():
     model = _llama("llama-70b")
-    start = time.perf_counter()
     bf16 = torch.bfloat16
     train = estimate(model, presets.lm_inputs(model, seq=1024), tp=32, dp=2, dtype=bf16, compare=None)
     decode = estimate(model, presets.lm_inputs(model, mode="decode", context=2048), mode="decode", tp=64,
                       dtype=bf16, compare=None)
-    assert time.perf_counter() - start < 60
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(70.6e9, rel=0.01)
-    assert train.step_time_s > 0 and decode.unit == "tokens" and decode.items_per_step == 1
+    assert 0 < train.mfu < 1 and decode.unit == "tokens" and decode.items_per_step == 1  # below the roofline
     # decode reads every weight once per token: at least the HBM time of 1/64 of 141 GB at 725 GB/s per core
     assert decode.step_time_s > 70.6e9 * 2 / 64 / 725e9
 
@@ -187,7 +181,7 @@ def test_hugging_face_gpt2_from_a_small_config():
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256))
     ids = torch.zeros(2, 128, dtype=torch.long)
     r = estimate(model, {"input_ids": ids, "labels": ids}, target="trn1")
-    assert r.items_per_step == 256 and r.step_time_s > 0
+    assert r.items_per_step == 256 and 0 < r.mfu < 1  # the step takes at least its FLOPs at peak
     assert {"nll_loss_forward", "nll_loss_backward"} <= {o.op for o in r.ops}
     assert r.comparison is not None and r.comparison.step_time_s > 0
 
