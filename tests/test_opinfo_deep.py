@@ -70,31 +70,36 @@ def rotated_dtype_cases() -> list:
 DTYPE_CASES = rotated_dtype_cases()
 
 
+def compared(n: int, what: str) -> None:
+    """A case whose check compared nothing skips (saying so) instead of passing."""
+    if n == 0:
+        pytest.skip(f"no sample {what}")
 
 
 @pytest.mark.parametrize("name,dtype", DTYPE_CASES, ids=lambda v: short(v) if isinstance(v, torch.dtype) else v)
 def test_forward_dtypes(name, dtype):
-    compare_samples(OPS[name], dtype, SAMPLES, *TOLERANCES[dtype])
+    compared(compare_samples(OPS[name], dtype, SAMPLES, *TOLERANCES[dtype]), "in this dtype")
 
 
 @pytest.mark.parametrize("name", cases("noncontiguous", FLOAT32))
 def test_forward_noncontiguous(name):
-    compare_samples(OPS[name], torch.float32, SAMPLES, *TOLERANCES[torch.float32], noncontiguous=True)
+    compared(compare_samples(OPS[name], torch.float32, SAMPLES, *TOLERANCES[torch.float32], noncontiguous=True),
+             "to compare non-contiguous")
 
 
 @pytest.mark.parametrize("name", cases("out", OUT))
 def test_out_variant(name):
-    compare_out(OPS[name], torch.float32, SAMPLES, *TOLERANCES[torch.float32])
+    compared(compare_out(OPS[name], torch.float32, SAMPLES, *TOLERANCES[torch.float32]), "with an out= result")
 
 
 @pytest.mark.parametrize("name", cases("inplace", INPLACE))
 def test_inplace_variant(name):
-    compare_inplace(OPS[name], torch.float32, SAMPLES, *TOLERANCES[torch.float32])
+    compared(compare_inplace(OPS[name], torch.float32, SAMPLES, *TOLERANCES[torch.float32]), "for in-place")
 
 
 @pytest.mark.parametrize("name", cases("errors", ERRORS))
 def test_error_inputs(name):
-    check_error_inputs(OPS[name])
+    compared(check_error_inputs(OPS[name]), "error input the CPU rejects")
 
 
 def test_coverage():
