@@ -36,9 +36,13 @@ if _aws.installed() is None:  # ours owns the `neuron` device
 
     route_default_backend()  # plain torch.compile(model) on neuron tensors reaches the neuron backend
 
-    from .integrations.cuda_compat import maybe_enable_from_env
+    from .hardware import config as _config
 
-    maybe_enable_from_env()  # TORCHNEURON_CUDA_COMPAT=1: unmodified CUDA code runs on neuron
+    _cfg = _config.current_or_none()  # None: invalid, raised at the first use of the device
+    if _cfg is not None and _cfg.cuda_compat:  # compat mode loads only when asked for (~9 ms of import otherwise)
+        from .integrations.cuda_compat import maybe_enable_from_env
+
+        maybe_enable_from_env()  # TORCHNEURON_CUDA_COMPAT=1: unmodified CUDA code runs on neuron
 
     from .integrations import install as _install_integrations
 
