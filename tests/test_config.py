@@ -18,7 +18,8 @@ SAMPLES = {"TORCHNEURON_INSTANCE": "trn1.32xlarge", "NEURON_LOGICAL_NC_CONFIG": 
            "TORCHNEURON_MEMORY_LIMIT": "1GiB", "TORCHNEURON_DTYPE_POLICY": "host", "TORCHNEURON_FALLBACK": "error",
            "LOCAL_RANK": "1", "TORCHNEURON_COMPILE_FALLBACK": "eager", "TORCHNEURON_CACHE_DIR": "/tmp/c",
            "XDG_CACHE_HOME": "/tmp/xdg", "TORCHINDUCTOR_CACHE_DIR": "/tmp/i", "TORCHNEURON_DEBUG_DIR": "/tmp/d",
-           "TORCHNEURON_DIST_CHECKS": "0", "TORCHNEURON_CUDA_COMPAT": "1", "TORCHNEURON_PORTING_REPORT": "-"}
+           "TORCHNEURON_DIST_CHECKS": "0", "TORCHNEURON_CUDA_COMPAT": "1", "TORCHNEURON_PORTING_REPORT": "-",
+           "TORCHNEURON_LAUNCH_BLOCKING": "1", "TORCHNEURON_STREAM_CHECK": "1", "TORCHNEURON_EAGER_FUSION": "0"}
 READ_BY_TORCH = {"TORCH_DEVICE_BACKEND_AUTOLOAD"}
 
 
@@ -90,3 +91,10 @@ def test_nothing_else_reads_or_writes_the_environment():
     uses = [u for p in files if p != REPO / "torchneuron/hardware/config.py" for u in _environment_uses(p)]
     assert not uses, uses
     assert _environment_uses(REPO / "torchneuron/hardware/config.py")  # the check sees attribute reads
+
+
+def test_aws_async_switch_is_the_inverse_of_launch_blocking():
+    assert config.load({"TORCH_NEURONX_ENABLE_ASYNC_NRT": "0"}).launch_blocking
+    assert not config.load({"TORCH_NEURONX_ENABLE_ASYNC_NRT": "1"}).launch_blocking
+    with pytest.raises(config.ConfigError, match="TORCH_NEURONX_ENABLE_ASYNC_NRT='maybe'"):
+        config.load({"TORCH_NEURONX_ENABLE_ASYNC_NRT": "maybe"})

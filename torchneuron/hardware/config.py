@@ -96,6 +96,12 @@ VARIABLES = (
     Variable("TORCHNEURON_CUDA_COMPAT", "`0`", "`1`: run unmodified CUDA code on `neuron` (see docs/compat.md)"),
     Variable("TORCHNEURON_PORTING_REPORT", "unset", "with compat mode: write the porting report at exit to "
              "`path.json`, `path.md` or `-` (stdout)"),
+    Variable("TORCHNEURON_LAUNCH_BLOCKING", "`0`", "`1`: every op runs to completion before its launch returns (like "
+             "`CUDA_LAUNCH_BLOCKING`), so an error is raised by the op that caused it"),
+    Variable("TORCHNEURON_STREAM_CHECK", "`0`", "`1`: report any tensor used on two streams without an ordering edge "
+             "(event, `wait_stream`, synchronize), with both Python stacks (see docs/device.md, stream checker)"),
+    Variable("TORCHNEURON_EAGER_FUSION", "`1`", "`0`: never fuse queued elementwise runs into one kernel (adaptive "
+             "eager fusion; also off under `torch.use_deterministic_algorithms(True)`)"),
     Variable("TORCH_DEVICE_BACKEND_AUTOLOAD", "`1`", "PyTorch's switch (read by torch): `0` keeps `import torch` "
              "from loading torchneuron"),
 )
@@ -115,6 +121,13 @@ def _disable_fallback(text: str) -> str:
     return value
 
 
+def _inverse_flag(name: str, text: str) -> str:
+    value = {"1": "0", "true": "0", "0": "1", "false": "1"}.get(text.strip().lower())
+    if value is None:
+        raise ConfigError(f"{name}={text!r}: choose 1 or 0")
+    return value
+
+
 class Alias(NamedTuple):
     """An AWS TorchNeuron variable that means the same as one of ours; `translate` maps its value to ours."""
 
@@ -131,6 +144,8 @@ ALIASES = (
     Alias("TORCH_NEURONX_NEFF_CACHE_DIR", "TORCHNEURON_CACHE_DIR"),
     Alias("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "TORCHNEURON_COMPILE_FALLBACK", _disable_fallback,
           "1=`error`, 0=`eager`"),
+    Alias("TORCH_NEURONX_ENABLE_ASYNC_NRT", "TORCHNEURON_LAUNCH_BLOCKING", lambda t: _inverse_flag(
+        "TORCH_NEURONX_ENABLE_ASYNC_NRT", t), "1=`0`, 0=`1`"),
     Alias("NEURON_RT_NUM_CORES", "NEURON_RT_VISIBLE_CORES", _core_count, "n means `0-(n-1)`"),  # n cores: 0..n-1
 )
 _WARNED: set[str] = set()
@@ -196,6 +211,9 @@ class Config:
     local_rank: int | None = None
     cuda_compat: bool = False  # TORCHNEURON_CUDA_COMPAT (applied by autoload)
     porting_report: str | None = None  # TORCHNEURON_PORTING_REPORT
+    launch_blocking: bool = False  # TORCHNEURON_LAUNCH_BLOCKING
+    stream_check: bool = False  # TORCHNEURON_STREAM_CHECK
+    eager_fusion: bool = True  # TORCHNEURON_EAGER_FUSION
     # the tools' settings (Variable.at_use): read again when their variable changes
     compile_fallback: str = "error"
     cache_dir: Path = Path("~/.cache/torchneuron")
@@ -264,6 +282,9 @@ def load(env: Mapping[str, str] | None = None) -> Config:
         local_rank=int(rank_text) if rank_text.isdigit() else None,
         cuda_compat=_flag(env, "TORCHNEURON_CUDA_COMPAT", False),
         porting_report=_get(env, "TORCHNEURON_PORTING_REPORT") or None,
+        launch_blocking=_flag(env, "TORCHNEURON_LAUNCH_BLOCKING", False),
+        stream_check=_flag(env, "TORCHNEURON_STREAM_CHECK", False),
+        eager_fusion=_flag(env, "TORCHNEURON_EAGER_FUSION", True),
         **_at_use_fields(env),
     )
 
