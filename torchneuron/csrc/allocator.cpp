@@ -1,14 +1,20 @@
 // Device memory of the modelled NeuronCores: host memory handed out under each core's capacity.
 // A caching allocator like CUDA's: freed blocks stay reserved for reuse (reserved >= allocated), the cache is
 // released before reporting out-of-memory, and every CUDA statistic is kept per device.
-// Execution is synchronous, so a freed block is safe to reuse at once and recordStream (Tensor.record_stream) only
-// validates: nothing has to wait for another stream.
+// Reuse is stream-ordered, as CUDA's: a block belongs to the stream that allocated it; once freed it is reused at
+// once by that stream's later allocations (its queue runs them after the work that used the block) and by no other
+// stream. A block used on another stream without Tensor.record_stream may therefore be overwritten while that
+// stream still reads it -- CUDA's bug, reproduced; with record_stream the block waits, after its free, until every
+// recorded stream has run the work queued so far. Memory goes back to the host only when no queued work can touch
+// it (emptyCache and the out-of-memory retry synchronize the device first, as cudaFree does).
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <map>
+#include <set>
 #include <mutex>
 #include <unordered_map>
 
@@ -31,6 +37,19 @@ struct Block {
   c10::DeviceIndex device;
   bool in_use;
   c10::DataPtr host;  // set when the memory was adopted from a CPU kernel
+  c10::StreamId stream = 0;  // the allocating stream
+  std::vector<c10::StreamId> recorded = {};  // other streams that used it (Tensor.record_stream)
+};
+
+// A freed block some stream may still use: usable once each queue has reached its ticket.
+struct PendingFree {
+  Block* block;
+  std::vector<std::pair<StreamQueue*, uint64_t>> until;
+  bool ready() const {
+    for (auto& [q, t] : until)
+      if (!q->reached(t)) return false;
+    return true;
+  }
 };
 
 std::string fmt_bytes(double b) {
@@ -57,13 +76,15 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     if (n == 0) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
     size_t size = (n + kRound - 1) / kRound * kRound;
     auto ctx = memory_context(MemoryAction::alloc);
+    c10::StreamId stream = current_stream_id(dev);
     std::lock_guard<std::mutex> g(mu_);
-    Block* b = take_cached(dev, size);
+    if (!pending_.empty()) finish_pending(false);
+    Block* b = take_cached(dev, stream, size);
     if (!b) {
       reserve_or_throw(dev, size, n, ctx);
       void* p = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
       if (!p) throw_oom(dev, n, "the host could not provide the memory");
-      b = new Block{p, size, n, dev, true, {}};
+      b = new Block{p, size, n, dev, true, {}, stream};
       live_[reinterpret_cast<uintptr_t>(p)] = b;
       auto& st = stats_[dev];
       bump(st.segment, 1, true), bump(st.reserved_bytes, size, true);
@@ -80,9 +101,10 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     void* p = host.get();
     if (n == 0 || !p) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
     auto ctx = memory_context(MemoryAction::alloc);
+    c10::StreamId stream = current_stream_id(dev);
     std::lock_guard<std::mutex> g(mu_);
     reserve_or_throw(dev, n, n, ctx);
-    auto* b = new Block{p, n, n, dev, true, std::move(host)};
+    auto* b = new Block{p, n, n, dev, true, std::move(host), stream};
     live_[reinterpret_cast<uintptr_t>(p)] = b;
     auto& st = stats_[dev];
     bump(st.segment, 1, true), bump(st.reserved_bytes, n, true);
@@ -104,14 +126,38 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     bump(st.allocated_bytes, b->size, false), bump(st.active_bytes, b->size, false);
     bump(st.requested_bytes, b->requested, false);
     b->in_use = false;
-    history(MemoryAction::free_requested, b, ctx);  // execution is synchronous: the free completes at once
-    history(MemoryAction::free_completed, b, ctx);
-    if (b->host) {  // adopted host memory goes back to the host allocator, it is not cached
-      live_.erase(it);
+    history(MemoryAction::free_requested, b, ctx);
+    // Adopted host memory goes back to the host allocator (it is not cached): only once its own stream, too, has
+    // run what it queued, since a freed block is never reused but its memory would be gone.
+    PendingFree p{b, {}};
+    if (b->host) p.until.emplace_back(&queue_of(b->device, b->stream), 0);
+    for (c10::StreamId s : b->recorded) p.until.emplace_back(&queue_of(b->device, s), 0);
+    for (auto& [q, t] : p.until) t = q->enqueued();
+    if (p.ready()) finish(b);
+    else pending_.push_back(std::move(p));
+  }
+
+  // A freed block no queued work can touch any more: cached for its stream, or its host memory released.
+  void finish(Block* b) {
+    history(MemoryAction::free_completed, b, nullptr);
+    b->recorded.clear();
+    if (b->host) {
+      live_.erase(reinterpret_cast<uintptr_t>(b->ptr));
       drop_segment(b);
-      return;
+    } else {
+      free_[{b->device, b->stream}].emplace(b->size, b);
     }
-    free_[b->device].emplace(b->size, b);
+  }
+
+  // `wait`: synchronize the devices first, so that every pending free completes.
+  void finish_pending(bool wait) {
+    if (wait) synchronize_device(-1, /*raise=*/false);
+    std::vector<PendingFree> still;
+    for (auto& p : pending_) {
+      if (p.ready()) finish(p.block);
+      else still.push_back(std::move(p));
+    }
+    pending_.swap(still);
   }
 
   c10::DeviceIndex device_of(const void* ptr) {
@@ -136,12 +182,13 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 
   void emptyCache(c10::MempoolId_t = {0, 0}) override {
     std::lock_guard<std::mutex> g(mu_);
-    for (auto& [dev, pool] : free_) release_cached(dev);
+    std::set<c10::DeviceIndex> devs;
+    for (auto& [key, pool] : free_) devs.insert(key.first);
+    for (auto dev : devs) release_cached(dev);
   }
 
-  // CUDA's meaning: a block used on another stream is not reused until that stream's work is done. Work here is
-  // complete when issued, so the block is reusable as soon as it is freed; the use is validated (a neuron stream,
-  // memory of this allocator) and nothing has to be deferred.
+  // CUDA's meaning: a block used on another stream is not reused until that stream has run the work queued when the
+  // block is freed (release() above).
   void recordStream(const c10::DataPtr& ptr, c10::Stream stream) override {
     if (!ptr.get()) return;  // empty tensors own no block
     TORCH_CHECK(stream.device_type() == kNeuron, "record_stream: expected a neuron stream, got a ",
@@ -151,6 +198,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     auto it = live_.find(reinterpret_cast<uintptr_t>(ptr.get()));
     TORCH_CHECK(it != live_.end() && it->second->in_use,
                 "record_stream: the tensor's memory was not allocated by the neuron allocator");
+    Block* b = it->second;
+    if (stream.id() != b->stream && std::find(b->recorded.begin(), b->recorded.end(), stream.id()) == b->recorded.end())
+      b->recorded.push_back(stream.id());
   }
 
   DeviceStats getDeviceStats(c10::DeviceIndex dev) override {
@@ -188,9 +238,10 @@ class NeuronAllocator final : public c10::DeviceAllocator {
             &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes};
   }
 
-  // Best fit among cached blocks, accepting at most 2x the request so small tensors do not pin big blocks.
-  Block* take_cached(c10::DeviceIndex dev, size_t size) {
-    auto& pool = free_[dev];
+  // Best fit among the stream's cached blocks, accepting at most 2x the request so small tensors do not pin big
+  // blocks.
+  Block* take_cached(c10::DeviceIndex dev, c10::StreamId stream, size_t size) {
+    auto& pool = free_[{dev, stream}];
     auto it = pool.lower_bound(size);
     if (it == pool.end() || it->first > 2 * size) return nullptr;
     Block* b = it->second;
@@ -215,13 +266,24 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     delete b;  // an adopted block's DataPtr returns its memory to the host allocator here
   }
 
+  // Return the device's cached blocks to the host, after synchronizing: queued work may still use a block
+  // freed in stream order.
   void release_cached(c10::DeviceIndex dev) {
-    auto& pool = free_[dev];
-    for (auto& [size, b] : pool) {
-      live_.erase(reinterpret_cast<uintptr_t>(b->ptr));
-      drop_segment(b);
+    finish_pending(/*wait=*/true);
+    for (auto& [key, pool] : free_) {
+      if (key.first != dev) continue;
+      for (auto& [size, b] : pool) {
+        live_.erase(reinterpret_cast<uintptr_t>(b->ptr));
+        drop_segment(b);
+      }
+      pool.clear();
     }
-    pool.clear();
+  }
+
+  bool has_cached(c10::DeviceIndex dev) {
+    for (auto& [key, pool] : free_)
+      if (key.first == dev && !pool.empty()) return true;
+    return false;
   }
 
   // Make room for a new segment of `size` bytes within the core's capacity (times the process's memory
@@ -231,7 +293,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     size_t cap = limit(dev);
     auto& st = stats_[dev];
     if (st.reserved_bytes[0].current + size <= cap) return;
-    if (!free_[dev].empty()) {
+    if (has_cached(dev) || !pending_.empty()) {
       st.num_alloc_retries++;
       release_cached(dev);
       if (st.reserved_bytes[0].current + size <= cap) return;
@@ -278,7 +340,8 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 
   std::mutex mu_;
   std::map<uintptr_t, Block*> live_;  // every block owned by the allocator, in use or cached
-  std::unordered_map<c10::DeviceIndex, std::multimap<size_t, Block*>> free_;
+  std::map<std::pair<c10::DeviceIndex, c10::StreamId>, std::multimap<size_t, Block*>> free_;  // per stream
+  std::vector<PendingFree> pending_;
   std::unordered_map<c10::DeviceIndex, DeviceStats> stats_;
   std::unordered_map<c10::DeviceIndex, double> fraction_;
 

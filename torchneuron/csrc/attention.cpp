@@ -84,6 +84,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& bias,
     bool compute_lse, double p, bool causal, std::optional<double> scale) {
   note_executed("aten::_scaled_dot_product_efficient_attention");
+  drain_current(query.device().index());  // computed on this thread, after the stream's queued work
   at::AutoDispatchBelowADInplaceOrView below;
   auto q = host_alias(query), k = on_host(key), v = on_host(value);
   auto b = on_host(bias);
@@ -135,6 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention_b
     const at::Tensor& philox_offset, double p, std::array<bool, 4> grad_input_mask, bool causal,
     std::optional<double> scale) {
   note_executed("aten::_scaled_dot_product_efficient_attention_backward");
+  drain_current(query.device().index());  // computed on this thread, after the stream's queued work
   at::AutoDispatchBelowADInplaceOrView below;
   auto q = host_alias(query), k = on_host(key), v = on_host(value), go = on_host(grad_out);
   auto b = on_host(bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);

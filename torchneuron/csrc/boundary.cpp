@@ -16,6 +16,7 @@ const void* base_ptr(const at::Tensor& t) { return t.numel() ? t.storage().data(
 // Replace args[i] (a neuron tensor) with a CPU view of the same memory, for each i in `device_inputs`. Inputs over
 // one device storage share one CPU storage, so the kernel sees them alias as they do.
 void host_args(py::list args, const std::vector<int64_t>& device_inputs) {
+  if (!device_inputs.empty()) drain_current(py::cast<at::Tensor>(args[device_inputs[0]]).device().index());
   HostAliases host;
   for (int64_t i : device_inputs) args[i] = py::cast(host(py::cast<at::Tensor>(args[i])));
 }

@@ -4,11 +4,24 @@
 // kernel creates are adopted into device memory without a copy; an `out=` argument the CPU kernel resized is given
 // the new memory and shape. On the way it applies the device rules (same device, fp64, int64 range; policy.cpp),
 // fills in the device generator, and counts each op as native or host fallback (op_tracking.cpp).
+//
+// Execution is stream-ordered (queue.cpp): an op is queued on the current stream and its results are returned
+// before it runs, with the metadata (sizes, strides, dtype, which results alias which arguments) it had the first
+// time it ran with the same argument signature. That first run happens on the host thread after the stream's
+// earlier work, and records the layout; ops whose results depend on data (tags dynamic_output_shape and
+// data_dependent_output, non-tensor results), checks without results, ops taking CPU index tensors, and ops under
+// the trainium dtype rules (float64 involved, int64 results, whose values the rules must inspect) always run that
+// way. Views run at once (metadata only). A cached layout costs a hash of the arguments' metadata; PyTorch's meta
+// kernels would do the same job, but most of them are Python (~250 us per call here) and the layout is the CPU
+// kernel's own by construction.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
+#include <shared_mutex>
+#include <unordered_map>
 
 #include "runtime.h"
 
@@ -131,24 +144,252 @@ void round_host_scalar(Call& c, c10::IValue& v) {
   }
 }
 
-}  // namespace
 
-void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+// ---- Result layouts: what an op returned the first time it ran with an argument signature ----
+
+// How one (flattened) result relates to the arguments, from its first run.
+struct ResultSlot {
+  enum Kind : uint8_t { none, arg, view, fresh } kind = none;
+  int source = -1;  // arg/view: the flat index of the device tensor argument; fresh: the group (one new storage)
+  std::vector<int64_t> sizes, strides;
+  int64_t offset = 0;
+  caffe2::TypeMeta dtype;
+  bool conj = false, neg = false;
+};
+struct ResultLayout {
+  std::vector<int> list_sizes;  // per return: -1 a single tensor, else the length of its tensor list
+  std::vector<ResultSlot> slots;
+  std::vector<size_t> group_bytes;  // nbytes of each fresh storage
+  std::vector<size_t> group_slot;   // the first slot over each fresh storage
+  int64_t max_numel = 0;            // of the results: the random ops' draw count, the inline threshold
+  bool int64 = false;               // an int64 result: the trainium rules inspect its values
+};
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const noexcept {
+    size_t h = k.size();
+    for (int64_t x : k) h ^= static_cast<size_t>(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+struct LayoutCache {
+  std::shared_mutex mu;
+  std::unordered_map<std::vector<int64_t>, std::shared_ptr<const ResultLayout>, KeyHash> map;
+};
+constexpr size_t kLayoutsPerOp = 256;  // signatures remembered per op; beyond, calls run on the host thread
+
+// The flat device tensor arguments of a call, in order (the indices ResultSlot::source refers to).
+using FlatArgs = c10::SmallVector<at::Tensor, 8>;
+
+// The argument signature: everything the results' metadata may depend on (tensor metadata and aliasing, integers,
+// flags, dtypes, devices; float values only for factories, which have no tensor to shape their result). False for
+// an argument no layout can be keyed by (a CPU tensor of more than 0 dims, an unknown value type).
+bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<int64_t>& key, FlatArgs& flat) {
+  key.reserve(64);
+  auto tensor = [&](const at::Tensor& t) -> bool {
+    if (!t.defined()) return key.push_back(-1), true;
+    if (!is_neuron(t)) {
+      if (t.dim() > 0 || t.layout() != at::kStrided) return false;
+      key.insert(key.end(), {-2, static_cast<int64_t>(t.scalar_type()), t.unsafeGetTensorImpl()->is_wrapped_number()});
+      return true;
+    }
+    int alias = -1;
+    const auto* st = t.storage().unsafeGetStorageImpl();
+    for (size_t j = 0; j < flat.size(); ++j)
+      if (flat[j].storage().unsafeGetStorageImpl() == st) {
+        alias = static_cast<int>(j) * 2 + (flat[j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl());
+        break;
+      }
+    key.insert(key.end(), {static_cast<int64_t>(t.scalar_type()), t.dim(), t.storage_offset(), alias,
+                           t.is_conj() * 2 + t.is_neg(), t.requires_grad()});
+    key.insert(key.end(), t.sizes().begin(), t.sizes().end());
+    key.insert(key.end(), t.strides().begin(), t.strides().end());
+    flat.push_back(t);
+    return true;
+  };
+  for (size_t i = 0; i < nargs; ++i) {
+    const c10::IValue& v = args[i];
+    key.push_back(static_cast<int64_t>(v.tag));
+    if (v.isTensor()) {
+      if (!tensor(v.toTensor())) return false;
+    } else if (v.isTensorList()) {
+      key.push_back(static_cast<int64_t>(v.toTensorList().size()));
+      for (const at::Tensor& t : v.toTensorList())
+        if (!tensor(t)) return false;
+    } else if (v.isList()) {
+      const auto& l = v.toListRef();
+      key.push_back(static_cast<int64_t>(l.size()));
+      for (const c10::IValue& x : l) {
+        if (x.isTensor()) {
+          if (!tensor(x.toTensor())) return false;
+        } else if (x.isInt()) {
+          key.push_back(x.toInt());
+        } else if (x.isBool()) {
+          key.push_back(x.toBool());
+        } else if (x.isNone()) {
+          key.push_back(-3);
+        } else if (x.isDouble()) {
+          double d = factory ? x.toDouble() : 0.0;
+          int64_t bits;
+          std::memcpy(&bits, &d, sizeof bits);
+          key.push_back(bits);
+        } else {
+          return false;
+        }
+      }
+    } else if (v.isInt()) {
+      key.push_back(v.toInt());
+    } else if (v.isBool()) {
+      key.push_back(v.toBool());
+    } else if (v.isDouble()) {
+      if (factory) {
+        double d = v.toDouble();
+        int64_t bits;
+        std::memcpy(&bits, &d, sizeof bits);
+        key.push_back(bits);
+      }
+    } else if (v.isString()) {
+      key.push_back(static_cast<int64_t>(std::hash<std::string_view>()(v.toStringView())));
+    } else if (v.isDevice()) {
+      key.push_back(static_cast<int64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
+    } else if (!(v.isNone() || v.isComplexDouble() || v.isGenerator())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+LayoutCache& layouts_of(OpEntry& e) {
+  if (auto* c = static_cast<LayoutCache*>(e.layouts.load(std::memory_order_acquire))) return *c;
+  auto* fresh = new LayoutCache;  // never freed: entries live for the process
+  void* expected = nullptr;
+  if (!e.layouts.compare_exchange_strong(expected, fresh)) {
+    delete fresh;
+    return *static_cast<LayoutCache*>(expected);
+  }
+  return *fresh;
+}
+
+std::shared_ptr<const ResultLayout> find_layout(OpEntry& e, const std::vector<int64_t>& key) {
+  auto& c = layouts_of(e);
+  std::shared_lock<std::shared_mutex> g(c.mu);
+  auto it = c.map.find(key);
+  return it == c.map.end() ? nullptr : it->second;
+}
+
+// After a run on the host thread: the layout of its results, or none when they cannot be predicted from the
+// signature (a written argument changed shape, a result is not a neuron tensor, an unknown return type).
+std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                                                  const FlatArgs& flat, const std::vector<int64_t>& before_sizes) {
+  auto L = std::make_shared<ResultLayout>();
+  SmallMap<const c10::StorageImpl*, int> groups;
+  auto add = [&](const at::Tensor& t) -> bool {
+    ResultSlot s;
+    if (!t.defined()) return L->slots.push_back(std::move(s)), true;
+    if (!is_neuron(t) || t.layout() != at::kStrided) return false;
+    L->max_numel = std::max<int64_t>(L->max_numel, t.numel());
+    L->int64 |= t.scalar_type() == at::kLong;
+    const auto* st = t.storage().unsafeGetStorageImpl();
+    for (size_t j = 0; j < flat.size() && s.kind == ResultSlot::none; ++j) {
+      if (flat[j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl()) s.kind = ResultSlot::arg, s.source = static_cast<int>(j);
+      else if (flat[j].storage().unsafeGetStorageImpl() == st) s.kind = ResultSlot::view, s.source = static_cast<int>(j);
+    }
+    if (s.kind == ResultSlot::none) {
+      s.kind = ResultSlot::fresh;
+      if (int* g = groups.find(st)) {
+        s.source = *g;
+      } else {
+        s.source = static_cast<int>(L->group_bytes.size());
+        groups.add(st, s.source);
+        L->group_bytes.push_back(t.storage().nbytes());
+        L->group_slot.push_back(L->slots.size());
+      }
+    }
+    if (s.kind != ResultSlot::arg) {
+      s.sizes.assign(t.sizes().begin(), t.sizes().end());
+      s.strides.assign(t.strides().begin(), t.strides().end());
+      s.offset = t.storage_offset();
+      s.dtype = t.dtype();
+      s.conj = t.is_conj(), s.neg = t.is_neg();
+    }
+    L->slots.push_back(std::move(s));
+    return true;
+  };
+  const size_t nret = schema.returns().size();
+  for (size_t i = stack.size() - nret; i < stack.size(); ++i) {
+    const c10::IValue& v = stack[i];
+    if (v.isTensor()) {
+      L->list_sizes.push_back(-1);
+      if (!add(v.toTensor())) return nullptr;
+    } else if (v.isTensorList()) {
+      L->list_sizes.push_back(static_cast<int>(v.toTensorList().size()));
+      for (const at::Tensor& t : v.toTensorList())
+        if (!add(t)) return nullptr;
+    } else if (v.isNone()) {
+      L->list_sizes.push_back(-1);
+      L->slots.emplace_back();
+    } else {
+      return nullptr;
+    }
+  }
+  // written arguments keep their shape (an out= argument the kernel resized would need its new shape predicted)
+  size_t k = 0;
+  for (const at::Tensor& t : flat) {
+    for (int64_t x : t.sizes()) if (k >= before_sizes.size() || before_sizes[k++] != x) return nullptr;
+    for (int64_t x : t.strides()) if (k >= before_sizes.size() || before_sizes[k++] != x) return nullptr;
+  }
+  return L;
+}
+
+void remember_layout(OpEntry& e, std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {
+  auto& c = layouts_of(e);
+  std::unique_lock<std::shared_mutex> g(c.mu);
+  if (c.map.size() < kLayoutsPerOp) c.map.emplace(std::move(key), std::move(L));
+}
+
+at::Tensor tensor_over(const c10::Storage& storage, const ResultSlot& s) {
+  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
+                                                    c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), s.dtype);
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(s.sizes, s.strides, s.offset);
+  if (s.conj) t._set_conj(true);
+  if (s.neg) t._set_neg(true);
+  return t;
+}
+
+// The op's execution class, from its schema and tags (decided once per op).
+OpEntry::Exec classify_exec(const c10::OperatorHandle& op, const OpEntry& e) {
+  const auto& schema = op.schema();
+  if (op.hasTag(at::Tag::dynamic_output_shape) || op.hasTag(at::Tag::data_dependent_output) ||
+      e.host_tensors.load(std::memory_order_relaxed))
+    return OpEntry::Exec::host;
+  bool views = !schema.returns().empty();
+  for (const auto& r : schema.returns()) {
+    auto kind = r.type()->kind();
+    bool tensors = kind == c10::TypeKind::TensorType ||
+                   (kind == c10::TypeKind::ListType && r.type()->containedType(0)->kind() == c10::TypeKind::TensorType) ||
+                   (kind == c10::TypeKind::OptionalType && r.type()->containedType(0)->kind() == c10::TypeKind::TensorType);
+    if (!tensors) return OpEntry::Exec::host;  // a number or a bool: read from the results
+    views &= r.alias_info() && !r.alias_info()->isWrite();
+  }
+  if (schema.returns().empty() && e.writes.empty()) return OpEntry::Exec::host;  // a check: its error is its result
+  if (views && e.writes.empty()) return OpEntry::Exec::now;
+  return OpEntry::Exec::queued;
+}
+
+struct Prepared {
+  Call c;
+  bool trainium;
+};
+
+// Run the op now, on this thread, as one CPU kernel call over host aliases (the stream's earlier work is complete
+// or is none of its business).
+void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntry& e, Call& c, bool trainium) {
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - nargs);
-  const bool trainium = trainium_rules();
-
-  OpEntry& e = op_entry(op);
-  Call c;
-  for (size_t i = 0; i < nargs; ++i) for_each_tensor(args[i], [&](const at::Tensor& t) { check_same_device(c, t, e); });
-  count_call(e);
-  if (c.device < 0) c.device = current_device();
-  c10::DeviceGuard guard(c10::Device(kNeuron, c.device));
   KernelEvent event(e.name.c_str(), c.device, &schema, c10::ArrayRef<c10::IValue>(args, nargs));  // torch.profiler
 
   for (size_t i = 0; i < nargs; ++i) {
-    for_each_tensor(args[i], [&](const at::Tensor& t) { check_host_operand(c, t, e); });
     bool round_values = trainium && c.fp64 && std::find(e.writes.begin(), e.writes.end(), i) == e.writes.end();
     args[i] = map_tensors(args[i], [&](const at::Tensor& t) { return to_host(c, t, round_values); });
   }
@@ -165,7 +406,6 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     for_each_tensor(args[i], [&](const at::Tensor& a) {
       if (at::Tensor* dev = c.alias_to_tensor.find(a.unsafeGetTensorImpl())) written.emplace_back(*dev, a);
     });
-
   with_device_oom(c.device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack); });
   if (!drawn.empty()) {
     uint64_t n = 0;
@@ -218,6 +458,144 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   event.end(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - nret, nret));
   if (rounded) note_fp64(e, c.entered ? Fp64Event::received : Fp64Event::produced);
   note_int64(e, int64);
+}
+
+// Queue the op on stream `q` with the results its layout predicts; the kernel runs later over host aliases and
+// copies each fresh result into the device memory handed out now.
+void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntry& e, Call& c,
+                   std::shared_ptr<const ResultLayout> layout, const FlatArgs& flat, StreamQueue& q) {
+  const ResultLayout& L = *layout;
+  const auto& schema = op.schema();
+  const size_t nargs = schema.arguments().size();
+  c10::IValue* args = stack->data() + (stack->size() - nargs);
+  std::vector<c10::IValue> host(nargs);
+  SmallMap<const c10::TensorImpl*, at::Tensor> same;  // one device tensor passed twice is one CPU tensor twice
+  for (size_t i = 0; i < nargs; ++i)
+    host[i] = map_tensors(args[i], [&](const at::Tensor& t) -> at::Tensor {
+      if (is_neuron(t)) {
+        if (at::Tensor* a = same.find(t.unsafeGetTensorImpl())) return *a;
+        return same.add(t.unsafeGetTensorImpl(), c.host(t));
+      }
+      // a 0-dim host value is read at the launch, as CUDA passes it by value (Python numbers are never changed)
+      return t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number() ? t.clone() : t;
+    });
+  for (size_t i : e.generators) {
+    if (!host[i].isNone() && !host[i].isGenerator()) continue;
+    at::Generator g = host[i].isNone() ? default_generator(c.device) : host[i].toGenerator();
+    host[i] = host_generator_of(g);  // drawn in program order, at the launch
+    advance_generator(g, static_cast<uint64_t>(L.max_numel));
+  }
+  // results on the device now; fresh storages filled by the kernel
+  std::vector<c10::Storage> groups;
+  groups.reserve(L.group_bytes.size());
+  for (size_t nbytes : L.group_bytes)
+    groups.emplace_back(c10::Storage::use_byte_size_t(), nbytes, neuron_allocator()->allocate(nbytes), neuron_allocator(),
+                        /*resizable=*/true);
+  std::vector<void*> group_memory;
+  for (auto& g : groups) group_memory.push_back(g.mutable_data());
+  std::vector<at::Tensor> results;
+  results.reserve(L.slots.size());
+  for (size_t k = 0; k < L.slots.size(); ++k) {
+    const ResultSlot& s = L.slots[k];
+    switch (s.kind) {
+      case ResultSlot::none: results.emplace_back(); break;
+      case ResultSlot::arg: results.push_back(flat[s.source]); break;
+      case ResultSlot::view: results.push_back(tensor_over(flat[s.source].storage(), s)); break;
+      case ResultSlot::fresh: results.push_back(tensor_over(groups[s.source], s)); break;
+    }
+  }
+  c10::DeviceIndex device = c.device;
+  const char* name = e.name.c_str();
+  q.push(name, [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device]() mutable {
+    torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
+    with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
+    if (mem.empty()) return;
+    std::vector<at::Tensor> out;
+    out.reserve(layout->slots.size());
+    for (const auto& v : st) {
+      if (v.isNone()) out.emplace_back();
+      else for_each_tensor(v, [&](const at::Tensor& t) { out.push_back(t); });
+    }
+    TORCH_INTERNAL_ASSERT(out.size() == layout->slots.size(), "neuron: ", op.schema().name(),
+                          " returned a different number of results than at its first call with these arguments");
+    for (size_t g = 0; g < mem.size(); ++g) {
+      const at::Tensor& r = out[layout->group_slot[g]];
+      if (r.storage().nbytes() == layout->group_bytes[g]) {  // the kernel's storage, whole: every view of it
+        if (layout->group_bytes[g]) std::memcpy(mem[g], r.storage().data(), layout->group_bytes[g]);
+        continue;
+      }
+      for (size_t k = 0; k < out.size(); ++k) {  // a result the kernel cut from a larger buffer: value by value
+        const ResultSlot& s = layout->slots[k];
+        if (s.kind != ResultSlot::fresh || s.source != static_cast<int>(g)) continue;
+        auto dst = at::from_blob(mem[g], {static_cast<int64_t>(layout->group_bytes[g] / s.dtype.itemsize())},
+                                 at::TensorOptions().dtype(s.dtype)).as_strided(s.sizes, s.strides, s.offset);
+        dst.copy_(out[k]);
+      }
+    }
+  });
+  // the results replace the arguments on the stack, as a kernel's would
+  stack->erase(stack->end() - static_cast<std::ptrdiff_t>(nargs), stack->end());
+  size_t k = 0;
+  for (int n : L.list_sizes) {
+    if (n < 0) {
+      at::Tensor t = std::move(results[k++]);
+      stack->emplace_back(t.defined() ? c10::IValue(std::move(t)) : c10::IValue());
+    } else {
+      c10::List<at::Tensor> l;
+      l.reserve(n);
+      for (int j = 0; j < n; ++j) l.push_back(std::move(results[k++]));
+      stack->emplace_back(std::move(l));
+    }
+  }
+}
+
+}  // namespace
+
+void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  const size_t nargs = schema.arguments().size();
+  c10::IValue* args = stack->data() + (stack->size() - nargs);
+  const bool trainium = trainium_rules();
+
+  OpEntry& e = op_entry(op);
+  Call c;
+  for (size_t i = 0; i < nargs; ++i) for_each_tensor(args[i], [&](const at::Tensor& t) { check_same_device(c, t, e); });
+  for (size_t i = 0; i < nargs; ++i) for_each_tensor(args[i], [&](const at::Tensor& t) { check_host_operand(c, t, e); });
+  count_call(e);
+  const bool factory = c.device < 0;
+  if (factory) c.device = current_device();
+  c10::DeviceGuard guard(c10::Device(kNeuron, c.device));
+
+  auto exec = static_cast<OpEntry::Exec>(e.exec.load(std::memory_order_relaxed));
+  if (exec == OpEntry::Exec::unknown) e.exec.store(static_cast<uint8_t>(exec = classify_exec(op, e)));
+  if (exec == OpEntry::Exec::now) return run_on_host(op, stack, e, c, trainium);
+  StreamQueue& q = current_queue(c.device);
+  bool blocking = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed);
+  if (exec == OpEntry::Exec::host || blocking || (trainium && c.fp64)) {
+    if (!q.idle()) q.wait(q.enqueued());
+    q.raise_error();
+    return run_on_host(op, stack, e, c, trainium);
+  }
+  std::vector<int64_t> key;
+  FlatArgs flat;
+  bool keyed = signature(args, nargs, factory, key, flat);
+  auto L = keyed ? find_layout(e, key) : nullptr;
+  bool writes_int64 = false;  // the trainium rules inspect what an op writes into an int64 argument
+  if (trainium)
+    for (size_t i : e.writes)
+      for_each_tensor(args[i], [&](const at::Tensor& t) { writes_int64 |= t.scalar_type() == at::kLong; });
+  if (L && !(trainium && (L->int64 || writes_int64)) && !(q.idle() && L->max_numel < kInlineElements))
+    return launch_queued(op, stack, e, c, std::move(L), flat, q);
+  if (!q.idle()) q.wait(q.enqueued());
+  q.raise_error();
+  if (L || !keyed) return run_on_host(op, stack, e, c, trainium);
+  std::vector<int64_t> before;  // the device arguments' shapes, to see whether the kernel changed one
+  for (const at::Tensor& t : flat) {
+    before.insert(before.end(), t.sizes().begin(), t.sizes().end());
+    before.insert(before.end(), t.strides().begin(), t.strides().end());
+  }
+  run_on_host(op, stack, e, c, trainium);
+  if (auto recorded = record_layout(schema, *stack, flat, before)) remember_layout(e, std::move(key), std::move(recorded));
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&neuron_fallback>()); }

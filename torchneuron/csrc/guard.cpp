@@ -1,8 +1,8 @@
 // Device guard, streams and events of the modelled NeuronCores.
-// The device executes every op to completion when it is issued (on the host, in program order), so a stream
-// is an ordering label: work on any stream is complete when the issuing call returns, waits are satisfied at
-// once, and an event's timestamp is taken when it is recorded -- the elapsed time between two events is the
-// time the work issued between them took.
+// Each stream is an in-order queue run by its own worker (queue.cpp). An event recorded on a stream is a marker in
+// its queue: it completes, and takes its timestamp, when the stream's worker reaches it, so the elapsed time between
+// two events is device execution time. Waiting on an event queues a wait on the waiting stream (its worker blocks
+// until the event's stream reaches the marker); synchronizing blocks the host.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -23,12 +23,24 @@ using c10::StreamId;
 
 constexpr int kPoolSize = 32;  // streams handed out by getStreamFromGlobalPool, per priority
 
+// Shared with the marker task in the queue: the event may be destroyed before its stream reaches it.
+struct Marker {
+  std::atomic<int64_t> when_ns{0};
+};
+
 struct Event {
   DeviceIndex device;
   c10::EventFlag flag;
-  bool recorded = false;
-  std::chrono::steady_clock::time_point when;
+  StreamQueue* queue = nullptr;  // where it was last recorded (null: never)
+  uint64_t ticket = 0;
+  std::shared_ptr<Marker> marker = std::make_shared<Marker>();
+  bool done() const { return !queue || queue->reached(ticket); }
 };
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 std::array<std::atomic<StreamId>, 128> g_next_stream{};  // per device; ids > 2*kPoolSize are fresh streams
 std::array<std::atomic<int>, 128> g_pool_cursor{};
@@ -86,38 +98,63 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
                 " does not match the recording stream's device ", stream.device());
     auto* e = static_cast<Event*>(*event);
     if (!e) *event = e = new Event{stream.device_index(), flag};
-    e->recorded = true;
-    e->when = std::chrono::steady_clock::now();
+    StreamQueue& q = queue_of(stream.device_index(), stream.id());
+    e->marker = std::make_shared<Marker>();  // a re-record must not be completed by the previous marker
+    e->queue = &q;
+    if (q.idle() || g_launch_blocking.load(std::memory_order_relaxed)) {
+      e->marker->when_ns = now_ns();  // nothing queued: the stream is at this point now
+      e->ticket = q.enqueued();
+    } else {
+      e->ticket = q.push("event record", [m = e->marker] { m->when_ns = now_ns(); }, /*control=*/true);
+    }
   }
-  void block(void* event, const Stream& stream) const override {}  // all recorded work is already complete
-  bool queryEvent(void* event) const override { return true; }
+  // `stream` waits for the work recorded before the event (an event never recorded orders nothing, as CUDA's).
+  void block(void* event, const Stream& stream) const override {
+    auto* e = static_cast<Event*>(event);
+    if (!e || e->done()) return;
+    StreamQueue& q = queue_of(stream.device_index(), stream.id());
+    if (&q == e->queue) return;  // in order already
+    q.push("event wait", [src = e->queue, t = e->ticket] { src->wait_quiet(t); }, /*control=*/true);
+  }
+  bool queryEvent(void* event) const override { return !event || static_cast<Event*>(event)->done(); }
   void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<Event*>(event); }
-  void synchronizeEvent(void* event) const override {}
+  void synchronizeEvent(void* event) const override {
+    auto* e = static_cast<Event*>(event);
+    if (e && e->queue) e->queue->wait(e->ticket);
+  }
   double elapsedTime(void* a, void* b, const DeviceIndex) const override {
     auto* s = static_cast<Event*>(a);
     auto* e = static_cast<Event*>(b);
-    TORCH_CHECK(s && e && s->recorded && e->recorded,
+    TORCH_CHECK(s && e && s->queue && e->queue,
                 "elapsed_time needs both events to have been recorded; call record() on each first");
     TORCH_CHECK(s->flag == c10::EventFlag::BACKEND_DEFAULT && e->flag == c10::EventFlag::BACKEND_DEFAULT,
                 "Both events must be created with argument 'enable_timing=True'.");
-    return std::chrono::duration<double, std::milli>(e->when - s->when).count();
+    TORCH_CHECK(s->done() && e->done(), "elapsed_time: an event has not completed yet (the device is still "
+                "running the work before it); call end_event.synchronize() or torch.neuron.synchronize() first");
+    return static_cast<double>(e->marker->when_ns.load() - s->marker->when_ns.load()) / 1e6;
   }
 
-  bool queryStream(const Stream&) const override { return true; }
-  void synchronizeStream(const Stream&) const override {}
+  bool queryStream(const Stream& s) const override { return queue_of(s.device_index(), s.id()).idle(); }
+  void synchronizeStream(const Stream& s) const override {
+    StreamQueue& q = queue_of(s.device_index(), s.id());
+    q.wait(q.enqueued());
+  }
   void synchronizeDevice(const DeviceIndex device) const override {
     if (device >= 0) check_device_index(device);
+    synchronize_device(device);
   }
   void recordDataPtrOnStream(const c10::DataPtr& ptr, const Stream& s) const override {
     neuron_allocator()->recordStream(ptr, s);
   }
 };
 
-// Tensor.record_stream (a CUDA-only kernel in ATen): the use of the storage's block on `s` goes to the allocator,
-// which says why nothing has to wait.
+// Tensor.record_stream (a CUDA-only kernel in ATen): the block's use on `s` goes to the allocator, which then
+// reuses the block only after `s` has run the work queued so far.
 void record_stream(at::Tensor& self, c10::Stream s) { neuron_allocator()->recordStream(self.storage().data_ptr(), s); }
 
 }  // namespace
+
+StreamId current_stream_id(DeviceIndex device) { return t_stream[device]; }
 
 C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl)
 

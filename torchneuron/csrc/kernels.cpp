@@ -68,16 +68,36 @@ at::Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride, std::opti
 
 // Copies between neuron devices and the host: both sides are host memory, so the CPU copy kernel does the work
 // (dtype conversion, broadcasting, strides). Data entering the device obeys the dtype policy.
+// In stream order, on the current stream of the device side (of the destination between devices), as CUDA's:
+// a copy to the host waits for the stream's work, except non_blocking into pinned memory, which is queued (the
+// values are there after a sync); a copy from the host reads the source at the call (a snapshot, unless
+// non_blocking from pinned memory: then it is read when the copy runs) and is queued.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   TORCH_CHECK(self.layout() == at::kStrided && dst.layout() == at::kStrided,
               "neuron: copies support only strided tensors, got ", self.layout(), " -> ", dst.layout());
-  const at::Tensor& on_device = is_neuron(dst) ? dst : self;
-  KernelEvent event("aten::copy_", on_device.device().index(), nullptr, {self});  // a DMA transfer
+  const bool to_device = is_neuron(dst), from_device = is_neuron(self);
+  const at::Tensor& on_device = to_device ? dst : self;
+  const c10::DeviceIndex dev = on_device.device().index();
+  if (to_device && from_device && self.device() != dst.device()) drain_current(self.device().index());
+  StreamQueue& q = current_queue(dev);
+  const bool rules = to_device && !from_device && trainium_rules() && (is_fp64(dst) || dst.scalar_type() == at::kLong);
+  const bool now = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed) ||
+                   rules || (q.idle() && dst.numel() < kInlineElements) ||
+                   (!to_device && !(non_blocking && dst.is_pinned()));
   HostAliases host;  // a copy within one storage shares its CPU storage: ATen's overlap check sees it
-  at::Tensor d = is_neuron(dst) ? host(dst) : dst;
-  d.copy_(is_neuron(self) ? host(self) : self);
-  event.end({dst});
-  if (is_neuron(dst) && !is_neuron(self)) note_host_to_device(d);
+  at::Tensor d = to_device ? host(dst) : dst;
+  at::Tensor src = from_device ? host(self) : self;
+  if (now) {
+    if (!q.idle()) q.wait(q.enqueued());
+    q.raise_error();
+    KernelEvent event("aten::copy_", dev, nullptr, {self});  // a DMA transfer
+    d.copy_(src);
+    event.end({dst});
+    if (to_device && !from_device) note_host_to_device(d);
+    return dst;
+  }
+  if (!from_device && !(non_blocking && self.is_pinned())) src = src.clone();  // read now: the caller may change it
+  q.push("aten::copy_", [d, src]() mutable { d.copy_(src); });
   return dst;
 }
 
@@ -90,6 +110,9 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 void grow_storage(const c10::Storage& storage, size_t nbytes) {
   if (nbytes > storage.nbytes()) resize_device_storage(*storage.unsafeGetStorageImpl(), nbytes);
 }
+
+// Explicit kernels below compute on the calling thread: after the stream's queued work.
+void host_kernel_on(const at::Tensor& t) { drain_current(t.device().index()); }
 
 const at::Tensor& resize_(const at::Tensor& self, at::IntArrayRef size, std::optional<at::MemoryFormat> fmt) {
   auto* impl = self.unsafeGetTensorImpl();
@@ -135,6 +158,7 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight, const 
                        at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed,
                        at::IntArrayRef output_padding, int64_t groups) {
   auto dev = check_same_device("aten::convolution", {input, weight, bias.value_or(at::Tensor())});
+  host_kernel_on(input);
   note_executed("aten::convolution");
   KernelEvent event("aten::convolution", input.device().index(), nullptr, {input, weight, bias});
   at::AutoDispatchBelowADInplaceOrView below;
@@ -152,6 +176,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
     at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed, at::IntArrayRef output_padding,
     int64_t groups, std::array<bool, 3> mask) {
   auto dev = check_same_device("aten::convolution_backward", {grad_output, input, weight});
+  host_kernel_on(input);
   note_executed("aten::convolution_backward");
   KernelEvent event("aten::convolution_backward", input.device().index(), nullptr, {grad_output, input, weight});
   at::AutoDispatchBelowADInplaceOrView below;

@@ -22,6 +22,7 @@ PYBIND11_MODULE(_C, m) {
                     const std::vector<std::string>& device_checked) {
     configure_devices(capacities, unavailable);
     register_hooks();
+    install_fork_handler();
     return route_to_cpu_kernels(device_checked);
   }, "Configure the modelled devices (one capacity in bytes per visible logical core, or none and the reason "
      "they are unusable), register the hooks, and route to the fallback the CPU kernels ATen would bypass "
@@ -49,8 +50,15 @@ PYBIND11_MODULE(_C, m) {
   }, "The default torch.Generator of a neuron device (what torch.neuron.manual_seed seeds).");
   m.def("_host_alias", [](const at::Tensor& t) {
     TORCH_CHECK(t.device().type() == kNeuron, "_host_alias expects a neuron tensor, got one on ", t.device());
+    drain_current(t.device().index());
     return host_alias(t);
-  }, "A CPU tensor over the same memory as a neuron tensor (zero-copy; keep the neuron tensor alive while using it).");
+  }, "A CPU tensor over the same memory as a neuron tensor (zero-copy; keep the neuron tensor alive while using it), "
+     "after the current stream's queued work: what the host reads and writes through it happens now.");
+  m.def("_set_launch_blocking", [](bool on) {
+    synchronize_device(-1);
+    g_launch_blocking = on;
+  }, py::arg("on"), "TORCHNEURON_LAUNCH_BLOCKING: run every kernel at its launch (after the queued work finishes).");
+  m.def("_launch_blocking", [] { return g_launch_blocking.load(); });
   m.def("_set_internal_math", &set_internal_math,
         "Skip the dtype policy on this thread (PyTorch's own printing math); returns the previous setting.");
   m.def("_note_device_result", &note_device_result,

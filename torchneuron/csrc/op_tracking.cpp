@@ -73,9 +73,12 @@ OpClass op_class(const std::string& name) {
 
 OpEntry& op_entry(const c10::OperatorHandle& op) {
   const auto& schema = op.schema();
+  thread_local std::unordered_map<const c10::FunctionSchema*, OpEntry*> seen;  // no lock on the op path
+  if (auto it = seen.find(&schema); it != seen.end()) return *it->second;
   std::lock_guard<std::mutex> g(g_mu);
   auto [it, fresh] = g_ops.try_emplace(&schema, schema.name());
   OpEntry& e = it->second;
+  seen.emplace(&schema, &e);
   if (!fresh) return e;
   classify(e);
   const auto& args = schema.arguments();

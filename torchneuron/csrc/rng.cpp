@@ -28,13 +28,12 @@ struct Draws {
 
 enum class Want { one, two, bits };
 
-Draws draw(const at::Tensor& self, const std::optional<at::Generator>& gen, Want want) {
-  const int64_t n = self.numel();
-  auto s = reserve_philox(gen, self.device().index(), static_cast<uint64_t>(n));
+Draws draw(PhiloxSlice s, at::IntArrayRef sizes, Want want) {
   Draws d;
   auto opts = at::TensorOptions().dtype(want == Want::bits ? at::kLong : at::kDouble);
-  (want == Want::bits ? d.bits : d.u1) = at::empty(self.sizes(), opts);
-  if (want == Want::two) d.u2 = at::empty(self.sizes(), opts);
+  (want == Want::bits ? d.bits : d.u1) = at::empty(sizes, opts);
+  if (want == Want::two) d.u2 = at::empty(sizes, opts);
+  const int64_t n = c10::multiply_integers(sizes);
   double* a = want == Want::bits ? nullptr : d.u1.data_ptr<double>();
   double* b = want == Want::two ? d.u2.data_ptr<double>() : nullptr;
   int64_t* w64 = want == Want::bits ? d.bits.data_ptr<int64_t>() : nullptr;
@@ -52,14 +51,22 @@ Draws draw(const at::Tensor& self, const std::optional<at::Generator>& gen, Want
 // The tensor the kernel fills: complex tensors are filled as their real view (as ATen does).
 at::Tensor target(const at::Tensor& self) { return self.is_complex() ? at::view_as_real(self) : self; }
 
-at::Tensor& write(at::Tensor& self, const at::Tensor& values, const char* name) {
+// The counters are reserved now, in program order (element i of `over` draws counter offset + i); the values are
+// made and written into `self` on its stream: values(draws) -> the tensor to write.
+template <class F>
+at::Tensor& fill_random(at::Tensor& self, const at::Tensor& over, const std::optional<at::Generator>& gen, Want want,
+                        const char* name, F values) {
+  const c10::DeviceIndex dev = self.device().index();
+  auto slice = reserve_philox(gen, dev, static_cast<uint64_t>(over.numel()));
   note_executed(name);
-  host_alias(target(self)).copy_(values);
+  at::Tensor dst = host_alias(target(self));
+  launch(dev, name, over.numel(), [dst, slice, want, sizes = over.sizes().vec(), values]() mutable {
+    dst.copy_(values(draw(slice, sizes, want)));
+  });
   return self;
 }
 
-at::Tensor normal_values(const at::Tensor& t, const std::optional<at::Generator>& gen) {
-  auto d = draw(t, gen, Want::two);  // Box-Muller on the element's own two uniforms
+at::Tensor normal_values(Draws d) {  // Box-Muller on the element's own two uniforms
   return d.u1.log_().mul_(-2.0).sqrt_().mul_(d.u2.mul_(2.0 * c10::pi<double>).cos_());
 }
 
@@ -71,54 +78,60 @@ void check_floating(const at::Tensor& self, const char* name) {
 at::Tensor& uniform_(at::Tensor& self, double from, double to, std::optional<at::Generator> gen) {
   check_floating(self, "uniform_");
   TORCH_CHECK(from <= to, "uniform_ expects to return a [from, to) range, but found from=", from, " > to=", to);
-  at::Tensor t = target(self);
-  auto v = draw(t, gen, Want::one).u1.mul_(to - from).add_(from).to(t.scalar_type());
-  v.masked_fill_(v.ge(to).logical_and_(v.gt(from)), from);  // rounding to the dtype can reach `to`: [from, to)
-  return write(self, v, "aten::uniform_");
+  auto st = target(self).scalar_type();
+  return fill_random(self, target(self), gen, Want::one, "aten::uniform_", [=](Draws d) {
+    auto v = d.u1.mul_(to - from).add_(from).to(st);
+    return v.masked_fill_(v.ge(to).logical_and_(v.gt(from)), from);  // rounding to the dtype can reach `to`
+  });
 }
 
 at::Tensor& normal_(at::Tensor& self, double mean, double std, std::optional<at::Generator> gen) {
   check_floating(self, "normal_");
   TORCH_CHECK(std >= 0.0, "normal expects std >= 0.0, but found std ", std);
-  at::Tensor t = target(self);
   if (self.is_complex()) std /= std::sqrt(2.0);
-  return write(self, normal_values(t, gen).mul_(std).add_(mean), "aten::normal_");
+  return fill_random(self, target(self), gen, Want::two, "aten::normal_",
+                     [=](Draws d) { return normal_values(d).mul_(std).add_(mean); });
 }
 
 at::Tensor& log_normal_(at::Tensor& self, double mean, double std, std::optional<at::Generator> gen) {
   check_floating(self, "log_normal_");
   TORCH_CHECK(std > 0.0, "log_normal_ expects std > 0.0, but found std=", std);
-  return write(self, normal_values(self, gen).mul_(std).add_(mean).exp_(), "aten::log_normal_");
+  return fill_random(self, self, gen, Want::two, "aten::log_normal_",
+                     [=](Draws d) { return normal_values(d).mul_(std).add_(mean).exp_(); });
 }
 
 at::Tensor& exponential_(at::Tensor& self, double lambd, std::optional<at::Generator> gen) {
   check_floating(self, "exponential_");
   TORCH_CHECK(lambd > 0.0, "exponential_ expects lambda > 0.0, but found lambda=", lambd);
-  return write(self, draw(self, gen, Want::one).u1.log_().div_(-lambd), "aten::exponential_");
+  return fill_random(self, self, gen, Want::one, "aten::exponential_",
+                     [=](Draws d) { return d.u1.log_().div_(-lambd); });
 }
 
 at::Tensor& cauchy_(at::Tensor& self, double median, double sigma, std::optional<at::Generator> gen) {
   check_floating(self, "cauchy_");
   TORCH_CHECK(sigma > 0.0, "cauchy_ expects sigma > 0.0, but found sigma=", sigma);
-  auto u = draw(self, gen, Want::one).u1;
-  return write(self, u.sub_(0.5).mul_(c10::pi<double>).tan_().mul_(sigma).add_(median), "aten::cauchy_");
+  return fill_random(self, self, gen, Want::one, "aten::cauchy_", [=](Draws d) {
+    return d.u1.sub_(0.5).mul_(c10::pi<double>).tan_().mul_(sigma).add_(median);
+  });
 }
 
 at::Tensor& geometric_(at::Tensor& self, double p, std::optional<at::Generator> gen) {
   TORCH_CHECK(0 < p && p < 1, "geometric_ expects p to be in (0, 1), but got p=", p);
-  auto u = draw(self, gen, Want::one).u1;
-  return write(self, u.log_().div_(std::log1p(-p)).ceil_(), "aten::geometric_");
+  return fill_random(self, self, gen, Want::one, "aten::geometric_",
+                     [=](Draws d) { return d.u1.log_().div_(std::log1p(-p)).ceil_(); });
 }
 
 at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Generator> gen) {
   TORCH_CHECK(0 <= p && p <= 1, "bernoulli_ expects p to be in [0, 1], but got p=", p);
-  return write(self, draw(self, gen, Want::one).u1.lt(p), "aten::bernoulli_");
+  return fill_random(self, self, gen, Want::one, "aten::bernoulli_", [=](Draws d) { return d.u1.lt(p); });
 }
 
 at::Tensor& bernoulli_tensor(at::Tensor& self, const at::Tensor& p, std::optional<at::Generator> gen) {
-  at::Tensor probs = on_host(p);
-  auto u = draw(self, gen, Want::one).u1;
-  return write(self, u.lt(probs.to(at::kDouble).expand(self.sizes())), "aten::bernoulli_");
+  // a device p is read on the stream, in order; a host p now
+  at::Tensor probs = p.device().type() == kNeuron ? host_alias(p) : p.clone();
+  auto sizes = self.sizes().vec();
+  return fill_random(self, self, gen, Want::one, "aten::bernoulli_",
+                     [=](Draws d) { return d.u1.lt(probs.to(at::kDouble).expand(sizes)); });
 }
 
 at::Tensor bernoulli(const at::Tensor& self, std::optional<at::Generator> gen) {
@@ -150,13 +163,14 @@ at::Tensor& random_from_to(at::Tensor& self, int64_t from, std::optional<int64_t
     TORCH_CHECK(from <= top, "random_ expects 'from' to be at most ", top, " for ", st, ", but got from=", from);
     range = static_cast<uint64_t>(top) - static_cast<uint64_t>(from) + 1;
   }
-  auto bits = draw(self, gen, Want::bits).bits;
-  if (range != 0) {
-    auto* w = bits.data_ptr<int64_t>();
-    for (int64_t i = 0, n = bits.numel(); i < n; ++i)
-      w[i] = static_cast<int64_t>(static_cast<uint64_t>(from) + static_cast<uint64_t>(w[i]) % range);
-  }
-  return write(self, bits, "aten::random_");
+  return fill_random(self, self, gen, Want::bits, "aten::random_", [=](Draws d) {
+    if (range != 0) {
+      auto* w = d.bits.data_ptr<int64_t>();
+      for (int64_t i = 0, n = d.bits.numel(); i < n; ++i)
+        w[i] = static_cast<int64_t>(static_cast<uint64_t>(from) + static_cast<uint64_t>(w[i]) % range);
+    }
+    return d.bits;
+  });
 }
 
 at::Tensor& random_to(at::Tensor& self, int64_t to, std::optional<at::Generator> gen) {

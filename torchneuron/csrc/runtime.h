@@ -8,7 +8,11 @@
 
 #include <array>
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,6 +30,79 @@ int64_t device_capacity(c10::DeviceIndex index);
 c10::DeviceIndex current_device();
 void set_current_device(c10::DeviceIndex index);  // validates the index
 void check_device_index(c10::DeviceIndex index);  // throws torch.AcceleratorError (as CUDA) naming the valid range
+
+// ---- guard.cpp ----
+c10::StreamId current_stream_id(c10::DeviceIndex device);  // this thread's current stream on `device`
+
+// ---- queue.cpp: stream-ordered execution (each stream an in-order queue run by its own worker thread) ----
+extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: kernels run at their launch
+class StreamQueue {
+ public:
+  StreamQueue(c10::DeviceIndex device, c10::StreamId id);
+  // Queue `run` and return its ticket: the queue has run it once reached(ticket). A kernel keeps its launching
+  // Python stack for its error; `control` tasks (event records, cross-stream waits) run even after a kernel of
+  // the stream failed, kernels are then skipped until the error is reported.
+  uint64_t push(const char* name, std::function<void()> run, bool control = false);
+  uint64_t enqueued() const { return enqueued_.load(std::memory_order_acquire); }
+  bool reached(uint64_t ticket) const;
+  bool idle() const { return reached(enqueued()); }
+  void wait(uint64_t ticket);        // a sync point: waits, then raises the stream's pending error
+  void wait_quiet(uint64_t ticket);  // ordering only (a worker waiting on another stream, the allocator)
+  void raise_error();                // the pending error of a failed kernel, with where it was launched
+  c10::DeviceIndex device() const { return device_; }
+  c10::StreamId id() const { return id_; }
+  void reset_after_fork();
+
+ private:
+  struct Task {
+    std::function<void()> run;
+    const char* name = "";
+    std::shared_ptr<c10::GatheredContext> stack;
+    int threads = 1;  // the launching thread's intra-op thread count
+    bool control = false;
+  };
+  struct Failure {
+    std::exception_ptr error;
+    const char* name = "";
+    std::shared_ptr<c10::GatheredContext> stack;
+  };
+  void loop();
+  uint64_t pending() const { return enqueued_.load(std::memory_order_acquire) - popped_; }
+  const c10::DeviceIndex device_;
+  const c10::StreamId id_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<Task> tasks_;
+  std::atomic<uint64_t> enqueued_{0}, completed_{0};
+  uint64_t popped_ = 0;  // the worker's
+  std::atomic<int> waiters_{0};
+  std::atomic<bool> failed_{false};
+  std::optional<Failure> error_;
+  bool started_ = false, sleeping_ = false;
+};
+StreamQueue& queue_of(c10::DeviceIndex device, c10::StreamId id);
+StreamQueue& current_queue(c10::DeviceIndex device);
+std::vector<StreamQueue*> queues_of(c10::DeviceIndex device);  // -1: every device
+// Wait for every stream of `device` (-1: all devices); `raise`: then raise the first pending kernel error.
+void synchronize_device(c10::DeviceIndex device, bool raise = true);
+// A host-side use of device memory on the current stream (a blocking copy, an op run on the host thread): wait
+// for the stream's queued work and raise its pending error.
+void drain_current(c10::DeviceIndex device);
+void install_fork_handler();
+// Run `kernel` on the current stream of `device`: queued, or at once when launches block or the stream is idle and
+// the work is small (`elements`), where a hand-off to the worker would cost more than the kernel. The kernel must
+// not own device memory (capture host aliases: the allocator orders reuse by stream, as CUDA's).
+constexpr int64_t kInlineElements = 1 << 15;
+template <class F>
+void launch(c10::DeviceIndex device, const char* name, int64_t elements, F&& kernel) {
+  StreamQueue& q = current_queue(device);
+  if (g_launch_blocking.load(std::memory_order_relaxed) || (elements < kInlineElements && q.idle())) {
+    q.raise_error();
+    kernel();
+  } else {
+    q.push(name, std::forward<F>(kernel));
+  }
+}
 
 // ---- allocator.cpp: caching device allocator with capacity ----
 c10::DeviceAllocator* neuron_allocator();
@@ -135,6 +212,12 @@ struct OpEntry {
   std::atomic<bool> host_tensors{false};  // takes CPU index tensors alongside device ones
   std::atomic<int64_t> executed{0}, fallback{0}, dtype_events{0};
   std::atomic<bool> warned_fallback{false}, warned_fp64{false}, warned_int64{false};
+  // How the fallback runs it (fallback.cpp, decided at the first call): `now` on the calling thread (views:
+  // metadata only), `host` on the calling thread after the stream's queued work (its results depend on data),
+  // `queued` on the stream with the result layout of its first call with the same argument signature.
+  enum class Exec : uint8_t { unknown, now, host, queued };
+  std::atomic<uint8_t> exec{0};
+  std::atomic<void*> layouts{nullptr};  // fallback.cpp's per-signature result layouts
 };
 // The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
 // underscore dropped; dunder names such as "__and__" kept).

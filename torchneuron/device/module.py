@@ -43,6 +43,7 @@ def register() -> None:
     policy.install_op_tables()
     if cfg is not None:
         policy.set_policies()
+        _C._set_launch_blocking(cfg.launch_blocking)
     for p in (NEURON_DEVICE, KEEP_PARAMETERS, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD):
         patches.apply(p)
     if _initialized and cfg.local_rank is not None:  # under torchrun each rank starts on its own logical core
@@ -365,7 +366,7 @@ def get_device_capability(device: _device_t = None) -> tuple[int, int]:
 
 
 def synchronize(device: _device_t = None) -> None:
-    """Wait for all work on the device: ops run to completion when issued, so this only validates the device."""
+    """Wait for all work queued on the device's streams; raises the error of a kernel that failed."""
     torch._C._accelerator_synchronizeDevice(_checked(device))
 
 

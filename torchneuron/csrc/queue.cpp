@@ -1,0 +1,243 @@
+// Stream-ordered execution: each neuron stream is an in-order queue of kernels run by its own worker thread, as a
+// NeuronCore (or a GPU) runs a stream's work while the host runs ahead. A launch returns once the kernel is queued;
+// sync points wait for exactly the work they need (one stream up to a ticket, or a whole device). A kernel that
+// throws poisons nothing else: its error is kept with the op's name and the Python stack that launched it, the
+// stream's later kernels are skipped (their results would be garbage), and the error is raised at the stream's next
+// sync point. TORCHNEURON_LAUNCH_BLOCKING=1 runs every kernel at its launch instead.
+#include <ATen/Parallel.h>
+#include <Python.h>
+#include <pthread.h>
+#include <torch/csrc/profiler/combined_traceback.h>
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "runtime.h"
+
+namespace torch {
+void installCapturedTracebackPython();  // libtorch_python (its header needs nlohmann/json, not in the wheel)
+}  // namespace torch
+
+namespace torchneuron {
+
+std::atomic<bool> g_launch_blocking{false};
+
+namespace {
+
+constexpr int kFixedStreams = 1 + 2 * 32;  // the default stream and the two priority pools (guard.cpp)
+constexpr auto kSpin = std::chrono::microseconds(30);  // a worker (or waiter) spins this long before sleeping
+
+// Blocking while holding the GIL would stall every Python thread (and a kernel that needs it): release it.
+struct ReleaseGil {
+  PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
+  ~ReleaseGil() {
+    if (saved) PyEval_RestoreThread(saved);
+  }
+};
+
+}  // namespace
+
+StreamQueue::StreamQueue(c10::DeviceIndex device, c10::StreamId id) : device_(device), id_(id) {}
+
+uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool control) {
+  Task t{std::move(run), name, nullptr, at::get_num_threads(), control};
+  if (!control && Py_IsInitialized())  // op bindings release the GIL: gathering takes it briefly
+    t.stack = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+  uint64_t ticket;
+  bool wake;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { loop(); }).detach();  // queues live for the process: never joined
+    }
+    tasks_.push_back(std::move(t));
+    ticket = enqueued_.fetch_add(1, std::memory_order_relaxed) + 1;
+    wake = sleeping_;
+  }
+  if (wake) work_cv_.notify_one();
+  return ticket;
+}
+
+void StreamQueue::loop() {
+  at::init_num_threads();
+  int threads = -1;
+  for (;;) {
+    Task t;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      if (tasks_.empty()) {
+        l.unlock();
+        auto until = std::chrono::steady_clock::now() + kSpin;
+        while (pending() == 0 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        l.lock();
+      }
+      while (tasks_.empty()) {
+        sleeping_ = true;
+        work_cv_.wait(l);
+        sleeping_ = false;
+      }
+      t = std::move(tasks_.front());
+      tasks_.pop_front();
+      ++popped_;
+    }
+    if (t.control || !failed_.load(std::memory_order_relaxed)) {
+      if (t.threads != threads) at::set_num_threads(threads = t.threads);
+      try {
+        t.run();
+      } catch (...) {
+        std::lock_guard<std::mutex> g(mu_);
+        if (!error_) error_ = Failure{std::current_exception(), t.name, std::move(t.stack)};
+        failed_.store(true, std::memory_order_relaxed);
+      }
+    }
+    t.run = nullptr;  // the kernel's captured state goes before it counts as complete
+    t.stack.reset();
+    completed_.fetch_add(1);  // seq_cst with the load below and the waiter's increment: no lost wake-up
+    if (waiters_.load()) {
+      std::lock_guard<std::mutex> g(mu_);
+      done_cv_.notify_all();
+    }
+  }
+}
+
+bool StreamQueue::reached(uint64_t ticket) const { return completed_.load(std::memory_order_acquire) >= ticket; }
+
+void StreamQueue::wait_quiet(uint64_t ticket) {
+  if (reached(ticket)) return;
+  auto until = std::chrono::steady_clock::now() + kSpin;
+  while (!reached(ticket) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+  if (reached(ticket)) return;
+  ReleaseGil nogil;
+  std::unique_lock<std::mutex> l(mu_);
+  waiters_.fetch_add(1);
+  done_cv_.wait(l, [&] { return completed_.load() >= ticket; });
+  waiters_.fetch_sub(1);
+}
+
+void StreamQueue::wait(uint64_t ticket) {
+  wait_quiet(ticket);
+  raise_error();
+}
+
+void StreamQueue::raise_error() {
+  if (!failed_.load(std::memory_order_relaxed)) return;
+  Failure f;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!error_) return;
+    f = std::move(*error_);
+    error_.reset();
+    failed_.store(false, std::memory_order_relaxed);
+  }
+  std::string where = c10::str("neuron: the error above was raised by ", f.name, ", run asynchronously on neuron:",
+                               static_cast<int>(device_), " stream ", id_, " and reported at this sync point.");
+  if (f.stack) {
+    std::vector<torch::CapturedTraceback*> tbs{static_cast<torch::CapturedTraceback*>(f.stack.get())};
+    auto frames = torch::symbolize(tbs);
+    where += " It was launched from (most recent call last):";
+    const auto& idx = frames.tracebacks.at(0);
+    size_t first = idx.size() > 12 ? idx.size() - 12 : 0;  // the innermost frames; gathered innermost first
+    for (size_t i = idx.size(); i-- > first;) {
+      const auto& fr = frames.all_frames.at(idx[i]);
+      where += c10::str("\n  File \"", fr.filename, "\", line ", fr.lineno, ", in ", fr.funcname);
+    }
+  }
+  where += "\n(Set TORCHNEURON_LAUNCH_BLOCKING=1 to raise errors at the launching op.)";
+  try {
+    std::rethrow_exception(f.error);
+  } catch (c10::Error& e) {
+    e.add_context(where);
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what(), "\n", where);
+  }
+}
+
+namespace {
+
+struct Registry {
+  std::mutex mu;
+  std::vector<StreamQueue*> all;                                // every queue ever made, for device syncs
+  std::array<std::array<std::atomic<StreamQueue*>, kFixedStreams>, 128> fixed{};
+  std::unordered_map<int64_t, StreamQueue*> fresh;              // (device << 56 | id) for getNewStream ids
+};
+Registry& registry() {
+  static auto* r = new Registry;  // leaked: worker threads may outlive static destruction
+  return *r;
+}
+
+}  // namespace
+
+StreamQueue& queue_of(c10::DeviceIndex device, c10::StreamId id) {
+  auto& r = registry();
+  if (id >= 0 && id < kFixedStreams) {
+    if (StreamQueue* q = r.fixed[device][id].load(std::memory_order_acquire)) return *q;
+  }
+  std::lock_guard<std::mutex> g(r.mu);
+  if (id >= 0 && id < kFixedStreams) {
+    if (StreamQueue* q = r.fixed[device][id].load(std::memory_order_relaxed)) return *q;
+    auto* q = new StreamQueue(device, id);
+    r.all.push_back(q);
+    r.fixed[device][id].store(q, std::memory_order_release);
+    return *q;
+  }
+  auto& slot = r.fresh[static_cast<int64_t>(device) << 56 | id];
+  if (!slot) r.all.push_back(slot = new StreamQueue(device, id));
+  return *slot;
+}
+
+StreamQueue& current_queue(c10::DeviceIndex device) { return queue_of(device, current_stream_id(device)); }
+
+std::vector<StreamQueue*> queues_of(c10::DeviceIndex device) {
+  auto& r = registry();
+  std::lock_guard<std::mutex> g(r.mu);
+  std::vector<StreamQueue*> out;
+  for (auto* q : r.all)
+    if (device < 0 || q->device() == device) out.push_back(q);
+  return out;
+}
+
+void synchronize_device(c10::DeviceIndex device, bool raise) {
+  auto qs = queues_of(device);
+  for (auto* q : qs) q->wait_quiet(q->enqueued());
+  if (raise)
+    for (auto* q : qs) q->raise_error();
+}
+
+void drain_current(c10::DeviceIndex device) {
+  StreamQueue& q = current_queue(device);
+  if (!q.idle()) q.wait(q.enqueued());
+  else q.raise_error();
+}
+
+// A forked child has none of the parent's worker threads: its queues start empty (whatever the parent had queued
+// is the parent's to run), so a wait in the child never hangs on work no thread will do.
+void reset_queues_after_fork() {
+  auto& r = registry();
+  new (&r.mu) std::mutex();
+  for (auto* q : r.all) q->reset_after_fork();
+}
+
+void StreamQueue::reset_after_fork() {
+  new (&mu_) std::mutex();
+  new (&work_cv_) std::condition_variable();
+  new (&done_cv_) std::condition_variable();
+  new (&tasks_) std::deque<Task>();  // the parent's tasks are leaked, not run
+  started_ = sleeping_ = false;
+  completed_.store(enqueued_.load());
+  popped_ = enqueued_.load();
+  waiters_.store(0);
+}
+
+void install_fork_handler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    pthread_atfork(nullptr, nullptr, &reset_queues_after_fork);
+    torch::installCapturedTracebackPython();  // launch stacks include Python frames
+  });
+}
+
+}  // namespace torchneuron
