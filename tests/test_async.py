@@ -42,8 +42,9 @@ def operands(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.cache
-def reference(seed: int, n: int = SLOW) -> torch.Tensor:
-    """The slow kernel on the CPU (computed once per inputs); callers must not modify it."""
+def reference(seed: int = 0, n: int = SLOW) -> torch.Tensor:
+    """The slow kernel on the CPU, computed once per inputs (tests use the same ones unless they need two); callers
+    must not modify it."""
     return slow(*operands(seed), n)
 
 
@@ -75,7 +76,7 @@ def _drained():
 def test_work_on_one_stream_runs_in_issue_order():
     """In-place updates queued after the slow kernel on one stream see its result, read on that stream."""
     x, w = operands()
-    ref = (reference(0) + 1).mul_(2)[::7]
+    ref = (reference() + 1).mul_(2)[::7]
     side = torch.neuron.Stream()
     xd, wd = on_device(x, w)
     with torch.neuron.stream(side):
@@ -88,8 +89,8 @@ def test_work_on_one_stream_runs_in_issue_order():
 @pytest.mark.parametrize("edge", ["wait_stream", "Stream.wait_event", "Event.wait"])
 def test_edge_orders_a_read_on_another_stream_after_the_producer(edge):
     """With an ordering edge the consumer stream's read equals the CPU reference every time."""
-    x, w = operands(1)
-    ref = reference(1)
+    x, w = operands()
+    ref = reference()
     xd, wd = on_device(x, w)
     main, side = torch.neuron.current_stream(), torch.neuron.Stream()
     for _ in range(2):
@@ -113,7 +114,7 @@ def test_edge_orders_a_read_on_another_stream_after_the_producer(edge):
 def test_without_an_edge_a_read_on_another_stream_can_see_unfinished_data():
     """The bug `wait_stream` prevents: a tiny read on the main stream runs while the side stream's slow producer is
     still queued, and sees the value from before the producer's write."""
-    xd, wd = on_device(*operands(2))
+    xd, wd = on_device(*operands())
     main, side = torch.neuron.current_stream(), torch.neuron.Stream()
     buf = torch.zeros(1, device=DEV)
     main.synchronize()
@@ -133,7 +134,7 @@ def test_without_an_edge_a_read_on_another_stream_can_see_unfinished_data():
 
 @needs_async
 def test_stream_context_queues_work_on_that_stream_only():
-    xd, wd = on_device(*operands(3))
+    xd, wd = on_device(*operands())
     main, side = torch.neuron.current_stream(), torch.neuron.Stream()
     with torch.neuron.stream(side):
         slow(xd, wd)
@@ -147,7 +148,7 @@ def test_stream_context_queues_work_on_that_stream_only():
 
 @needs_async
 def test_query_is_false_while_slow_work_is_pending_and_true_after_synchronize():
-    xd, wd = on_device(*operands(4))
+    xd, wd = on_device(*operands())
     stream = torch.neuron.current_stream()
     for sync in ("event", "stream", "device"):
         slow(xd, wd)
@@ -161,8 +162,8 @@ def test_query_is_false_while_slow_work_is_pending_and_true_after_synchronize():
 def test_synchronize_waits_for_every_stream():
     """torch.neuron.synchronize and torch.accelerator.synchronize complete the work of all streams of the device;
     results are then right on the host without any edge."""
-    x, w = operands(5)
-    ref = reference(5)
+    x, w = operands()
+    ref = reference()
     xd, wd = on_device(x, w)
     e = torch.neuron.Event()
     assert e.query()  # never recorded: nothing to wait for (as CUDA)
@@ -184,7 +185,7 @@ def test_synchronize_waits_for_every_stream():
 
 @needs_async
 def test_launch_returns_before_the_work_ends():
-    xd, wd = on_device(*operands(6))
+    xd, wd = on_device(*operands())
     t0 = time.perf_counter()
     slow(xd, wd)
     launched = time.perf_counter() - t0
@@ -195,7 +196,7 @@ def test_launch_returns_before_the_work_ends():
 
 
 def test_elapsed_time_of_a_slow_kernel_matches_the_synchronized_wall_time():
-    xd, wd = on_device(*operands(7))
+    xd, wd = on_device(*operands())
     start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
     t0 = time.perf_counter()
     start.record()
@@ -213,7 +214,7 @@ def test_elapsed_time_of_a_slow_kernel_matches_the_synchronized_wall_time():
 def test_a_host_timer_without_synchronize_misses_the_queued_work():
     """The timing bug: `perf_counter()` around queued work measures the launches only. The events and the timer
     with a synchronize agree on the real cost."""
-    xd, wd = on_device(*operands(8))
+    xd, wd = on_device(*operands())
     start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
     t0 = time.perf_counter()
     start.record()
@@ -230,8 +231,8 @@ def test_a_host_timer_without_synchronize_misses_the_queued_work():
 
 
 def test_cpu_copy_is_blocking():
-    x, w = operands(9)
-    ref = reference(9)
+    x, w = operands()
+    ref = reference()
     xd, wd = on_device(x, w)
     for copy in (lambda t: t.cpu(), lambda t: t.to("cpu"), lambda t: t.to("cpu", non_blocking=False)):
         host = copy(slow(xd, wd))
@@ -241,8 +242,8 @@ def test_cpu_copy_is_blocking():
 
 
 def test_non_blocking_copy_to_pinned_host_is_right_after_synchronize():
-    x, w = operands(10)
-    ref = reference(10)
+    x, w = operands()
+    ref = reference()
     xd, wd = on_device(x, w)
     h = slow(xd, wd).to("cpu", non_blocking=True)
     assert h.is_pinned()
@@ -257,8 +258,8 @@ def test_non_blocking_copy_to_pinned_host_is_right_after_synchronize():
 def test_non_blocking_copy_to_pinned_host_returns_before_the_data_is_there():
     """Reading `h` here may see stale data (the bug the emulator now exposes); only the synchronize makes it
     right."""
-    x, w = operands(11)
-    ref = reference(11)
+    x, w = operands()
+    ref = reference()
     xd, wd = on_device(x, w)
     h = slow(xd, wd).to("cpu", non_blocking=True)
     assert not torch.neuron.current_stream().query(), "the non_blocking copy waited for the slow producer"
@@ -267,8 +268,8 @@ def test_non_blocking_copy_to_pinned_host_returns_before_the_data_is_there():
 
 
 def test_non_blocking_copy_from_pinned_host_to_device():
-    x, w = operands(12)
-    ref = reference(12)
+    x, w = operands()
+    ref = reference()
     pinned = [t.pin_memory() for t in (x, w)]  # kept alive until the copies have run
     xd, wd = (t.to(DEV, non_blocking=True) for t in pinned)
     torch.testing.assert_close(slow(xd, wd).cpu(), ref)  # stream order: the copies run before the matmuls
@@ -283,7 +284,7 @@ def _queued_arange(xd: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("read", ["item", "bool", "tolist", "print", "repr", "numpy"])
 def test_host_reads_see_the_final_values_of_queued_work(read, capsys):
-    xd, wd = on_device(*operands(13))
+    xd, wd = on_device(*operands())
     t = _queued_arange(xd, wd)
     expected = torch.arange(8.0).view(2, 4)
     device_str = str(expected).removesuffix(")") + f", device='{t.device}')"
@@ -305,7 +306,7 @@ def test_host_reads_see_the_final_values_of_queued_work(read, capsys):
 @pytest.mark.parametrize("op", ["nonzero", "masked_select", "mask_index", "unique"])
 def test_data_dependent_ops_wait_for_queued_producers(op):
     """Output shape depends on the data: the op must see the producer's values, not the zeros before it."""
-    xd, wd = on_device(*operands(14))
+    xd, wd = on_device(*operands())
     buf = torch.zeros(N, N, device=DEV)
     buf.copy_(slow(xd, wd, 3))
     fn = {"nonzero": lambda t: torch.nonzero(t > 0.5), "masked_select": lambda t: torch.masked_select(t, t > 0.5),
@@ -332,7 +333,7 @@ def _used_on_side_stream(xd_rows: torch.Tensor, wd: torch.Tensor, side: torch.St
 def test_block_freed_while_another_stream_uses_it_is_reused_at_once_without_record_stream():
     """The CUDA bug, reproduced: the allocating stream gets the block back while the side stream still reads it."""
     torch.neuron.empty_cache()
-    x, w = operands(15)
+    x, w = operands()
     side = torch.neuron.Stream()
     (wd,) = on_device(w)
     xd = torch.cat([x, torch.zeros(ROWS - N, N)]).to(DEV)
@@ -343,13 +344,13 @@ def test_block_freed_while_another_stream_uses_it_is_reused_at_once_without_reco
     assert z.data_ptr() == ptr  # reused by the allocating stream at once
     assert not side.query(), "the side stream had finished before the block was reused: no hazard was exercised"
     torch.neuron.synchronize()
-    torch.testing.assert_close(y.cpu(), reference(15))  # z was never written, so y is right here
+    torch.testing.assert_close(y.cpu(), reference())  # z was never written, so y is right here
 
 
 @needs_async
 def test_record_stream_delays_reuse_until_the_other_stream_is_done():
     torch.neuron.empty_cache()
-    x, w = operands(16)
+    x, w = operands()
     side = torch.neuron.Stream()
     (wd,) = on_device(w)
     xd = torch.cat([x, torch.zeros(ROWS - N, N)]).to(DEV)
@@ -362,7 +363,7 @@ def test_record_stream_delays_reuse_until_the_other_stream_is_done():
     assert z.data_ptr() != ptr, "allocation reused too soon"
     assert torch.neuron.memory_reserved() == reserved + ROWS * N * 4  # a new segment instead
     side.synchronize()
-    torch.testing.assert_close(y.cpu(), reference(16))
+    torch.testing.assert_close(y.cpu(), reference())
     reserved = torch.neuron.memory_reserved()
     again = torch.empty(ROWS, N, device=DEV)
     assert again.data_ptr() == ptr, "allocation not reused after the side stream finished"
@@ -403,7 +404,7 @@ def test_blocks_held_by_record_stream_are_freed_on_out_of_memory():
 def test_error_in_a_queued_kernel_surfaces_at_the_next_sync_point(op, sync):
     """An out-of-range index queued behind slow work raises at the sync point, naming the op and the line of this
     file that launched it."""
-    xd, wd = on_device(*operands(17))
+    xd, wd = on_device(*operands())
     src = torch.randn(8, 4, device=DEV)
     idx = torch.tensor([0, 99], device=DEV)
     slow(xd, wd, 3)
