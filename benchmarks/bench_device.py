@@ -33,6 +33,23 @@ def _pair(make_model, make_batch):
     return fns
 
 
+def _fused_chain(p: float, shape: tuple[int, int, int]):
+    """bias + GELU + dropout + residual + layer norm (a transformer block's epilogue), forward only: the run of
+    elementwise ops and a reduction that adaptive eager fusion should turn into one kernel."""
+    torch.manual_seed(0)
+    x, residual, bias = torch.randn(shape), torch.randn(shape), torch.randn(shape[-1])
+    fns = {}
+    for dev in ("cpu", "neuron"):
+        drop, norm = nn.Dropout(p).train(), nn.LayerNorm(shape[-1]).to(dev)
+        xd, rd, bd = x.to(dev), residual.to(dev), bias.to(dev)
+
+        def chain(drop=drop, norm=norm, xd=xd, rd=rd, bd=bd):
+            with torch.no_grad():
+                return norm(drop(F.gelu(xd + bd)) + rd)
+        fns[dev] = chain
+    return fns
+
+
 def run(quick: bool = False) -> list[dict]:
     reps = 5 if quick else 9
     rows = []
@@ -42,6 +59,10 @@ def run(quick: bool = False) -> list[dict]:
     m = {d: torch.randn(1024, 1024, device=d) for d in ("cpu", "neuron")}
     t = interleaved({d: (lambda d=d: m[d] @ m[d]) for d in m}, calls=3 if quick else 10, repeats=reps)
     rows.append(row("matmul 1024x1024", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.05))
+    for p, target in ((0.1, 1 / 1.5), (0.0, None)):  # p=0: the same chain without the dropout mask's RNG
+        t = interleaved(_fused_chain(p, (64, 512, 768)), calls=1 if quick else 2, repeats=reps, warmup=1)
+        name = "fused chain (bias+GELU+dropout+residual+layernorm)" if p else "fused chain, dropout p=0"
+        rows.append(row(name, t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", target))
     mlp = _pair(lambda: nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
                                       nn.Linear(512, 10)),
                 lambda: (torch.randn(64, 256), torch.randint(0, 10, (64,))))

@@ -13,13 +13,22 @@ import torch
 FOREACH = True
 
 
+def sync() -> None:
+    """Wait for the device's queued work. A launch on an asynchronous device returns once the kernel is queued, so
+    a timer stopped without this measures the launches, not the work, and the device looks faster than it is."""
+    torch.accelerator.synchronize()
+
+
 def interleaved(fns: dict[str, Callable[[], object]], calls: int, repeats: int = 9, warmup: int = 3
                 ) -> dict[str, float]:
     """Median seconds per call of each function; the functions alternate (and swap order) every repeat, so a
-    noisy neighbour on the shared machine hits all of them alike."""
+    noisy neighbour on the shared machine hits all of them alike. Every timed block (and the warmup) ends with a
+    device synchronize, for every function alike (on the CPU's it waits for nothing): without it an asynchronous
+    device would be timed on the launches of its work only."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    sync()
     samples: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for r in range(repeats):
@@ -28,6 +37,7 @@ def interleaved(fns: dict[str, Callable[[], object]], calls: int, repeats: int =
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
+            sync()
             samples[name].append((time.perf_counter() - t0) / calls)
     return {k: statistics.median(v) for k, v in samples.items()}
 

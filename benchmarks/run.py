@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["threads"] = threads
                 rows.append(r)
                 target = f"<= {r['target']:.2f}x" if r.get("target") else ""
-                print(f"{suite:<12} {threads}t  {r['name']:<34} neuron {r['neuron']:10.3f} {r['unit']:<3} "
+                print(f"{suite:<12} {threads}t  {r['name']:<50} neuron {r['neuron']:10.3f} {r['unit']:<3} "
                       f"cpu {r['cpu']:10.3f} {r['unit']:<3} ratio {r['ratio']:6.3f}x {target}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,0 +1,475 @@
+"""Asynchronous execution semantics (issue 15), modelled on PyTorch's CUDA stream, event and allocator tests.
+
+Ordering is made observable with a *slow kernel*: a chain of 1024x1024 matmuls (~30 ms each on the CI box) queued
+on one stream, while a tiny read on another stream or on the host races it. Tests of plain correctness (results
+equal the CPU's after every kind of edge and sync point) hold on any build; tests whose premise is asynchrony
+(`query()` is False while work is pending, launches return early, errors surface at the sync point, the allocator
+hazard without `record_stream`) need the asynchronous device and fail on a synchronous one by design.
+
+Racy cases assert only what must hold: an event recorded just before a producer's write that has not completed
+proves the write had not started.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.conftest import run_py
+
+N = 1024
+SLOW = 6  # matmuls in the slow kernel: ~0.2 s here, long enough that a launch or a tiny read always finishes first
+DEV = "neuron"
+# the premise is asynchronous execution: fails on a synchronous build by design (deselect with -m "not needs_async")
+needs_async = pytest.mark.needs_async
+
+
+def slow(x: torch.Tensor, w: torch.Tensor, n: int = SLOW) -> torch.Tensor:
+    """The slow kernel: n dependent matmuls (bounded by tanh), the same arithmetic on any device."""
+    for _ in range(n):
+        x = torch.tanh(x @ w)
+    return x
+
+
+def operands(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(N, N, generator=g), torch.randn(N, N, generator=g) / N ** 0.5
+
+
+@functools.cache
+def reference(seed: int = 0, n: int = SLOW) -> torch.Tensor:
+    """The slow kernel on the CPU, computed once per inputs (tests use the same ones unless they need two); callers
+    must not modify it."""
+    return slow(*operands(seed), n)
+
+
+def on_device(*ts: torch.Tensor) -> list[torch.Tensor]:
+    """Copies to the device, complete before anything after uses them."""
+    out = [t.to(DEV) for t in ts]
+    torch.neuron.synchronize()
+    return out
+
+
+def launch_line() -> int:
+    """The line number of the caller's next line (the launch whose stack an error must name)."""
+    return inspect.currentframe().f_back.f_lineno + 1
+
+
+@pytest.fixture(autouse=True)
+def _drained():
+    """No test leaves queued work (or an unreported error) for the next one, and each starts on the default
+    stream."""
+    torch.neuron.synchronize()
+    yield
+    torch.neuron.set_stream(torch.neuron.default_stream())
+    torch.neuron.synchronize()
+
+
+# ---------------------------------------------------------------- ordering
+
+
+def test_work_on_one_stream_runs_in_issue_order():
+    """In-place updates queued after the slow kernel on one stream see its result, read on that stream."""
+    x, w = operands()
+    ref = (reference() + 1).mul_(2)[::7]
+    side = torch.neuron.Stream()
+    xd, wd = on_device(x, w)
+    with torch.neuron.stream(side):
+        buf = torch.zeros(N, N, device=DEV)
+        buf.copy_(slow(xd, wd)).add_(1).mul_(2)
+        got = buf[::7].clone()
+        torch.testing.assert_close(got.cpu(), ref)
+
+
+@pytest.mark.parametrize("edge", ["wait_stream", "Stream.wait_event", "Event.wait"])
+def test_edge_orders_a_read_on_another_stream_after_the_producer(edge):
+    """With an ordering edge the consumer stream's read equals the CPU reference every time."""
+    x, w = operands()
+    ref = reference()
+    xd, wd = on_device(x, w)
+    main, side = torch.neuron.current_stream(), torch.neuron.Stream()
+    for _ in range(2):
+        out = torch.zeros(N, N, device=DEV)
+        side.wait_stream(main)  # `out` exists before the side stream writes it
+        with torch.neuron.stream(side):
+            out.copy_(slow(xd, wd))
+            done = torch.neuron.Event()
+            done.record()
+        if edge == "wait_stream":
+            main.wait_stream(side)
+        elif edge == "Stream.wait_event":
+            main.wait_event(done)
+        else:
+            done.wait(main)
+        read = out * 1  # on the main stream, after the edge
+        torch.testing.assert_close(read.cpu(), ref)
+
+
+@needs_async
+def test_without_an_edge_a_read_on_another_stream_can_see_unfinished_data():
+    """The bug `wait_stream` prevents: a tiny read on the main stream runs while the side stream's slow producer is
+    still queued, and sees the value from before the producer's write."""
+    xd, wd = on_device(*operands())
+    main, side = torch.neuron.current_stream(), torch.neuron.Stream()
+    buf = torch.zeros(1, device=DEV)
+    main.synchronize()
+    with torch.neuron.stream(side):
+        slow(xd, wd, 2 * SLOW)
+        before_write = torch.neuron.Event()
+        before_write.record()
+        buf.fill_(1.0)
+    assert not side.query(), "the side stream's slow work was already done when its launches returned"
+    snap = buf.clone()  # main stream, no edge to the side stream
+    main.synchronize()
+    assert not before_write.query(), "the main stream's read waited for the side stream's unrelated work"
+    assert snap.item() == 0.0  # the write had not started: the read saw the old value
+    torch.neuron.synchronize()
+    assert buf.item() == 1.0
+
+
+@needs_async
+def test_stream_context_queues_work_on_that_stream_only():
+    xd, wd = on_device(*operands())
+    main, side = torch.neuron.current_stream(), torch.neuron.Stream()
+    with torch.neuron.stream(side):
+        slow(xd, wd)
+    assert not side.query() and main.query()
+    side.synchronize()
+    assert side.query()
+
+
+# ---------------------------------------------------------------- synchronize / query
+
+
+@needs_async
+def test_query_is_false_while_slow_work_is_pending_and_true_after_synchronize():
+    xd, wd = on_device(*operands())
+    stream = torch.neuron.current_stream()
+    for sync in ("event", "stream", "device"):
+        slow(xd, wd)
+        e = torch.neuron.Event()
+        e.record()
+        assert not e.query() and not stream.query() and not torch.neuron.query()
+        {"event": e.synchronize, "stream": stream.synchronize, "device": torch.neuron.synchronize}[sync]()
+        assert e.query() and stream.query()
+
+
+def test_synchronize_waits_for_every_stream():
+    """torch.neuron.synchronize and torch.accelerator.synchronize complete the work of all streams of the device;
+    results are then right on the host without any edge."""
+    x, w = operands()
+    ref = reference()
+    xd, wd = on_device(x, w)
+    e = torch.neuron.Event()
+    assert e.query()  # never recorded: nothing to wait for (as CUDA)
+    for sync in (torch.neuron.synchronize, torch.accelerator.synchronize):
+        streams = [torch.neuron.Stream() for _ in range(2)]
+        outs = []
+        for s in streams:
+            with torch.neuron.stream(s):
+                outs.append(slow(xd, wd))
+        sync()
+        assert all(s.query() for s in streams)
+        for o in outs:
+            assert o.device.type == DEV
+            torch.testing.assert_close(o.cpu(), ref)
+
+
+# ---------------------------------------------------------------- timing
+
+
+@needs_async
+def test_launch_returns_before_the_work_ends():
+    xd, wd = on_device(*operands())
+    t0 = time.perf_counter()
+    slow(xd, wd)
+    launched = time.perf_counter() - t0
+    assert not torch.neuron.current_stream().query(), "the launch returned after the work was done"
+    torch.neuron.synchronize()
+    finished = time.perf_counter() - t0
+    assert launched < 0.5 * finished
+
+
+def test_elapsed_time_of_a_slow_kernel_matches_the_synchronized_wall_time():
+    xd, wd = on_device(*operands())
+    start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    slow(xd, wd)
+    end.record()
+    end.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    ms = start.elapsed_time(end)
+    # device time between the events lies inside the host interval that encloses both records and the wait
+    assert 0 < ms <= wall_ms * 1.05 + 1.0
+    assert ms >= 0.5 * wall_ms  # the slow kernel is most of that interval
+
+
+@needs_async
+def test_a_host_timer_without_synchronize_misses_the_queued_work():
+    """The timing bug: `perf_counter()` around queued work measures the launches only. The events and the timer
+    with a synchronize agree on the real cost."""
+    xd, wd = on_device(*operands())
+    start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    slow(xd, wd)
+    end.record()
+    unsynced = time.perf_counter() - t0
+    torch.neuron.synchronize()
+    synced = time.perf_counter() - t0
+    assert unsynced < 0.25 * synced, f"unsynchronized {unsynced * 1e3:.1f} ms vs synchronized {synced * 1e3:.1f} ms"
+    assert start.elapsed_time(end) > 2 * unsynced * 1e3
+
+
+# ---------------------------------------------------------------- copies and host reads
+
+
+def test_cpu_copy_is_blocking():
+    x, w = operands()
+    ref = reference()
+    xd, wd = on_device(x, w)
+    for copy in (lambda t: t.cpu(), lambda t: t.to("cpu"), lambda t: t.to("cpu", non_blocking=False)):
+        host = copy(slow(xd, wd))
+        assert torch.neuron.current_stream().query()  # the copy waited for the work it needed
+        assert not host.is_pinned()
+        torch.testing.assert_close(host, ref)
+
+
+def test_non_blocking_copy_to_pinned_host_is_right_after_synchronize():
+    x, w = operands()
+    ref = reference()
+    xd, wd = on_device(x, w)
+    h = slow(xd, wd).to("cpu", non_blocking=True)
+    assert h.is_pinned()
+    pinned = torch.empty(N, N, pin_memory=True)
+    pinned.copy_(slow(xd, wd), non_blocking=True)
+    torch.neuron.synchronize()
+    torch.testing.assert_close(h, ref)
+    torch.testing.assert_close(pinned, ref)
+
+
+@needs_async
+def test_non_blocking_copy_to_pinned_host_returns_before_the_data_is_there():
+    """Reading `h` here may see stale data (the bug the emulator now exposes); only the synchronize makes it
+    right."""
+    x, w = operands()
+    ref = reference()
+    xd, wd = on_device(x, w)
+    h = slow(xd, wd).to("cpu", non_blocking=True)
+    assert not torch.neuron.current_stream().query(), "the non_blocking copy waited for the slow producer"
+    torch.neuron.synchronize()
+    torch.testing.assert_close(h, ref)
+
+
+def test_non_blocking_copy_from_pinned_host_to_device():
+    x, w = operands()
+    ref = reference()
+    pinned = [t.pin_memory() for t in (x, w)]  # kept alive until the copies have run
+    xd, wd = (t.to(DEV, non_blocking=True) for t in pinned)
+    torch.testing.assert_close(slow(xd, wd).cpu(), ref)  # stream order: the copies run before the matmuls
+
+
+def _queued_arange(xd: torch.Tensor, wd: torch.Tensor) -> torch.Tensor:
+    """A (2, 4) device tensor that holds 0..7 only once the slow kernel queued before it has run."""
+    buf = torch.zeros(2, 4, device=DEV)
+    buf.copy_(slow(xd, wd, 3)[:2, :4] * 0 + torch.arange(8.0, device=DEV).view(2, 4))
+    return buf
+
+
+@pytest.mark.parametrize("read", ["item", "bool", "tolist", "print", "repr", "numpy"])
+def test_host_reads_see_the_final_values_of_queued_work(read, capsys):
+    xd, wd = on_device(*operands())
+    t = _queued_arange(xd, wd)
+    expected = torch.arange(8.0).view(2, 4)
+    device_str = str(expected).removesuffix(")") + f", device='{t.device}')"
+    if read == "item":
+        assert t[1, 3].item() == 7.0
+    elif read == "bool":
+        assert bool(t[1, 3] == 7.0)
+    elif read == "tolist":
+        assert t.tolist() == expected.tolist()
+    elif read == "print":
+        print(t)
+        assert capsys.readouterr().out == device_str + "\n"
+    elif read == "repr":
+        assert repr(t) == device_str
+    else:
+        assert (t.cpu().numpy() == expected.numpy()).all()
+
+
+@pytest.mark.parametrize("op", ["nonzero", "masked_select", "mask_index", "unique"])
+def test_data_dependent_ops_wait_for_queued_producers(op):
+    """Output shape depends on the data: the op must see the producer's values, not the zeros before it."""
+    xd, wd = on_device(*operands())
+    buf = torch.zeros(N, N, device=DEV)
+    buf.copy_(slow(xd, wd, 3))
+    fn = {"nonzero": lambda t: torch.nonzero(t > 0.5), "masked_select": lambda t: torch.masked_select(t, t > 0.5),
+          "mask_index": lambda t: t[t > 0.5],
+          "unique": lambda t: torch.unique((t * 4).round())}[op]
+    got = fn(buf)
+    expected = fn(buf.cpu())  # the CPU op on the same data
+    assert got.shape == expected.shape and expected.numel() > 1
+    torch.testing.assert_close(got.cpu(), expected)
+
+
+# ---------------------------------------------------------------- caching allocator across streams
+
+ROWS = 1100  # (ROWS, N) float32 blocks are larger than the slow kernel's (N, N) ones, so only each other's fit
+
+
+def _used_on_side_stream(xd_rows: torch.Tensor, wd: torch.Tensor, side: torch.Stream) -> torch.Tensor:
+    side.wait_stream(torch.neuron.current_stream())
+    with torch.neuron.stream(side):
+        return slow(xd_rows[:N], wd)
+
+
+@needs_async
+def test_block_freed_while_another_stream_uses_it_is_reused_at_once_without_record_stream():
+    """The CUDA bug, reproduced: the allocating stream gets the block back while the side stream still reads it."""
+    torch.neuron.empty_cache()
+    x, w = operands()
+    side = torch.neuron.Stream()
+    (wd,) = on_device(w)
+    xd = torch.cat([x, torch.zeros(ROWS - N, N)]).to(DEV)
+    y = _used_on_side_stream(xd, wd, side)
+    ptr = xd.data_ptr()
+    del xd
+    z = torch.empty(ROWS, N, device=DEV)
+    assert z.data_ptr() == ptr  # reused by the allocating stream at once
+    assert not side.query(), "the side stream had finished before the block was reused: no hazard was exercised"
+    torch.neuron.synchronize()
+    torch.testing.assert_close(y.cpu(), reference())  # z was never written, so y is right here
+
+
+@needs_async
+def test_record_stream_delays_reuse_until_the_other_stream_is_done():
+    torch.neuron.empty_cache()
+    x, w = operands()
+    side = torch.neuron.Stream()
+    (wd,) = on_device(w)
+    xd = torch.cat([x, torch.zeros(ROWS - N, N)]).to(DEV)
+    y = _used_on_side_stream(xd, wd, side)
+    ptr = xd.data_ptr()
+    xd.record_stream(side)
+    del xd
+    reserved = torch.neuron.memory_reserved()
+    z = torch.empty(ROWS, N, device=DEV).fill_(float("nan"))  # would corrupt y if it took x's block
+    assert z.data_ptr() != ptr, "allocation reused too soon"
+    assert torch.neuron.memory_reserved() == reserved + ROWS * N * 4  # a new segment instead
+    side.synchronize()
+    torch.testing.assert_close(y.cpu(), reference())
+    reserved = torch.neuron.memory_reserved()
+    again = torch.empty(ROWS, N, device=DEV)
+    assert again.data_ptr() == ptr, "allocation not reused after the side stream finished"
+    assert torch.neuron.memory_reserved() == reserved
+
+
+def test_blocks_held_by_record_stream_are_freed_on_out_of_memory():
+    """Blocks whose reuse record_stream delays are waited for and reclaimed when memory runs out (CUDA's #19219),
+    instead of raising OutOfMemoryError."""
+    torch.neuron.empty_cache()
+    chunk = 8 << 20  # bytes
+    total = torch.neuron.get_device_properties(0).total_memory
+    saved = torch.neuron.get_per_process_memory_fraction()
+    side = torch.neuron.Stream()
+    with torch.neuron.stream(side):
+        acc = torch.zeros(chunk // 4, device=DEV)
+    torch.neuron.set_per_process_memory_fraction((torch.neuron.memory_reserved() + 4 * chunk) / total)
+    try:
+        for _ in range(24):  # 24 x 8 MiB through a 32 MiB budget
+            x = torch.ones(chunk // 4, device=DEV)
+            side.wait_stream(torch.neuron.current_stream())
+            with torch.neuron.stream(side):
+                acc += x
+            x.record_stream(side)
+            del x
+        torch.neuron.synchronize()
+        assert acc[:3].tolist() == [24.0] * 3
+    finally:
+        torch.neuron.set_per_process_memory_fraction(saved)
+        torch.neuron.empty_cache()
+
+
+# ---------------------------------------------------------------- errors
+
+
+@needs_async
+@pytest.mark.parametrize("op,sync", [("index_select", "synchronize"), ("gather", "cpu")])
+def test_error_in_a_queued_kernel_surfaces_at_the_next_sync_point(op, sync):
+    """An out-of-range index queued behind slow work raises at the sync point, naming the op and the line of this
+    file that launched it."""
+    xd, wd = on_device(*operands())
+    src = torch.randn(8, 4, device=DEV)
+    idx = torch.tensor([0, 99], device=DEV)
+    slow(xd, wd, 3)
+    try:
+        line = launch_line()
+        out = torch.index_select(src, 0, idx) if op == "index_select" else torch.gather(src, 0, idx.view(1, 2))
+    except (RuntimeError, IndexError) as e:
+        pytest.fail(f"raised by the launch itself, not at the sync point (synchronous execution): {e}")
+    with pytest.raises((RuntimeError, IndexError)) as info:
+        torch.neuron.synchronize() if sync == "synchronize" else out.cpu()
+    msg = str(info.value)
+    assert f"aten::{op}" in msg and "out of" in msg
+    assert re.search(rf"test_async\.py.*\b{line}\b", msg), msg
+
+
+@pytest.mark.slow
+def test_launch_blocking_runs_synchronously_and_the_op_raises_itself():
+    """TORCHNEURON_LAUNCH_BLOCKING=1 (the AWS alias TORCH_NEURONX_ENABLE_ASYNC_NRT=0 maps onto it in the one
+    configuration, tests/test_config.py)."""
+    p = run_py(f"""
+        import torch
+        x = torch.randn({N}, {N}, device="neuron")
+        for _ in range(3):
+            x = x @ x
+        print("done-at-launch", torch.neuron.current_stream().query())
+        src, idx = torch.randn(8, 4, device="neuron"), torch.tensor([0, 99], device="neuron")
+        try:
+            torch.index_select(src, 0, idx)
+        except IndexError as e:
+            print("raised-by-op", e)
+        """, env={"TORCHNEURON_LAUNCH_BLOCKING": "1"})
+    assert "done-at-launch True" in p.stdout
+    assert "raised-by-op" in p.stdout and "out of range" in p.stdout, p.stdout + p.stderr
+
+
+# ---------------------------------------------------------------- threads
+
+
+def test_two_threads_each_on_its_own_stream_get_correct_results():
+    """The current stream is per thread (as CUDA's); each thread's queued work and reads are its own."""
+    inputs = [operands(20 + i) for i in range(2)]
+    refs = [reference(20 + i, 3) + i for i in range(2)]
+    results: dict[int, list] = {0: [], 1: []}
+    errors: list[BaseException] = []
+    main = torch.neuron.current_stream()
+
+    def work(i: int) -> None:
+        try:
+            s = torch.neuron.Stream()
+            torch.neuron.set_stream(s)
+            assert torch.neuron.current_stream() == s
+            x, w = (t.to(DEV) for t in inputs[i])
+            for _ in range(2):
+                results[i].append(slow(x, w, 3).add_(i).cpu())
+        except BaseException as e:  # reported in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert torch.neuron.current_stream() == main
+    for i in range(2):
+        assert len(results[i]) == 2
+        for r in results[i]:
+            torch.testing.assert_close(r, refs[i])
