@@ -280,13 +280,14 @@ std::shared_ptr<const ResultLayout> find_layout(OpEntry& e, const std::vector<in
 // After a run on the host thread: the layout of its results, or none when they cannot be predicted from the
 // signature (a written argument changed shape, a result is not a neuron tensor, an unknown return type).
 std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
-                                                  const FlatArgs& flat, const std::vector<int64_t>& before_sizes) {
+                                                  const FlatArgs& flat, const std::vector<int64_t>& before_sizes,
+                                                  c10::DeviceType device_type = kNeuron) {
   auto L = std::make_shared<ResultLayout>();
   SmallMap<const c10::StorageImpl*, int> groups;
   auto add = [&](const at::Tensor& t) -> bool {
     ResultSlot s;
     if (!t.defined()) return L->slots.push_back(std::move(s)), true;
-    if (!is_neuron(t) || t.layout() != at::kStrided) return false;
+    if (t.device().type() != device_type || t.layout() != at::kStrided) return false;
     L->max_numel = std::max<int64_t>(L->max_numel, t.numel());
     L->int64 |= t.scalar_type() == at::kLong;
     const auto* st = t.storage().unsafeGetStorageImpl();
@@ -339,6 +340,57 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
     for (int64_t x : t.strides()) if (k >= before_sizes.size() || before_sizes[k++] != x) return nullptr;
   }
   return L;
+}
+
+std::vector<int64_t> shapes_of(const FlatArgs& flat) {
+  std::vector<int64_t> v;
+  for (const at::Tensor& t : flat) {
+    v.insert(v.end(), t.sizes().begin(), t.sizes().end());
+    v.insert(v.end(), t.strides().begin(), t.strides().end());
+  }
+  return v;
+}
+
+// The layout PyTorch's meta kernel predicts, for a signature first met while the stream is busy (running it on
+// the host would wait for the stream; most meta kernels are Python, ~250 us, paid once per signature). None when
+// the op has no meta kernel or it refuses the arguments: the call then runs on the host, which raises the CPU's
+// own error for invalid arguments.
+std::shared_ptr<const ResultLayout> meta_layout(const c10::OperatorHandle& op, const c10::IValue* args, size_t nargs) {
+  if (!op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta)) return nullptr;
+  SmallMap<const c10::StorageImpl*, c10::Storage> storages;
+  SmallMap<const c10::TensorImpl*, at::Tensor> same;
+  FlatArgs mflat;
+  auto to_meta = [&](const at::Tensor& t) -> at::Tensor {
+    if (!is_neuron(t)) return t;
+    if (at::Tensor* m = same.find(t.unsafeGetTensorImpl())) return *m;
+    const auto* st = t.storage().unsafeGetStorageImpl();
+    c10::Storage* ms = storages.find(st);
+    if (!ms)
+      ms = &storages.add(st, c10::Storage(c10::Storage::use_byte_size_t(), t.storage().nbytes(),
+                                          c10::DataPtr(nullptr, c10::Device(c10::kMeta)), c10::GetAllocator(c10::kMeta), true));
+    auto m = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(*ms), c10::DispatchKeySet(c10::DispatchKey::Meta),
+                                                      t.dtype());
+    m.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
+    if (t.is_conj()) m._set_conj(true);
+    if (t.is_neg()) m._set_neg(true);
+    mflat.push_back(m);
+    return same.add(t.unsafeGetTensorImpl(), m);
+  };
+  torch::jit::Stack ms;
+  ms.reserve(nargs);
+  for (size_t i = 0; i < nargs; ++i) {
+    const c10::IValue& v = args[i];
+    if (v.isDevice() && v.toDevice().type() == kNeuron) ms.emplace_back(c10::Device(c10::kMeta));
+    else if (v.isGenerator()) ms.emplace_back();
+    else ms.push_back(map_tensors(v, to_meta));
+  }
+  std::vector<int64_t> before = shapes_of(mflat);
+  try {
+    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &ms);
+  } catch (...) {
+    return nullptr;
+  }
+  return record_layout(op.schema(), ms, mflat, before, c10::kMeta);
 }
 
 void remember_layout(OpEntry& e, std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {
@@ -584,16 +636,19 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (trainium)
     for (size_t i : e.writes)
       for_each_tensor(args[i], [&](const at::Tensor& t) { writes_int64 |= t.scalar_type() == at::kLong; });
-  if (L && !(trainium && (L->int64 || writes_int64)) && !(q.idle() && L->max_numel < kInlineElements))
+  const bool trainium_blocks = trainium && writes_int64;
+  if (L && !trainium_blocks && !(trainium && L->int64) && !(q.idle() && L->max_numel < kInlineElements))
     return launch_queued(op, stack, e, c, std::move(L), flat, q);
+  if (keyed && !L && !q.idle() && !trainium_blocks) {
+    if ((L = meta_layout(op, args, nargs)) && !(trainium && L->int64)) {
+      remember_layout(e, std::move(key), L);
+      return launch_queued(op, stack, e, c, std::move(L), flat, q);
+    }
+  }
   if (!q.idle()) q.wait(q.enqueued());
   q.raise_error();
   if (L || !keyed) return run_on_host(op, stack, e, c, trainium);
-  std::vector<int64_t> before;  // the device arguments' shapes, to see whether the kernel changed one
-  for (const at::Tensor& t : flat) {
-    before.insert(before.end(), t.sizes().begin(), t.sizes().end());
-    before.insert(before.end(), t.strides().begin(), t.strides().end());
-  }
+  std::vector<int64_t> before = shapes_of(flat);  // to see whether the kernel changed a device argument's shape
   run_on_host(op, stack, e, c, trainium);
   if (auto recorded = record_layout(schema, *stack, flat, before)) remember_layout(e, std::move(key), std::move(recorded));
 }

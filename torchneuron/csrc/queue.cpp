@@ -139,8 +139,8 @@ void StreamQueue::raise_error() {
     auto frames = torch::symbolize(tbs);
     where += " It was launched from (most recent call last):";
     const auto& idx = frames.tracebacks.at(0);
-    size_t first = idx.size() > 12 ? idx.size() - 12 : 0;  // the innermost frames; gathered innermost first
-    for (size_t i = idx.size(); i-- > first;) {
+    size_t shown = std::min<size_t>(idx.size(), 12);  // the innermost frames (gathered innermost first)
+    for (size_t i = shown; i-- > 0;) {
       const auto& fr = frames.all_frames.at(idx[i]);
       where += c10::str("\n  File \"", fr.filename, "\", line ", fr.lineno, ", in ", fr.funcname);
     }
