@@ -89,8 +89,9 @@ def test_stream_on_invalid_device():
 
 
 def test_record_stream_with_caching_allocator_meaning():
-    """record_stream (pipelines, FSDP): the use on the side stream is recorded; this device's work is complete when
-    issued, so once the tensor dies its block is cached and reused at once, and the statistics stay exact."""
+    """record_stream (pipelines, FSDP): the use on another stream is recorded; once the tensor dies and that stream
+    has run its queued work (idle here), the block is cached for its allocating stream, and the statistics stay
+    exact. (Reuse while the other stream is busy: tests/test_async.py.)"""
     side = torch.neuron.Stream()
     torch.neuron.empty_cache()  # no block cached by earlier tests: the reuse below can only be x's or y's
     base = torch.neuron.memory_allocated()
@@ -105,7 +106,8 @@ def test_record_stream_with_caching_allocator_meaning():
     ptrs = {x.data_ptr(), y.data_ptr()}
     del x, y
     assert torch.neuron.memory_allocated() == base
-    assert torch.empty(1024, device="neuron").data_ptr() in ptrs  # reused without waiting
+    with torch.neuron.stream(side):
+        assert torch.empty(1024, device="neuron").data_ptr() in ptrs  # x's block, back in side's pool
     with pytest.raises(RuntimeError, match="expected a neuron stream"):
         torch.ones(2, device="neuron").record_stream(torch.Stream(device="cpu"))
 

@@ -133,13 +133,13 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     if (b->host) p.until.emplace_back(&queue_of(b->device, b->stream), 0);
     for (c10::StreamId s : b->recorded) p.until.emplace_back(&queue_of(b->device, s), 0);
     for (auto& [q, t] : p.until) t = q->enqueued();
-    if (p.ready()) finish(b);
+    if (p.ready()) finish(b, ctx);
     else pending_.push_back(std::move(p));
   }
 
   // A freed block no queued work can touch any more: cached for its stream, or its host memory released.
-  void finish(Block* b) {
-    history(MemoryAction::free_completed, b, nullptr);
+  void finish(Block* b, const std::shared_ptr<c10::GatheredContext>& ctx = nullptr) {
+    history(MemoryAction::free_completed, b, ctx);
     b->recorded.clear();
     if (b->host) {
       live_.erase(reinterpret_cast<uintptr_t>(b->ptr));
