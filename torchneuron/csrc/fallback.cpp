@@ -399,6 +399,45 @@ void remember_layout(OpEntry& e, std::vector<int64_t> key, std::shared_ptr<const
   if (c.map.size() < kLayoutsPerOp) c.map.emplace(std::move(key), std::move(L));
 }
 
+// The out= overload of a functional op: same name, the same arguments (names and types), then one Tensor(a!)
+// keyword argument per result. A queued op with only fresh results computes straight into their device memory
+// through it (no copy of the results, no host allocation per call).
+const c10::OperatorHandle* out_variant(const c10::OperatorHandle& op, OpEntry& e) {
+  if (e.out_looked_up.load(std::memory_order_acquire)) return static_cast<const c10::OperatorHandle*>(e.out_variant.load());
+  static std::unordered_map<std::string, std::vector<c10::OperatorName>> by_name;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    for (const auto& n : c10::Dispatcher::singleton().getAllOpNames()) by_name[n.name].push_back(n);
+  });
+  const auto& f = op.schema();
+  const c10::OperatorHandle* found = nullptr;
+  if (!f.returns().empty() && e.writes.empty()) {
+    auto it = by_name.find(f.name());
+    for (const auto& n : it == by_name.end() ? std::vector<c10::OperatorName>{} : it->second) {
+      auto h = c10::Dispatcher::singleton().findOp(n);
+      if (!h || !h->hasKernelForDispatchKey(c10::DispatchKey::CPU)) continue;
+      const auto& s = h->schema();
+      const auto& fa = f.arguments();
+      const auto& sa = s.arguments();
+      if (sa.size() != fa.size() + f.returns().size() || s.returns().size() != f.returns().size()) continue;
+      bool match = true;
+      for (size_t i = 0; i < fa.size() && match; ++i)
+        match = sa[i].name() == fa[i].name() && *sa[i].type() == *fa[i].type() && !sa[i].alias_info();
+      for (size_t i = fa.size(); i < sa.size() && match; ++i)
+        match = sa[i].kwarg_only() && sa[i].alias_info() && sa[i].alias_info()->isWrite() &&
+                sa[i].type()->kind() == c10::TypeKind::TensorType;
+      for (const auto& r : f.returns()) match &= r.type()->kind() == c10::TypeKind::TensorType;
+      if (match) {
+        found = new c10::OperatorHandle(*h);  // kept for the process
+        break;
+      }
+    }
+  }
+  e.out_variant.store(const_cast<c10::OperatorHandle*>(found));
+  e.out_looked_up.store(true, std::memory_order_release);
+  return found;
+}
+
 at::Tensor tensor_over(const c10::Storage& storage, const ResultSlot& s) {
   auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
                                                     c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), s.dtype);
@@ -558,6 +597,22 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   }
   c10::DeviceIndex device = c.device;
   const char* name = e.name.c_str();
+  // fresh results each over their own storage, from offset 0: the out= overload writes them in place
+  bool outable = !L.slots.empty() && L.group_bytes.size() == L.slots.size();
+  for (size_t k = 0; k < L.slots.size() && outable; ++k) outable = L.slots[k].kind == ResultSlot::fresh && L.slots[k].offset == 0;
+  const c10::OperatorHandle* out_op = outable ? out_variant(op, e) : nullptr;
+  if (out_op) {
+    for (const at::Tensor& r : results) host.push_back(host_alias(r));
+    q.push(name, [out = *out_op, host = std::move(host), device]() mutable {
+      std::vector<const void*> dst;
+      for (size_t i = host.size() - out.schema().returns().size(); i < host.size(); ++i) dst.push_back(host[i].toTensor().data_ptr());
+      torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
+      with_device_oom(device, [&] { out.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
+      for (size_t i = 0; i < dst.size(); ++i)
+        TORCH_INTERNAL_ASSERT(st[i].toTensor().data_ptr() == dst[i], "neuron: ", out.schema().name(), ".",
+                              out.schema().overload_name(), " moved a result its first call predicted the shape of");
+    });
+  } else
   q.push(name, [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device]() mutable {
     torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
     with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
@@ -637,9 +692,9 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     for (size_t i : e.writes)
       for_each_tensor(args[i], [&](const at::Tensor& t) { writes_int64 |= t.scalar_type() == at::kLong; });
   const bool trainium_blocks = trainium && writes_int64;
-  if (L && !trainium_blocks && !(trainium && L->int64) && !(q.idle() && L->max_numel < kInlineElements))
+  if (L && !trainium_blocks && !(trainium && L->int64) && !run_inline(q, L->max_numel))
     return launch_queued(op, stack, e, c, std::move(L), flat, q);
-  if (keyed && !L && !q.idle() && !trainium_blocks) {
+  if (keyed && !L && (!q.idle() || g_queue_everything.load(std::memory_order_relaxed)) && !trainium_blocks) {
     if ((L = meta_layout(op, args, nargs)) && !(trainium && L->int64)) {
       remember_layout(e, std::move(key), L);
       return launch_queued(op, stack, e, c, std::move(L), flat, q);

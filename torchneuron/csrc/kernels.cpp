@@ -82,7 +82,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   StreamQueue& q = current_queue(dev);
   const bool rules = to_device && !from_device && trainium_rules() && (is_fp64(dst) || dst.scalar_type() == at::kLong);
   const bool now = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed) ||
-                   rules || (q.idle() && dst.numel() < kInlineElements) ||
+                   rules || run_inline(q, dst.numel()) ||
                    (!to_device && !(non_blocking && dst.is_pinned()));
   HostAliases host;  // a copy within one storage shares its CPU storage: ATen's overlap check sees it
   at::Tensor d = to_device ? host(dst) : dst;

@@ -23,6 +23,7 @@ void installCapturedTracebackPython();  // libtorch_python (its header needs nlo
 namespace torchneuron {
 
 std::atomic<bool> g_launch_blocking{false};
+std::atomic<bool> g_queue_everything{false};
 
 namespace {
 

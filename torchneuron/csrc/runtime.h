@@ -36,6 +36,9 @@ c10::StreamId current_stream_id(c10::DeviceIndex device);  // this thread's curr
 
 // ---- queue.cpp: stream-ordered execution (each stream an in-order queue run by its own worker thread) ----
 extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: kernels run at their launch
+// Tests only: queue every kernel, also small ones on an idle stream, and take a first-met signature's layout from
+// the meta kernel even on an idle stream (so that conformance suites exercise the queued path).
+extern std::atomic<bool> g_queue_everything;
 class StreamQueue {
  public:
   StreamQueue(c10::DeviceIndex device, c10::StreamId id);
@@ -93,10 +96,14 @@ void install_fork_handler();
 // the work is small (`elements`), where a hand-off to the worker would cost more than the kernel. The kernel must
 // not own device memory (capture host aliases: the allocator orders reuse by stream, as CUDA's).
 constexpr int64_t kInlineElements = 1 << 15;
+inline bool run_inline(const StreamQueue& q, int64_t elements) {
+  return g_launch_blocking.load(std::memory_order_relaxed) ||
+         (elements < kInlineElements && !g_queue_everything.load(std::memory_order_relaxed) && q.idle());
+}
 template <class F>
 void launch(c10::DeviceIndex device, const char* name, int64_t elements, F&& kernel) {
   StreamQueue& q = current_queue(device);
-  if (g_launch_blocking.load(std::memory_order_relaxed) || (elements < kInlineElements && q.idle())) {
+  if (run_inline(q, elements)) {
     q.raise_error();
     kernel();
   } else {
@@ -218,6 +225,8 @@ struct OpEntry {
   enum class Exec : uint8_t { unknown, now, host, queued };
   std::atomic<uint8_t> exec{0};
   std::atomic<void*> layouts{nullptr};  // fallback.cpp's per-signature result layouts
+  std::atomic<void*> out_variant{nullptr};  // fallback.cpp: its out= overload (an OperatorHandle), once looked up
+  std::atomic<bool> out_looked_up{false};
 };
 // The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
 // underscore dropped; dunder names such as "__and__" kept).
