@@ -57,7 +57,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     if (n == 0) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
     size_t size = (n + kRound - 1) / kRound * kRound;
     auto ctx = memory_context(MemoryAction::alloc);
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_);
     Block* b = take_cached(dev, size);
     if (!b) {
       reserve_or_throw(dev, size, n, ctx);
@@ -73,6 +73,8 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     b->requested = n;
     note_alloc(b);
     history(MemoryAction::alloc, b, ctx);
+    g.unlock();
+    trace_memory_allocation(b->ptr);
     return {b->ptr, b->ptr, &delete_block, c10::Device(kNeuron, dev)};
   }
 
@@ -80,7 +82,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     void* p = host.get();
     if (n == 0 || !p) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
     auto ctx = memory_context(MemoryAction::alloc);
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_);
     reserve_or_throw(dev, n, n, ctx);
     auto* b = new Block{p, n, n, dev, true, std::move(host)};
     live_[reinterpret_cast<uintptr_t>(p)] = b;
@@ -90,6 +92,8 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     history(MemoryAction::segment_alloc, b, ctx);
     note_alloc(b);
     history(MemoryAction::alloc, b, ctx);
+    g.unlock();
+    trace_memory_allocation(p);
     return {p, p, &delete_block, c10::Device(kNeuron, dev)};
   }
 
@@ -302,6 +306,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 NeuronAllocator g_allocator;
 
 void delete_block(void* ptr) {
+  trace_memory_deallocation(ptr);
   if (ptr) g_allocator.release(ptr);
 }
 

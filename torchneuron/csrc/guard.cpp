@@ -67,11 +67,15 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   Stream getStreamFromGlobalPool(Device d, bool high) const override {
     DeviceIndex i = index_of(d);
     int slot = g_pool_cursor[i]++ % kPoolSize;
-    return make(i, 1 + slot + (high ? kPoolSize : 0));
+    Stream s = make(i, 1 + slot + (high ? kPoolSize : 0));
+    trace_stream_creation(s);
+    return s;
   }
   Stream getNewStream(Device d, int priority) const override {
     DeviceIndex i = index_of(d);
-    return make(i, 1 + 2 * kPoolSize + g_next_stream[i]++);
+    Stream s = make(i, 1 + 2 * kPoolSize + g_next_stream[i]++);
+    trace_stream_creation(s);
+    return s;
   }
   Stream exchangeStream(Stream s) const override {
     check_device_index(s.device_index());
@@ -85,14 +89,23 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     TORCH_CHECK(device < 0 || device == stream.device_index(), "Event device index ", static_cast<int>(device),
                 " does not match the recording stream's device ", stream.device());
     auto* e = static_cast<Event*>(*event);
-    if (!e) *event = e = new Event{stream.device_index(), flag};
+    if (!e) {
+      *event = e = new Event{stream.device_index(), flag};
+      trace_event_creation(e);
+    }
     e->recorded = true;
     e->when = std::chrono::steady_clock::now();
+    trace_event_record(e, stream);
   }
-  void block(void* event, const Stream& stream) const override {}  // all recorded work is already complete
+  void block(void* event, const Stream& stream) const override {  // all recorded work is already complete
+    trace_event_wait(event, stream);
+  }
   bool queryEvent(void* event) const override { return true; }
-  void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<Event*>(event); }
-  void synchronizeEvent(void* event) const override {}
+  void destroyEvent(void* event, const DeviceIndex) const noexcept override {
+    trace_event_deletion(event);
+    delete static_cast<Event*>(event);
+  }
+  void synchronizeEvent(void* event) const override { trace_event_synchronization(event); }
   double elapsedTime(void* a, void* b, const DeviceIndex) const override {
     auto* s = static_cast<Event*>(a);
     auto* e = static_cast<Event*>(b);
@@ -104,9 +117,10 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
 
   bool queryStream(const Stream&) const override { return true; }
-  void synchronizeStream(const Stream&) const override {}
+  void synchronizeStream(const Stream& s) const override { trace_stream_synchronization(s); }
   void synchronizeDevice(const DeviceIndex device) const override {
     if (device >= 0) check_device_index(device);
+    trace_device_synchronization();
   }
   void recordDataPtrOnStream(const c10::DataPtr& ptr, const Stream& s) const override {
     neuron_allocator()->recordStream(ptr, s);

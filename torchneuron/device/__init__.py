@@ -1,5 +1,5 @@
 """`torch.neuron`: the device module of the neuron backend, with the names of `torch.cuda` and AWS TorchNeuron."""
-from . import memory, random, streams  # noqa: F401  (torch.neuron.memory, ...)
+from . import memory, random, stream_check, streams  # noqa: F401  (torch.neuron.memory, ...)
 from .memory import (  # noqa: F401
     empty_cache,
     get_per_process_memory_fraction,
@@ -50,6 +50,7 @@ from .random import (  # noqa: F401
     set_rng_state,
     set_rng_state_all,
 )
+from .stream_check import _gpu_trace  # noqa: F401  (PyTorch sends the device's GPU trace to torch.neuron._gpu_trace)
 from .streams import (  # noqa: F401
     Event,
     Stream,

@@ -1,0 +1,339 @@
+"""The stream-hazard checker, `torch.neuron.stream_check` (TORCHNEURON_STREAM_CHECK=1): a tensor used on two streams
+with no ordering edge between the uses is reported with both Python stacks.
+
+It works on the program's logical order, never on timing, so it finds on this device the races that only show on
+an asynchronous one (Trainium, a GPU). A dispatch mode sees every op on neuron tensors and takes its reads and
+writes from the schema's alias annotations; the C++ guard and allocator report event record/wait, synchronisation
+and allocation/free through c10's GPU trace (csrc/stream_trace.cpp), which PyTorch delivers to
+`torch.neuron._gpu_trace`. Ordering is kept as vector clocks: each stream's clock says how far into every stream's
+work it is ordered; an event record copies the recording stream's clock, a wait merges it in, a host
+synchronisation merges into the host clock every later launch starts from.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+StreamKey = int  # (stream id << 8) | device index: csrc/stream_trace.cpp's stream_trace_key
+Clock = dict[StreamKey, int]  # stream -> the last launch on it that this point is ordered after
+HOST_COPIES = {aten._to_copy.default, aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default}
+
+
+def stream_key(s: torch.Stream) -> StreamKey:
+    return (s.stream_id << 8) | s.device_index
+
+
+def _stream_name(key: StreamKey) -> str:
+    return f"stream {key >> 8} of neuron:{key & 0xFF}" + (" (the default stream)" if key >> 8 == 0 else "")
+
+
+_TORCH = os.path.dirname(torch.__file__)
+_MACHINERY = (__file__, os.path.join(_TORCH, "_compile.py"), os.path.join(_TORCH, "_dynamo", ""))  # mode plumbing
+
+
+def _stack() -> traceback.StackSummary:
+    """The caller's Python stack without the checker's frames; source lines are read only if it is reported."""
+    frames = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(1)), lookup_lines=False)
+    return traceback.StackSummary.from_list([f for f in reversed(frames) if not f.filename.startswith(_MACHINERY)])
+
+
+class Access(NamedTuple):
+    kind: str  # "read" | "write"
+    stream: StreamKey
+    seq: int  # the launch's place in the program's order of launches
+    op: str
+    tensor: str
+    stack: traceback.StackSummary
+
+
+class Hazard(NamedTuple):
+    kind: str  # "read-after-write" | "write-after-read" | "write-after-write" | "free-without-record_stream"
+    data_ptr: int
+    current: Access
+    earlier: Access
+
+    def __str__(self) -> str:
+        now, then = self.current, self.earlier
+        if self.kind == "free-without-record_stream":
+            head = (f"{self.kind}: {then.tensor} was freed on the host (its memory goes back to the allocator for "
+                    f"reuse on {_stream_name(now.stream)}) while {_stream_name(then.stream)} may still be "
+                    f"{then.kind[:-1]}ing it in {then.op}, with no ordering edge in between. Call "
+                    f"tensor.record_stream(that stream) after using it there, or order the streams (wait_stream, "
+                    f"an Event, synchronize) before the free.")
+        else:
+            head = (f"{self.kind}: {now.op} {now.kind}s {now.tensor} on {_stream_name(now.stream)} while "
+                    f"{then.op} on {_stream_name(then.stream)} {then.kind}s it, with no ordering edge between the "
+                    f"two (Event record/wait, wait_stream, or a synchronize).")
+        return (f"{head}\n\nThe {now.kind} ({now.op}), at:\n"
+                f"{''.join(now.stack.format())}\nThe earlier {then.kind} ({then.op}), at:\n"
+                f"{''.join(then.stack.format())}")
+
+
+class StreamHazardError(RuntimeError):
+    """A tensor used on two streams without an ordering edge (torch.neuron.stream_check)."""
+
+    def __init__(self, hazards: list[Hazard]):
+        self.hazards = hazards
+        super().__init__("torch.neuron.stream_check found an unsynchronised use of a tensor across streams:\n\n"
+                         + "\n\n".join(map(str, hazards)))
+
+
+@dataclass
+class _Storage:
+    """What has been done to one block of device memory since it was allocated."""
+    alloc_stream: StreamKey
+    write: Access | None = None
+    reads: dict[StreamKey, Access] = field(default_factory=dict)  # since the write; the last one per stream
+    recorded: set[StreamKey] = field(default_factory=set)  # Tensor.record_stream
+
+
+def _merge(into: Clock, other: Clock) -> None:
+    for s, n in other.items():
+        if n > into.get(s, 0):
+            into[s] = n
+
+
+class Checker:
+    """Vector clocks of the streams, events and host, and the accesses to each block of device memory."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.host: Clock = {}
+        self.streams: dict[StreamKey, Clock] = {}
+        self.events: dict[int, Clock] = {}
+        self.storages: dict[int, _Storage] = {}
+        self.pending: list[Hazard] = []  # found in a trace callback, which cannot raise; raised at the next op
+        self.op_stream: StreamKey | None = None  # the stream of the op being run (its allocations belong to it)
+
+    def clock(self, s: StreamKey) -> Clock:
+        """The stream's clock, with everything the host has synchronised with (later launches start after it)."""
+        c = self.streams.setdefault(s, {})
+        _merge(c, self.host)
+        return c
+
+    def ordered_before(self, a: Access, s: StreamKey) -> bool:
+        return a.stream == s or self.clock(s).get(a.stream, 0) >= a.seq
+
+    def launch(self, s: StreamKey, op: str, reads: dict[int, str], writes: dict[int, str]) -> list[Hazard]:
+        """An op on stream `s` reads and writes these blocks (data pointer -> tensor description)."""
+        self.seq += 1
+        self.clock(s)[s] = self.seq
+        stack, hazards = _stack(), []
+        for ptr, desc in reads.items():
+            st = self.storages.setdefault(ptr, _Storage(s))
+            a = Access("read", s, self.seq, op, desc, stack)
+            if st.write and not self.ordered_before(st.write, s):
+                hazards.append(Hazard("read-after-write", ptr, a, st.write))
+            st.reads[s] = a
+        for ptr, desc in writes.items():
+            st = self.storages.setdefault(ptr, _Storage(s))
+            a = Access("write", s, self.seq, op, desc, stack)
+            earlier = [r for r in st.reads.values() if not self.ordered_before(r, s)]
+            hazards += [Hazard("write-after-read", ptr, a, r) for r in earlier]
+            if not st.reads and st.write and not self.ordered_before(st.write, s):
+                hazards.append(Hazard("write-after-write", ptr, a, st.write))
+            st.write, st.reads = a, {}
+        return hazards
+
+    def record_stream(self, ptr: int, s: StreamKey) -> None:
+        if ptr in self.storages:
+            self.storages[ptr].recorded.add(s)
+
+    # -- the GPU trace (csrc/stream_trace.cpp) --
+    def allocated(self, ptr: int) -> None:
+        s = self.op_stream if self.op_stream is not None else stream_key(torch.accelerator.current_stream())
+        self.storages[ptr] = _Storage(s)
+
+    def freed(self, ptr: int) -> None:
+        st = self.storages.pop(ptr, None)
+        if st is None:
+            return
+        for a in ([st.write] if st.write else []) + list(st.reads.values()):
+            if a.stream not in st.recorded and not self.ordered_before(a, st.alloc_stream):
+                now = Access("free", st.alloc_stream, self.seq, "the free", a.tensor, _stack())
+                self.pending.append(Hazard("free-without-record_stream", ptr, now, a))
+
+    def event_created(self, event: int) -> None:
+        self.events[event] = {}  # nothing recorded yet: waiting on it orders nothing
+
+    def event_recorded(self, event: int, s: StreamKey) -> None:
+        self.events[event] = dict(self.clock(s))
+
+    def event_waited(self, event: int, s: StreamKey) -> None:
+        _merge(self.clock(s), self.events.get(event, {}))
+
+    def event_deleted(self, event: int) -> None:
+        self.events.pop(event, None)
+
+    def stream_synchronized(self, s: StreamKey) -> None:
+        _merge(self.host, self.clock(s))
+
+    def event_synchronized(self, event: int) -> None:
+        _merge(self.host, self.events.get(event, {}))
+
+    def device_synchronized(self) -> None:
+        # c10's trace names no device: every stream counts as synchronised (it can only hide a hazard, never invent one)
+        for s in list(self.streams):
+            _merge(self.host, self.clock(s))
+
+
+def _tensor_desc(t: torch.Tensor, ptr: int) -> str:
+    return f"the tensor of shape {tuple(t.shape)}, dtype {t.dtype}, data pointer {ptr:#x}"
+
+
+def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[dict[int, str], dict[int, str], int | None]:
+    """The blocks of neuron memory an op reads and writes, from its schema's alias annotations, and its device."""
+    reads: dict[int, str] = {}
+    writes: dict[int, str] = {}
+    device: list[int] = []
+    schema = func._schema
+    metadata_only = schema.name.startswith("aten::new_") or schema.name.endswith("_like")  # factories read shapes
+    undefined = "empty" in schema.name  # results with no defined contents: nothing is written yet
+
+    def note(value: Any, write: bool, skip: bool) -> None:
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "neuron":
+                device.append(t.device.index)
+                ptr = t.untyped_storage().data_ptr()
+                if ptr and not skip:
+                    (writes if write else reads)[ptr] = _tensor_desc(t, ptr)
+
+    named = {a.name: a for a in schema.arguments}
+    bound = list(zip(schema.arguments, args, strict=False)) + [(named[k], v) for k, v in kwargs.items() if k in named]
+    for arg, value in bound:
+        alias = arg.alias_info
+        note(value, bool(alias and alias.is_write), metadata_only or bool(alias and not alias.is_write))
+    for ret, value in zip(schema.returns, out if isinstance(out, tuple) else (out,), strict=False):
+        alias = ret.alias_info
+        note(value, True, undefined or alias is not None)  # fresh results are written; aliases were counted
+    for ptr in writes:
+        reads.pop(ptr, None)
+    return reads, writes, device[0] if device else None
+
+
+def _host_sync(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+    """The host waits for the op's stream: `.item()`, and a blocking copy between host and device."""
+    if func is aten._local_scalar_dense.default:
+        return True
+    if func not in HOST_COPIES or kwargs.get("non_blocking") or (func is aten.copy_.default and len(args) > 2
+                                                                 and args[2]):
+        return False
+    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+    return any(t.device.type == "cpu" for t in tensors)
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, checker: Checker):
+        super().__init__()
+        self.checker = checker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        c = self.checker
+        if c.pending:
+            hazards, c.pending = c.pending, []
+            raise StreamHazardError(hazards)
+        if func is aten.record_stream.default:
+            t, s = args
+            if t.device.type == "neuron" and s.device.type == "neuron":
+                c.record_stream(t.untyped_storage().data_ptr(), stream_key(s))
+            return func(*args, **kwargs)
+        device = next((t.device.index for t in tree_flatten((args, kwargs))[0]
+                       if isinstance(t, torch.Tensor) and t.device.type == "neuron"), None)
+        c.op_stream = stream_key(torch.accelerator.current_stream(device))
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            s, c.op_stream = c.op_stream, None
+        reads, writes, out_device = _accesses(func, args, kwargs, out)
+        if out_device is None:
+            return out
+        if out_device != device:  # a factory: its result's device, not the current one
+            s = stream_key(torch.accelerator.current_stream(out_device))
+        hazards = c.launch(s, func._schema.name, reads, writes)
+        if _host_sync(func, args, kwargs, out):
+            c.stream_synchronized(s)
+        if hazards:
+            raise StreamHazardError(hazards)
+        return out
+
+
+_active: _Mode | None = None
+
+
+def _on(method: str):
+    """A trace callback: calls the active checker's `method`, or does nothing when checking is off."""
+    def fire_callbacks(*args: int) -> None:
+        if _active is not None:
+            getattr(_active.checker, method)(*args)
+    return SimpleNamespace(fire_callbacks=fire_callbacks)
+
+
+# PyTorch delivers the device's GPU trace to torch.neuron._gpu_trace.<registry>.fire_callbacks (the names of
+# torch.cuda._gpu_trace); torch.neuron re-exports this.
+_gpu_trace = SimpleNamespace(
+    EventCreationCallbacks=_on("event_created"),
+    EventDeletionCallbacks=_on("event_deleted"),
+    EventRecordCallbacks=_on("event_recorded"),
+    EventWaitCallbacks=_on("event_waited"),
+    MemoryAllocationCallbacks=_on("allocated"),
+    MemoryDeallocationCallbacks=_on("freed"),
+    StreamCreationCallbacks=_on("clock"),
+    DeviceSynchronizationCallbacks=_on("device_synchronized"),
+    StreamSynchronizationCallbacks=_on("stream_synchronized"),
+    EventSynchronizationCallbacks=_on("event_synchronized"),
+)
+
+
+def is_enabled() -> bool:
+    return _active is not None
+
+
+def enable() -> None:
+    """Check every op of this thread from now on (a hazard raises StreamHazardError). A no-op if already on."""
+    global _active
+    if _active is None:
+        torch._C._activate_gpu_trace()  # from now on the C++ core sends its stream and memory events here
+        _active = _Mode(Checker())
+        _active.__enter__()
+
+
+def disable() -> None:
+    """Stop checking; a hazard found at a free since the last op is raised here."""
+    global _active
+    mode, _active = _active, None
+    if mode is not None:
+        mode.__exit__(None, None, None)
+        if mode.checker.pending:
+            raise StreamHazardError(mode.checker.pending)
+
+
+@contextlib.contextmanager
+def checking() -> Iterator[Checker]:
+    """`with torch.neuron.stream_check.checking():` checks the block with a fresh checker (a checker already on,
+    e.g. from TORCHNEURON_STREAM_CHECK, pauses for the block and resumes after it)."""
+    global _active
+    outer, _active = _active, None
+    if outer is not None:
+        outer.__exit__(None, None, None)
+    enable()
+    try:
+        yield _active.checker
+    finally:
+        try:
+            disable()
+        finally:
+            if outer is not None:
+                _active = outer
+                outer.__enter__()
