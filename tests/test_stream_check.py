@@ -189,7 +189,9 @@ def test_off_outside_the_block():
 
 
 SCRIPT = textwrap.dedent("""
+    import sys
     import torch
+    print("loaded:", "torchneuron.device.stream_check" in sys.modules)
     print("checking:", torch.neuron.stream_check.is_enabled(), torch._C._len_torch_dispatch_stack())
     s = torch.neuron.Stream()
     x = torch.ones(8, device="neuron")
@@ -207,10 +209,10 @@ def test_environment_variable(on):
     if on == "1":
         assert r.returncode != 0 and "checking: True 1" in r.stdout and "ran" not in r.stdout
         assert "StreamHazardError" in r.stderr and "read-after-write: aten::add" in r.stderr
-        assert 'File "<string>", line 7' in r.stderr and 'File "<string>", line 5' in r.stderr  # both stacks
-    else:  # off by default costs nothing: no dispatch mode installed
+        assert 'File "<string>", line 9' in r.stderr and 'File "<string>", line 7' in r.stderr  # both stacks
+    else:  # off by default costs nothing: the checker is not even imported, no dispatch mode is installed
         assert r.returncode == 0, r.stderr
-        assert "checking: False 0" in r.stdout and "ran 16.0" in r.stdout
+        assert "loaded: False" in r.stdout and "checking: False 0" in r.stdout and "ran 16.0" in r.stdout
 
 
 def test_an_op_error_under_the_checker_stays_that_error():

@@ -1,22 +1,28 @@
 // The device's stream, event and memory events for the stream checker (torch.neuron.stream_check), sent the way
 // CUDA's guard and allocator send theirs: through c10's GPU trace, which PyTorch routes by device type to
 // torch.<backend>._gpu_trace (torch/csrc/PyInterpreter.cpp), here torch.neuron._gpu_trace. Until
-// torch._C._activate_gpu_trace() is called, each call is one load and branch. The trace takes the GIL: call these
-// with no allocator lock held.
+// the checker turns the trace on (torch.ops.torchneuron._stream_trace(True), after torch._C._activate_gpu_trace()),
+// each call is one relaxed load and branch; PyTorch cannot deactivate its trace, so disable() turns ours off. The
+// trace takes the GIL: call these with no allocator lock held.
 #include <c10/core/impl/GPUTrace.h>
 #include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include <atomic>
 
 #include "runtime.h"
 
 namespace torchneuron {
 namespace {
 
+std::atomic<bool> g_on{false};
 uintptr_t addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }
 
 // Sends one event with the GIL held and Python's error indicator set aside: a tensor can be freed while an exception
 // propagates (a temporary dies during unwinding), and the trace's Python code must neither see nor clear it.
 template <class F>
 void emit(F&& send) {
+  if (!g_on.load(std::memory_order_relaxed)) return;
   if (auto* t = c10::impl::GPUTrace::get_trace(); t && Py_IsInitialized()) {
     pybind11::gil_scoped_acquire gil;
     pybind11::error_scope keep;
@@ -60,6 +66,10 @@ void trace_memory_allocation(const void* ptr) {
 }
 void trace_memory_deallocation(const void* ptr) {
   if (ptr) emit([&](Trace t) { t.trace_gpu_memory_deallocation(kNeuron, addr(ptr)); });
+}
+
+TORCH_LIBRARY_FRAGMENT(torchneuron, m) {
+  m.def("_stream_trace(bool on) -> ()", [](bool on) { g_on.store(on, std::memory_order_relaxed); });
 }
 
 }  // namespace torchneuron

@@ -24,10 +24,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-aten = torch.ops.aten
 StreamKey = int  # (stream id << 8) | device index: csrc/stream_trace.cpp's stream_trace_key
 Clock = dict[StreamKey, int]  # stream -> the last launch on it that this point is ordered after
-HOST_COPIES = {aten._to_copy.default, aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default}
+HOST_COPIES = {"aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"}  # schema names
 
 
 def stream_key(s: torch.Stream) -> StreamKey:
@@ -224,10 +223,10 @@ def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[dict[int,
 
 def _host_sync(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     """The host waits for the op's stream: `.item()`, and a blocking copy between host and device."""
-    if func is aten._local_scalar_dense.default:
+    name = func._schema.name
+    if name == "aten::_local_scalar_dense":
         return True
-    if func not in HOST_COPIES or kwargs.get("non_blocking") or (func is aten.copy_.default and len(args) > 2
-                                                                 and args[2]):
+    if name not in HOST_COPIES or kwargs.get("non_blocking") or (name == "aten::copy_" and len(args) > 2 and args[2]):
         return False
     tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
     return any(t.device.type == "cpu" for t in tensors)
@@ -244,7 +243,7 @@ class _Mode(TorchDispatchMode):
         if c.pending:
             hazards, c.pending = c.pending, []
             raise StreamHazardError(hazards)
-        if func is aten.record_stream.default:
+        if func._schema.name == "aten::record_stream":
             t, s = args
             if t.device.type == "neuron" and s.device.type == "neuron":
                 c.record_stream(t.untyped_storage().data_ptr(), stream_key(s))
@@ -300,21 +299,29 @@ def is_enabled() -> bool:
     return _active is not None
 
 
+def _activate(mode: _Mode | None) -> None:
+    """Make `mode` the checker (its dispatch mode entered, the C++ trace on), or none (the trace off)."""
+    global _active
+    if _active is not None:
+        _active.__exit__(None, None, None)
+    _active = mode
+    if mode is not None:
+        torch._C._activate_gpu_trace()  # PyTorch's switch, once per process; ours follows the checker
+        mode.__enter__()
+    torch.ops.torchneuron._stream_trace(mode is not None)
+
+
 def enable() -> None:
     """Check every op of this thread from now on (a hazard raises StreamHazardError). A no-op if already on."""
-    global _active
     if _active is None:
-        torch._C._activate_gpu_trace()  # from now on the C++ core sends its stream and memory events here
-        _active = _Mode(Checker())
-        _active.__enter__()
+        _activate(_Mode(Checker()))
 
 
 def disable() -> None:
     """Stop checking; a hazard found at a free since the last op is raised here."""
-    global _active
-    mode, _active = _active, None
+    mode = _active
     if mode is not None:
-        mode.__exit__(None, None, None)
+        _activate(None)
         if mode.checker.pending:
             raise StreamHazardError(mode.checker.pending)
 
@@ -323,17 +330,13 @@ def disable() -> None:
 def checking() -> Iterator[Checker]:
     """`with torch.neuron.stream_check.checking():` checks the block with a fresh checker (a checker already on,
     e.g. from TORCHNEURON_STREAM_CHECK, pauses for the block and resumes after it)."""
-    global _active
-    outer, _active = _active, None
-    if outer is not None:
-        outer.__exit__(None, None, None)
-    enable()
+    outer, mode = _active, _Mode(Checker())
+    _activate(mode)
     try:
-        yield _active.checker
+        yield mode.checker
     finally:
         try:
             disable()
         finally:
             if outer is not None:
-                _active = outer
-                outer.__enter__()
+                _activate(outer)
