@@ -179,6 +179,29 @@ def test_same_stream_use_is_not_reported():
         assert w.grad.shape == (8, 4)
 
 
+def test_each_device_has_its_own_streams():
+    """Memory of neuron:1 is allocated for, used on and freed from neuron:1's default stream: in order."""
+    with checking():
+        x = torch.rand(4, 3, device="neuron:1")
+        y = x * 2
+        del x, y
+        torch.ones(1, device="neuron:1")
+        z = torch.rand(4, 3, device="neuron:1")
+        with pytest.raises(StreamHazardError, match=r"on stream [1-9]\d* of neuron:1 while aten::rand on stream 0 of "
+                                                    r"neuron:1"):
+            read_on(torch.neuron.Stream(device=1), z)
+
+
+def test_a_copy_between_devices_is_ordered_on_both():
+    with checking():
+        d1 = torch.arange(6.0, device="neuron:1")
+        d2 = d1.to("neuron:2")  # ordered after d1's write on neuron:1, and before later work on neuron:2
+        assert torch.equal((d2 * 2).cpu(), torch.arange(6.0) * 2)
+        d3 = d1.to("neuron:2")
+        with pytest.raises(StreamHazardError, match="read-after-write"):
+            read_on(torch.neuron.Stream(device=2), d3)  # another stream of neuron:2 is not ordered after the copy
+
+
 def test_off_outside_the_block():
     assert not is_enabled()
     with checking():

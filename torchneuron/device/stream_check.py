@@ -113,7 +113,6 @@ class Checker:
         self.events: dict[int, Clock] = {}
         self.storages: dict[int, _Storage] = {}
         self.pending: list[Hazard] = []  # found in a trace callback, which cannot raise; raised at the next op
-        self.op_stream: StreamKey | None = None  # the stream of the op being run (its allocations belong to it)
 
     def clock(self, s: StreamKey) -> Clock:
         """The stream's clock, with everything the host has synchronised with (later launches start after it)."""
@@ -124,10 +123,16 @@ class Checker:
     def ordered_before(self, a: Access, s: StreamKey) -> bool:
         return a.stream == s or self.clock(s).get(a.stream, 0) >= a.seq
 
-    def launch(self, s: StreamKey, op: str, reads: dict[int, str], writes: dict[int, str]) -> list[Hazard]:
-        """An op on stream `s` reads and writes these blocks (data pointer -> tensor description)."""
+    def launch(self, s: StreamKey, op: str, reads: dict[int, str], writes: dict[int, str],
+               joined: list[StreamKey]) -> list[Hazard]:
+        """An op on stream `s` reads and writes these blocks (data pointer -> tensor description). A copy between
+        devices is ordered on both devices' streams (`joined`), as CUDA's peer copies are."""
+        for o in joined:
+            _merge(self.clock(s), self.clock(o))
         self.seq += 1
         self.clock(s)[s] = self.seq
+        for o in joined:
+            _merge(self.clock(o), self.clock(s))
         stack, hazards = _stack(), []
         for ptr, desc in reads.items():
             st = self.storages.setdefault(ptr, _Storage(s))
@@ -151,8 +156,8 @@ class Checker:
 
     # -- the GPU trace (csrc/stream_trace.cpp) --
     def allocated(self, ptr: int) -> None:
-        s = self.op_stream if self.op_stream is not None else stream_key(torch.accelerator.current_stream())
-        self.storages[ptr] = _Storage(s)
+        # the allocator serves the current stream of the current device (which the op's device guard has set)
+        self.storages[ptr] = _Storage(stream_key(torch.accelerator.current_stream()))
 
     def freed(self, ptr: int) -> None:
         st = self.storages.pop(ptr, None)
@@ -191,11 +196,11 @@ def _tensor_desc(t: torch.Tensor, ptr: int) -> str:
     return f"the tensor of shape {tuple(t.shape)}, dtype {t.dtype}, data pointer {ptr:#x}"
 
 
-def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[dict[int, str], dict[int, str], int | None]:
-    """The blocks of neuron memory an op reads and writes, from its schema's alias annotations, and its device."""
+def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[dict[int, str], dict[int, str], list[int]]:
+    """The blocks of neuron memory an op reads and writes, from its schema's alias annotations, and its devices."""
     reads: dict[int, str] = {}
     writes: dict[int, str] = {}
-    device: list[int] = []
+    devices: dict[int, None] = {}  # in order, inputs first
     schema = func._schema
     metadata_only = schema.name.startswith("aten::new_") or schema.name.endswith("_like")  # factories read shapes
     undefined = "empty" in schema.name  # results with no defined contents: nothing is written yet
@@ -203,7 +208,7 @@ def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[dict[int,
     def note(value: Any, write: bool, skip: bool) -> None:
         for t in tree_flatten(value)[0]:
             if isinstance(t, torch.Tensor) and t.device.type == "neuron":
-                device.append(t.device.index)
+                devices[t.device.index] = None
                 ptr = t.untyped_storage().data_ptr()
                 if ptr and not skip:
                     (writes if write else reads)[ptr] = _tensor_desc(t, ptr)
@@ -218,7 +223,7 @@ def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[dict[int,
         note(value, True, undefined or alias is not None)  # fresh results are written; aliases were counted
     for ptr in writes:
         reads.pop(ptr, None)
-    return reads, writes, device[0] if device else None
+    return reads, writes, list(devices)
 
 
 def _host_sync(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
@@ -250,17 +255,15 @@ class _Mode(TorchDispatchMode):
             return func(*args, **kwargs)
         device = next((t.device.index for t in tree_flatten((args, kwargs))[0]
                        if isinstance(t, torch.Tensor) and t.device.type == "neuron"), None)
-        c.op_stream = stream_key(torch.accelerator.current_stream(device))
-        try:
-            out = func(*args, **kwargs)
-        finally:
-            s, c.op_stream = c.op_stream, None
-        reads, writes, out_device = _accesses(func, args, kwargs, out)
-        if out_device is None:
+        s = stream_key(torch.accelerator.current_stream(device))
+        out = func(*args, **kwargs)
+        reads, writes, devices = _accesses(func, args, kwargs, out)
+        if not devices:
             return out
-        if out_device != device:  # a factory: its result's device, not the current one
-            s = stream_key(torch.accelerator.current_stream(out_device))
-        hazards = c.launch(s, func._schema.name, reads, writes)
+        if device is None:  # a factory: its result's device, not the current one
+            s = stream_key(torch.accelerator.current_stream(devices[0]))
+        joined = [stream_key(torch.accelerator.current_stream(d)) for d in devices[1:]]
+        hazards = c.launch(s, func._schema.name, reads, writes, joined)
         if _host_sync(func, args, kwargs, out):
             c.stream_synchronized(s)
         if hazards:
