@@ -2,7 +2,8 @@
 // The device executes every op to completion when it is issued (on the host, in program order), so a stream
 // is an ordering label: work on any stream is complete when the issuing call returns, waits are satisfied at
 // once, and an event's timestamp is taken when it is recorded -- the elapsed time between two events is the
-// time the work issued between them took.
+// time the work issued between them took. Streams, events and synchronisations are reported to the stream checker
+// (stream_trace.cpp) in program order, which is what it checks.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>

@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 StreamKey = int  # (stream id << 8) | device index: csrc/stream_trace.cpp's stream_trace_key
 Clock = dict[StreamKey, int]  # stream -> the last launch on it that this point is ordered after
@@ -41,10 +40,43 @@ _TORCH = os.path.dirname(torch.__file__)
 _MACHINERY = (__file__, os.path.join(_TORCH, "_compile.py"), os.path.join(_TORCH, "_dynamo", ""))  # mode plumbing
 
 
-def _stack() -> traceback.StackSummary:
-    """The caller's Python stack without the checker's frames; source lines are read only if it is reported."""
-    frames = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(1)), lookup_lines=False)
-    return traceback.StackSummary.from_list([f for f in reversed(frames) if not f.filename.startswith(_MACHINERY)])
+Stack = list[tuple[str, int, str, None]]  # (file, line, function, source): read only when a report prints it
+
+
+def _stack() -> Stack:
+    """The caller's Python stack, outermost first, without the checker's frames."""
+    frames, f = [], sys._getframe(1)
+    while f is not None:
+        if not f.f_code.co_filename.startswith(_MACHINERY):
+            frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None))
+        f = f.f_back
+    return frames[::-1]
+
+
+def _format(stack: Stack) -> str:
+    return "".join(traceback.StackSummary.from_list(stack).format())
+
+
+class TensorInfo(NamedTuple):
+    """What a report says of a tensor (kept as values: formatting each access would cost more than the check)."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    data_ptr: int
+
+    def __str__(self) -> str:
+        return f"the tensor of shape {self.shape}, dtype {self.dtype}, data pointer {self.data_ptr:#x}"
+
+
+Blocks = dict[int, TensorInfo]  # data pointer -> the tensor using it
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors of an op argument or result: a tensor, or a (nested) list or tuple of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
 
 
 class Access(NamedTuple):
@@ -52,8 +84,8 @@ class Access(NamedTuple):
     stream: StreamKey
     seq: int  # the launch's place in the program's order of launches
     op: str
-    tensor: str
-    stack: traceback.StackSummary
+    tensor: TensorInfo
+    stack: Stack
 
 
 class Hazard(NamedTuple):
@@ -75,8 +107,7 @@ class Hazard(NamedTuple):
                     f"{then.op} on {_stream_name(then.stream)} {then.kind}s it, with no ordering edge between the "
                     f"two (Event record/wait, wait_stream, or a synchronize).")
         return (f"{head}\n\nThe {now.kind} ({now.op}), at:\n"
-                f"{''.join(now.stack.format())}\nThe earlier {then.kind} ({then.op}), at:\n"
-                f"{''.join(then.stack.format())}")
+                f"{_format(now.stack)}\nThe earlier {then.kind} ({then.op}), at:\n{_format(then.stack)}")
 
 
 class StreamHazardError(RuntimeError):
@@ -123,9 +154,9 @@ class Checker:
     def ordered_before(self, a: Access, s: StreamKey) -> bool:
         return a.stream == s or self.clock(s).get(a.stream, 0) >= a.seq
 
-    def launch(self, s: StreamKey, op: str, reads: dict[int, str], writes: dict[int, str],
+    def launch(self, s: StreamKey, op: str, reads: Blocks, writes: Blocks,
                joined: list[StreamKey]) -> list[Hazard]:
-        """An op on stream `s` reads and writes these blocks (data pointer -> tensor description). A copy between
+        """An op on stream `s` reads and writes these blocks (data pointer -> tensor). A copy between
         devices is ordered on both devices' streams (`joined`), as CUDA's peer copies are."""
         for o in joined:
             _merge(self.clock(s), self.clock(o))
@@ -192,26 +223,22 @@ class Checker:
             _merge(self.host, self.clock(s))
 
 
-def _tensor_desc(t: torch.Tensor, ptr: int) -> str:
-    return f"the tensor of shape {tuple(t.shape)}, dtype {t.dtype}, data pointer {ptr:#x}"
-
-
-def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[dict[int, str], dict[int, str], list[int]]:
+def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[Blocks, Blocks, list[int]]:
     """The blocks of neuron memory an op reads and writes, from its schema's alias annotations, and its devices."""
-    reads: dict[int, str] = {}
-    writes: dict[int, str] = {}
+    reads: Blocks = {}
+    writes: Blocks = {}
     devices: dict[int, None] = {}  # in order, inputs first
     schema = func._schema
     metadata_only = schema.name.startswith("aten::new_") or schema.name.endswith("_like")  # factories read shapes
     undefined = "empty" in schema.name  # results with no defined contents: nothing is written yet
 
     def note(value: Any, write: bool, skip: bool) -> None:
-        for t in tree_flatten(value)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "neuron":
+        for t in _tensors(value):
+            if t.device.type == "neuron":
                 devices[t.device.index] = None
                 ptr = t.untyped_storage().data_ptr()
                 if ptr and not skip:
-                    (writes if write else reads)[ptr] = _tensor_desc(t, ptr)
+                    (writes if write else reads)[ptr] = TensorInfo(tuple(t.shape), t.dtype, ptr)
 
     named = {a.name: a for a in schema.arguments}
     bound = list(zip(schema.arguments, args, strict=False)) + [(named[k], v) for k, v in kwargs.items() if k in named]
@@ -233,8 +260,7 @@ def _host_sync(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
         return True
     if name not in HOST_COPIES or kwargs.get("non_blocking") or (name == "aten::copy_" and len(args) > 2 and args[2]):
         return False
-    tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-    return any(t.device.type == "cpu" for t in tensors)
+    return any(t.device.type == "cpu" for t in _tensors((args, tuple(kwargs.values()), out)))
 
 
 class _Mode(TorchDispatchMode):
@@ -253,8 +279,8 @@ class _Mode(TorchDispatchMode):
             if t.device.type == "neuron" and s.device.type == "neuron":
                 c.record_stream(t.untyped_storage().data_ptr(), stream_key(s))
             return func(*args, **kwargs)
-        device = next((t.device.index for t in tree_flatten((args, kwargs))[0]
-                       if isinstance(t, torch.Tensor) and t.device.type == "neuron"), None)
+        device = next((t.device.index for t in _tensors((args, tuple(kwargs.values()))) if t.device.type == "neuron"),
+                      None)
         s = stream_key(torch.accelerator.current_stream(device))
         out = func(*args, **kwargs)
         reads, writes, devices = _accesses(func, args, kwargs, out)
