@@ -94,6 +94,8 @@ def test_free_without_record_stream_is_reported():
     assert h.kind == "free-without-record_stream" and h.earlier.kind == "read" and h.earlier.op == "aten::mul"
     msg = str(e.value)
     assert "record_stream" in msg and "shape (4, 3), dtype torch.float32" in msg and f"{h.data_ptr:#x}" in msg
+    assert re.search(r"reuse on stream 0 of neuron:0 .*\) while stream [1-9]\d* of neuron:0 may still be reading it in "
+                     r"aten::mul", msg)
     free_stack, read_stack = msg.split("\nThe earlier ", 1)
     assert "in use_then_free" in free_stack.split("at:\n", 1)[1] and "in read_on" in read_stack
 

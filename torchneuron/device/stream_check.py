@@ -99,14 +99,15 @@ class Hazard(NamedTuple):
         if self.kind == "free-without-record_stream":
             head = (f"{self.kind}: {then.tensor} was freed on the host (its memory goes back to the allocator for "
                     f"reuse on {_stream_name(now.stream)}) while {_stream_name(then.stream)} may still be "
-                    f"{then.kind[:-1]}ing it in {then.op}, with no ordering edge in between. Call "
+                    f"{ {'read': 'reading', 'write': 'writing'}[then.kind]} it in {then.op}, with no ordering edge "
+                    f"in between. Call "
                     f"tensor.record_stream(that stream) after using it there, or order the streams (wait_stream, "
                     f"an Event, synchronize) before the free.")
         else:
             head = (f"{self.kind}: {now.op} {now.kind}s {now.tensor} on {_stream_name(now.stream)} while "
                     f"{then.op} on {_stream_name(then.stream)} {then.kind}s it, with no ordering edge between the "
                     f"two (Event record/wait, wait_stream, or a synchronize).")
-        return (f"{head}\n\nThe {now.kind} ({now.op}), at:\n"
+        return (f"{head}\n\nThe {now.kind}{f' ({now.op})' if now.op else ''}, at:\n"
                 f"{_format(now.stack)}\nThe earlier {then.kind} ({then.op}), at:\n{_format(then.stack)}")
 
 
@@ -196,7 +197,7 @@ class Checker:
             return
         for a in ([st.write] if st.write else []) + list(st.reads.values()):
             if a.stream not in st.recorded and not self.ordered_before(a, st.alloc_stream):
-                now = Access("free", st.alloc_stream, self.seq, "the free", a.tensor, _stack())
+                now = Access("free", st.alloc_stream, self.seq, "", a.tensor, _stack())
                 self.pending.append(Hazard("free-without-record_stream", ptr, now, a))
 
     def event_created(self, event: int) -> None:
