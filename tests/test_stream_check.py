@@ -167,6 +167,24 @@ def test_a_blocking_copy_to_the_host_orders_later_work():
         assert torch.equal((x + 1).cpu(), host + 1)
 
 
+def test_using_a_non_blocking_copy_on_the_host_before_a_sync_is_reported():
+    """The timing bug of asynchronous copies: the host reads a device-to-host copy (or overwrites the source of a
+    host-to-device one) that the stream may not have done yet."""
+    with checking():
+        x = write_on_default() + 1
+        h = x.to("cpu", non_blocking=True)
+        with pytest.raises(StreamHazardError, match=r"read-after-write: aten::add reads .* on the host while "
+                                                    r"aten::_to_copy on stream 0 of neuron:0"):
+            h + 1
+        src = torch.ones(4, 3)
+        torch.empty(4, 3, device=N).copy_(src, non_blocking=True)
+        with pytest.raises(StreamHazardError, match="write-after-read: aten::fill_ writes .* on the host"):
+            src.fill_(2)
+        h2 = x.to("cpu", non_blocking=True)
+        torch.neuron.current_stream().synchronize()
+        assert torch.equal(h2 + 1, torch.full((4, 3), 2.0))  # after the sync: no report
+
+
 def test_same_stream_use_is_not_reported():
     with checking():
         s = side_stream()

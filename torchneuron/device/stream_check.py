@@ -32,7 +32,12 @@ def stream_key(s: torch.Stream) -> StreamKey:
     return (s.stream_id << 8) | s.device_index
 
 
+HOST: StreamKey = -1  # the host's own accesses (CPU ops on the memory of a non-blocking copy)
+
+
 def _stream_name(key: StreamKey) -> str:
+    if key == HOST:
+        return "the host"
     return f"stream {key >> 8} of neuron:{key & 0xFF}" + (" (the default stream)" if key >> 8 == 0 else "")
 
 
@@ -145,6 +150,7 @@ class Checker:
         self.events: dict[int, Clock] = {}
         self.storages: dict[int, _Storage] = {}
         self.pending: list[Hazard] = []  # found in a trace callback, which cannot raise; raised at the next op
+        self.host_blocks: dict[int, Access] = {}  # host memory a non-blocking copy's stream still uses
 
     def clock(self, s: StreamKey) -> Clock:
         """The stream's clock, with everything the host has synchronised with (later launches start after it)."""
@@ -180,6 +186,25 @@ class Checker:
             if not st.reads and st.write and not self.ordered_before(st.write, s):
                 hazards.append(Hazard("write-after-write", ptr, a, st.write))
             st.write, st.reads = a, {}
+        return hazards
+
+    def host_use(self, by: StreamKey, op: str, reads: Blocks, writes: Blocks, copying: bool) -> list[Hazard]:
+        """Host memory used by the host (`by` is HOST: a CPU op) or by a copy's stream; `copying`: a non-blocking
+        copy, whose stream keeps using the memory after the call returns, until a synchronisation."""
+        hazards = []
+        for kind, blocks in (("read", reads), ("write", writes)):
+            for ptr, info in blocks.items():
+                a = Access(kind, by, self.seq, op, info, [])
+                e = self.host_blocks.get(ptr)
+                done = e is not None and (self.host.get(e.stream, 0) >= e.seq if by == HOST
+                                          else self.ordered_before(e, by))
+                hazard = e is not None and not done and "write" in (kind, e.kind)
+                if hazard:
+                    hazards.append(Hazard(f"{kind}-after-{e.kind}", ptr, a._replace(stack=_stack()), e))
+                if copying:
+                    self.host_blocks[ptr] = a._replace(stack=_stack())
+                elif done or hazard:
+                    del self.host_blocks[ptr]  # ordered now, or reported once
         return hazards
 
     def record_stream(self, ptr: int, s: StreamKey) -> None:
@@ -224,8 +249,9 @@ class Checker:
             _merge(self.host, self.clock(s))
 
 
-def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[Blocks, Blocks, list[int]]:
-    """The blocks of neuron memory an op reads and writes, from its schema's alias annotations, and its devices."""
+def _accesses(func: Any, args: tuple, kwargs: dict, out: Any, kind: str = "neuron") -> tuple[Blocks, Blocks, list[int]]:
+    """The blocks of memory of device type `kind` an op reads and writes, from its schema's alias annotations, and
+    their devices."""
     reads: Blocks = {}
     writes: Blocks = {}
     devices: dict[int, None] = {}  # in order, inputs first
@@ -235,7 +261,7 @@ def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[Blocks, B
 
     def note(value: Any, write: bool, skip: bool) -> None:
         for t in _tensors(value):
-            if t.device.type == "neuron":
+            if t.device.type == kind:
                 devices[t.device.index] = None
                 ptr = t.untyped_storage().data_ptr()
                 if ptr and not skip:
@@ -254,12 +280,16 @@ def _accesses(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[Blocks, B
     return reads, writes, list(devices)
 
 
+def _non_blocking(name: str, args: tuple, kwargs: dict) -> bool:
+    return bool(kwargs.get("non_blocking") or (name == "aten::copy_" and len(args) > 2 and args[2]))
+
+
 def _host_sync(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     """The host waits for the op's stream: `.item()`, and a blocking copy between host and device."""
     name = func._schema.name
     if name == "aten::_local_scalar_dense":
         return True
-    if name not in HOST_COPIES or kwargs.get("non_blocking") or (name == "aten::copy_" and len(args) > 2 and args[2]):
+    if name not in HOST_COPIES or _non_blocking(name, args, kwargs):
         return False
     return any(t.device.type == "cpu" for t in _tensors((args, tuple(kwargs.values()), out)))
 
@@ -284,13 +314,23 @@ class _Mode(TorchDispatchMode):
                       None)
         s = stream_key(torch.accelerator.current_stream(device))
         out = func(*args, **kwargs)
+        name = func._schema.name
         reads, writes, devices = _accesses(func, args, kwargs, out)
+        hazards = []
+        if devices:
+            if device is None:  # a factory: its result's device, not the current one
+                s = stream_key(torch.accelerator.current_stream(devices[0]))
+            joined = [stream_key(torch.accelerator.current_stream(d)) for d in devices[1:]]
+            hazards = c.launch(s, name, reads, writes, joined)
+        copy = bool(devices) and name in HOST_COPIES
+        copying = copy and _non_blocking(name, args, kwargs)
+        if c.host_blocks or copying:  # host memory: a CPU op, or a copy's stream, using it
+            hreads, hwrites, _ = _accesses(func, args, kwargs, out, "cpu")
+            hazards += c.host_use(s if copy else HOST, name, hreads, hwrites, copying)
         if not devices:
+            if hazards:
+                raise StreamHazardError(hazards)
             return out
-        if device is None:  # a factory: its result's device, not the current one
-            s = stream_key(torch.accelerator.current_stream(devices[0]))
-        joined = [stream_key(torch.accelerator.current_stream(d)) for d in devices[1:]]
-        hazards = c.launch(s, func._schema.name, reads, writes, joined)
         if _host_sync(func, args, kwargs, out):
             c.stream_synchronized(s)
         if hazards:
