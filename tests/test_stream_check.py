@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from torchneuron.device.stream_check import StreamHazardError, checking, is_enabled
+from torchneuron.device.stream_check import StreamHazardError, checking, disable, enable, is_enabled
 
 N = "neuron"
 
@@ -229,6 +229,21 @@ def test_off_outside_the_block():
     assert not is_enabled() and torch._C._len_torch_dispatch_stack() == 0
     s = side_stream()
     read_on(s, write_on_default())  # unchecked: no report
+
+
+def test_a_checking_block_inside_an_enabled_checker_resumes_it():
+    enable()
+    try:
+        s, x = side_stream(), write_on_default()
+        with checking():
+            assert torch._C._len_torch_dispatch_stack() == 1
+            read_on(s, x)  # the block has its own state: x's write is not in it ...
+        assert is_enabled() and torch._C._len_torch_dispatch_stack() == 1
+        with pytest.raises(StreamHazardError, match="read-after-write"):
+            read_on(s, x)  # ... and the outer checker still has it
+    finally:
+        disable()
+    assert torch._C._len_torch_dispatch_stack() == 0
 
 
 SCRIPT = textwrap.dedent("""
