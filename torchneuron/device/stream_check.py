@@ -327,11 +327,7 @@ class _Mode(TorchDispatchMode):
         if c.host_blocks or copying:  # host memory: a CPU op, or a copy's stream, using it
             hreads, hwrites, _ = _accesses(func, args, kwargs, out, "cpu")
             hazards += c.host_use(s if copy else HOST, name, hreads, hwrites, copying)
-        if not devices:
-            if hazards:
-                raise StreamHazardError(hazards)
-            return out
-        if _host_sync(func, args, kwargs, out):
+        if devices and _host_sync(func, args, kwargs, out):
             c.stream_synchronized(s)
         if hazards:
             raise StreamHazardError(hazards)
@@ -350,7 +346,7 @@ def _on(method: str):
 
 
 # PyTorch delivers the device's GPU trace to torch.neuron._gpu_trace.<registry>.fire_callbacks (the names of
-# torch.cuda._gpu_trace); torch.neuron re-exports this.
+# torch.cuda._gpu_trace); torch.neuron's __getattr__ serves this.
 _gpu_trace = SimpleNamespace(
     EventCreationCallbacks=_on("event_created"),
     EventDeletionCallbacks=_on("event_deleted"),
@@ -375,10 +371,10 @@ def _activate(mode: _Mode | None) -> None:
     if _active is not None:
         _active.__exit__(None, None, None)
     _active = mode
-    if mode is not None:
-        torch._C._activate_gpu_trace()  # PyTorch's switch, once per process; ours follows the checker
-        mode.__enter__()
+    torch._C._activate_gpu_trace()  # PyTorch's switch, on for the rest of the process; ours follows the checker
     torch.ops.torchneuron._stream_trace(mode is not None)
+    if mode is not None:
+        mode.__enter__()
 
 
 def enable() -> None:
