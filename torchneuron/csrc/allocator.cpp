@@ -77,7 +77,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     size_t size = (n + kRound - 1) / kRound * kRound;
     auto ctx = memory_context(MemoryAction::alloc);
     c10::StreamId stream = current_stream_id(dev);
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_);
     if (!pending_.empty()) finish_pending(false);
     Block* b = take_cached(dev, stream, size);
     if (!b) {
@@ -94,6 +94,8 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     b->requested = n;
     note_alloc(b);
     history(MemoryAction::alloc, b, ctx);
+    g.unlock();
+    trace_memory_allocation(b->ptr);
     return {b->ptr, b->ptr, &delete_block, c10::Device(kNeuron, dev)};
   }
 
@@ -102,7 +104,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     if (n == 0 || !p) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
     auto ctx = memory_context(MemoryAction::alloc);
     c10::StreamId stream = current_stream_id(dev);
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_);
     reserve_or_throw(dev, n, n, ctx);
     auto* b = new Block{p, n, n, dev, true, std::move(host), stream};
     live_[reinterpret_cast<uintptr_t>(p)] = b;
@@ -112,6 +114,8 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     history(MemoryAction::segment_alloc, b, ctx);
     note_alloc(b);
     history(MemoryAction::alloc, b, ctx);
+    g.unlock();
+    trace_memory_allocation(p);
     return {p, p, &delete_block, c10::Device(kNeuron, dev)};
   }
 
@@ -365,6 +369,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 NeuronAllocator g_allocator;
 
 void delete_block(void* ptr) {
+  trace_memory_deallocation(ptr);
   if (ptr) g_allocator.release(ptr);
 }
 

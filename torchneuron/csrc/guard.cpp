@@ -2,7 +2,8 @@
 // Each stream is an in-order queue run by its own worker (queue.cpp). An event recorded on a stream is a marker in
 // its queue: it completes, and takes its timestamp, when the stream's worker reaches it, so the elapsed time between
 // two events is device execution time. Waiting on an event queues a wait on the waiting stream (its worker blocks
-// until the event's stream reaches the marker); synchronizing blocks the host.
+// until the event's stream reaches the marker); synchronizing blocks the host. Streams, events and synchronisations
+// are reported to the stream checker (stream_trace.cpp) in program order, which is what it checks.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -79,11 +80,15 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   Stream getStreamFromGlobalPool(Device d, bool high) const override {
     DeviceIndex i = index_of(d);
     int slot = g_pool_cursor[i]++ % kPoolSize;
-    return make(i, 1 + slot + (high ? kPoolSize : 0));
+    Stream s = make(i, 1 + slot + (high ? kPoolSize : 0));
+    trace_stream_creation(s);
+    return s;
   }
   Stream getNewStream(Device d, int priority) const override {
     DeviceIndex i = index_of(d);
-    return make(i, 1 + 2 * kPoolSize + g_next_stream[i]++);
+    Stream s = make(i, 1 + 2 * kPoolSize + g_next_stream[i]++);
+    trace_stream_creation(s);
+    return s;
   }
   Stream exchangeStream(Stream s) const override {
     check_device_index(s.device_index());
@@ -97,7 +102,10 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     TORCH_CHECK(device < 0 || device == stream.device_index(), "Event device index ", static_cast<int>(device),
                 " does not match the recording stream's device ", stream.device());
     auto* e = static_cast<Event*>(*event);
-    if (!e) *event = e = new Event{stream.device_index(), flag};
+    if (!e) {
+      *event = e = new Event{stream.device_index(), flag};
+      trace_event_creation(e);
+    }
     StreamQueue& q = queue_of(stream.device_index(), stream.id());
     e->marker = std::make_shared<Marker>();  // a re-record must not be completed by the previous marker
     e->queue = &q;
@@ -107,9 +115,11 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     } else {
       e->ticket = q.push("event record", [m = e->marker] { m->when_ns = now_ns(); }, /*control=*/true);
     }
+    trace_event_record(e, stream);
   }
   // `stream` waits for the work recorded before the event (an event never recorded orders nothing, as CUDA's).
   void block(void* event, const Stream& stream) const override {
+    trace_event_wait(event, stream);
     auto* e = static_cast<Event*>(event);
     if (!e || e->done()) return;
     StreamQueue& q = queue_of(stream.device_index(), stream.id());
@@ -117,10 +127,14 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     q.push("event wait", [src = e->queue, t = e->ticket] { src->wait_quiet(t); }, /*control=*/true);
   }
   bool queryEvent(void* event) const override { return !event || static_cast<Event*>(event)->done(); }
-  void destroyEvent(void* event, const DeviceIndex) const noexcept override { delete static_cast<Event*>(event); }
+  void destroyEvent(void* event, const DeviceIndex) const noexcept override {
+    trace_event_deletion(event);
+    delete static_cast<Event*>(event);
+  }
   void synchronizeEvent(void* event) const override {
     auto* e = static_cast<Event*>(event);
     if (e && e->queue) e->queue->wait(e->ticket);
+    trace_event_synchronization(event);
   }
   double elapsedTime(void* a, void* b, const DeviceIndex) const override {
     auto* s = static_cast<Event*>(a);
@@ -138,10 +152,12 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void synchronizeStream(const Stream& s) const override {
     StreamQueue& q = queue_of(s.device_index(), s.id());
     q.wait(q.enqueued());
+    trace_stream_synchronization(s);
   }
   void synchronizeDevice(const DeviceIndex device) const override {
     if (device >= 0) check_device_index(device);
     synchronize_device(device);
+    trace_device_synchronization();
   }
   void recordDataPtrOnStream(const c10::DataPtr& ptr, const Stream& s) const override {
     neuron_allocator()->recordStream(ptr, s);

@@ -145,6 +145,21 @@ struct BlockView {
 };
 std::vector<BlockView> allocator_blocks();
 
+// ---- stream_trace.cpp: stream, event and memory events for torch.neuron.stream_check (c10's GPU trace) ----
+// Free when no trace is active; they take the GIL when one is, so never call them under the allocator's lock.
+// A stream reaches Python as stream_trace_key: (stream id << 8) | device index.
+uintptr_t stream_trace_key(const c10::Stream& s);
+void trace_event_creation(const void* event);
+void trace_event_deletion(const void* event);
+void trace_event_record(const void* event, const c10::Stream& s);
+void trace_event_wait(const void* event, const c10::Stream& s);
+void trace_event_synchronization(const void* event);
+void trace_stream_creation(const c10::Stream& s);
+void trace_stream_synchronization(const c10::Stream& s);
+void trace_device_synchronization();
+void trace_memory_allocation(const void* ptr);
+void trace_memory_deallocation(const void* ptr);
+
 // ---- memory_history.cpp: allocation history and snapshots (torch.neuron.memory._record_memory_history) ----
 enum class MemoryAction { alloc, free_requested, free_completed, segment_alloc, segment_free, oom };
 extern std::atomic<bool> g_recording_memory;

@@ -1,4 +1,6 @@
 """`torch.neuron`: the device module of the neuron backend, with the names of `torch.cuda` and AWS TorchNeuron."""
+import importlib
+
 from . import memory, random, streams  # noqa: F401  (torch.neuron.memory, ...)
 from .memory import (  # noqa: F401
     empty_cache,
@@ -67,3 +69,12 @@ from .streams import (  # noqa: F401
 # torch.utils.checkpoint saves and restores a device's RNG state only if its module says it is initialised (it
 # reads torch.cuda._initialized); the modelled devices are ready at registration.
 _initialized = True
+
+
+def __getattr__(name: str):
+    """torch.neuron.stream_check, and _gpu_trace (where PyTorch sends the device's GPU trace), load on first use."""
+    if name in ("stream_check", "_gpu_trace"):
+        stream_check = importlib.import_module(f"{__name__}.stream_check")  # sets the package's attribute
+        globals()["_gpu_trace"] = stream_check._gpu_trace
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

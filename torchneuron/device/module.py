@@ -46,6 +46,10 @@ def register() -> None:
         _C._set_launch_blocking(cfg.launch_blocking)
     for p in (NEURON_DEVICE, KEEP_PARAMETERS, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD):
         patches.apply(p)
+    if cfg is not None and cfg.stream_check:  # TORCHNEURON_STREAM_CHECK=1
+        from . import stream_check
+
+        stream_check.enable()
     if _initialized and cfg.local_rank is not None:  # under torchrun each rank starts on its own logical core
         torch._C._accelerator_hooks_set_current_device(cfg.local_rank)
 
