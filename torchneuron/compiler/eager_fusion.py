@@ -121,9 +121,10 @@ class FusedKernel:
 
 
 def _typed(a: Any) -> Any:
-    """A constant with its type in the key: 2 and 2.0 and True promote differently, 0.0 and -0.0 differ."""
+    """A constant with its type in the key: 2 and 2.0 and True promote differently, 0.0 and -0.0 differ (a list
+    and a tuple of ints mean the same to an op)."""
     if isinstance(a, (list, tuple)):
-        return (type(a).__name__, tuple(_typed(x) for x in a))
+        return ("sequence", tuple(_typed(x) for x in a))
     if isinstance(a, (bool, int, float)):
         return (type(a).__name__, repr(a))
     if isinstance(a, torch.Tensor):
@@ -225,7 +226,7 @@ def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[No
             torch.ops.aten.copy_.default(out, results[v.node][v.index])
         return ()
 
-    with FakeTensorMode() as fake:
+    with FakeTensorMode():
         ins = [torch.empty_strided(s.sizes, s.strides, dtype=s.dtype) for s in inputs]
         results = _interpret(nodes, ops, tuple(ins))
         vals = [results[v.node][v.index] for v in outputs]
@@ -236,7 +237,6 @@ def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[No
         with torch.no_grad():
             gm = make_fx(run, decomposition_table=decompositions())(*ins, *outs)
         example = [*ins, *outs]
-    del fake
     return gm, example, out_specs
 
 
