@@ -133,8 +133,10 @@ def _typed(a: Any) -> Any:
 
 
 def _key(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value, ...]) -> tuple:
+    """The group's signature, and the thread count Inductor's CPU code generator splits its loops for."""
     return (tuple((n.op, _typed(tuple(n.args)), _typed(tuple(n.kwargs))) for n in nodes),
-            tuple(Spec(tuple(s.sizes), tuple(s.strides), s.dtype) for s in inputs), tuple(outputs))
+            tuple(Spec(tuple(s.sizes), tuple(s.strides), s.dtype) for s in inputs), tuple(outputs),
+            torch.get_num_threads())
 
 
 def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...],
@@ -157,7 +159,7 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...],
             _STATS.cache_hits += 1
             return _CACHE[key]
         try:
-            kernel = _compile(*key[1:], nodes)
+            kernel = _compile(key[1], key[2], nodes)
         except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
             return _failed(key, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         _CACHE[key] = kernel
