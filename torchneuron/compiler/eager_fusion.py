@@ -86,7 +86,8 @@ def stats() -> Stats:
 
 def enabled() -> bool:
     """Fusion is on unless TORCHNEURON_EAGER_FUSION=0 or deterministic algorithms are requested."""
-    return config.current().eager_fusion and not torch.are_deterministic_algorithms_enabled()
+    cfg = config.current_or_none()  # TORCHNEURON_EAGER_FUSION is read once, at registration
+    return cfg is not None and cfg.eager_fusion and not torch.are_deterministic_algorithms_enabled()
 
 
 def _overload(op: str) -> torch._ops.OpOverload | None:
@@ -123,20 +124,26 @@ class FusedKernel:
 def _typed(a: Any) -> Any:
     """A constant with its type in the key: 2 and 2.0 and True promote differently, 0.0 and -0.0 differ (a list
     and a tuple of ints mean the same to an op)."""
-    if isinstance(a, (list, tuple)):
-        return ("sequence", tuple(_typed(x) for x in a))
-    if isinstance(a, (bool, int, float)):
-        return (type(a).__name__, repr(a))
+    t = type(a)
+    if t is Input:
+        return (t, a.k)
+    if t is Value:
+        return (t, a.node, a.index)
+    if t is list or t is tuple:
+        return ("sequence", *map(_typed, a))
+    if t is float or t is int or t is bool:
+        return (t, repr(a) if t is float else a)
     if isinstance(a, torch.Tensor):
         raise TypeError("a tensor constant: pass it as a group input")
     return a
 
 
 def _key(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value, ...]) -> tuple:
-    """The group's signature, and the thread count Inductor's CPU code generator splits its loops for."""
-    return (tuple((n.op, _typed(tuple(n.args)), _typed(tuple(n.kwargs))) for n in nodes),
-            tuple(Spec(tuple(s.sizes), tuple(s.strides), s.dtype) for s in inputs), tuple(outputs),
-            torch.get_num_threads())
+    """The group's signature, and the thread count Inductor's CPU code generator splits its loops for. Plain
+    tuples (hashed in C): a group is looked up at every launch."""
+    return (tuple((n.op, _typed(n.args), _typed(n.kwargs)) for n in nodes),
+            tuple((tuple(s.sizes), tuple(s.strides), s.dtype) for s in inputs),
+            tuple((v.node, v.index) for v in outputs), torch.get_num_threads())
 
 
 def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...],
@@ -159,7 +166,7 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...],
             _STATS.cache_hits += 1
             return _CACHE[key]
         try:
-            kernel = _compile(key[1], key[2], nodes)
+            kernel = _compile(tuple(Spec(*s) for s in key[1]), tuple(Value(*v) for v in key[2]), nodes)
         except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
             return _failed(key, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         _CACHE[key] = kernel
