@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from torchneuron import _C
 from torchneuron.compiler import eager_fusion as ef
 from torchneuron.compiler.eager_fusion import Input, Node, Spec, Value, compile_group, fusable, stats
 from torchneuron.hardware import config
@@ -179,3 +180,19 @@ def test_fusable_follows_the_op_table():
         fused = [o for o in packet.overloads() if fusable(f"aten::{name}" + ("" if o == "default" else f".{o}"))]
         assert bool(fused) == record.fuse, name  # every fusing row names a real op with a functional overload
         assert not any(getattr(packet, o)._schema.is_mutable for o in fused), name
+
+
+def test_a_group_runs_on_device_memory_through_host_views():
+    """What the stream worker does: neuron tensors enter as zero-copy CPU views (`_C._host_args`, the compiled
+    kernels' boundary) and the results land in the neuron out buffers' memory."""
+    ins = chain_inputs(torch.float32)
+    kernel = compile_group(CHAIN, specs(ins), ALL)
+    device = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="neuron").copy_(t) for t in ins]
+    outs = [torch.empty_strided(s.sizes, s.strides, dtype=s.dtype, device="neuron") for s in kernel.out_specs]
+    views = [*device, *outs]
+    _C._host_args(views, list(range(len(views))))
+    assert all(v.device.type == "cpu" and v.data_ptr() == t.data_ptr() for v, t in zip(views, device + outs,
+                                                                                         strict=True))
+    kernel(views[:len(ins)], views[len(ins):])
+    for o, r in zip(outs, unfused(*ins), strict=True):
+        torch.testing.assert_close(o.cpu(), r)
