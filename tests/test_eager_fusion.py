@@ -116,6 +116,19 @@ def test_constants_are_keyed_with_their_type():
         assert torch.equal(out, ref)
 
 
+def test_a_group_can_wait_until_it_recurs():
+    x = torch.arange(6, dtype=torch.int32)
+    group = ((Node("aten::mul.Tensor", (Input(0), 3)),), specs([x]), (Value(0),))
+    cold, compiled = stats().cold, stats().compiled
+    assert compile_group(*group, after=2) is None and stats().cold == cold + 1 and stats().compiled == compiled
+    kernel = compile_group(*group, after=2)
+    assert kernel is not None and stats().compiled == compiled + 1
+    assert compile_group(*group, after=5) is kernel  # compiled once: no more waiting
+    out = torch.empty_like(x)
+    kernel([x], [out])
+    assert torch.equal(out, x * 3)
+
+
 def test_runs_and_recompiles_are_bit_identical(tmp_path, monkeypatch):
     ins = chain_inputs(torch.float32)
     kernel = compile_group(CHAIN, specs(ins), ALL)

@@ -63,19 +63,21 @@ class Node:
 @dataclass
 class Stats:
     """What fusion did in this process (the porting report reads it): distinct groups compiled, cache hits, fused
-    kernel runs, groups that could not be compiled (run unfused) and why the last one failed, and groups refused
-    because fusion was off."""
+    kernel runs, groups that could not be compiled (run unfused) and why the last one failed, groups refused
+    because fusion was off, and sightings of a signature not yet seen `after` times (run unfused)."""
 
     compiled: int = 0
     cache_hits: int = 0
     runs: int = 0
     failures: int = 0
     disabled: int = 0
+    cold: int = 0
     last_failure: str | None = None
 
 
 _STATS = Stats()
 _CACHE: dict[tuple, FusedKernel | None] = {}
+_SIGHTINGS: dict[tuple, int] = {}  # signatures seen but not compiled yet (compile_group's `after`)
 _LOCK = threading.Lock()  # one compile at a time (stream workers release the GIL inside Inductor's build)
 ABI = 1  # bump when the meaning of a cached group changes
 
@@ -146,10 +148,12 @@ def _key(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value
             tuple((v.node, v.index) for v in outputs), torch.get_num_threads())
 
 
-def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...],
-                  outputs: tuple[Value, ...]) -> Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None:
-    """The fused kernel of a group (cached by signature), or None when fusion is off or the group cannot be
-    compiled (counted; the caller runs the ops unfused). Never raises."""
+def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value, ...], *,
+                  after: int = 1) -> Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None:
+    """The fused kernel of a group (cached by signature), or None when fusion is off, the group cannot be
+    compiled, or its signature has been seen fewer than `after` times (each counted; the caller runs the ops
+    unfused). `after` > 1 spends a compile (seconds) only on groups that recur, as a training step's do. Never
+    raises."""
     if not enabled():
         _STATS.disabled += 1
         return None
@@ -165,6 +169,11 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...],
         if key in _CACHE:
             _STATS.cache_hits += 1
             return _CACHE[key]
+        seen = _SIGHTINGS[key] = _SIGHTINGS.get(key, 0) + 1
+        if seen < after:
+            _STATS.cold += 1
+            return None
+        _SIGHTINGS.pop(key)
         try:
             kernel = _compile(tuple(Spec(*s) for s in key[1]), tuple(Value(*v) for v in key[2]), nodes)
         except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
