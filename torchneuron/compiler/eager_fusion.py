@@ -265,15 +265,15 @@ def _build(gm: Any, example: list, out_specs: tuple[Spec, ...], inputs: tuple[Sp
     from .cache import Cache, digest
     from .kernel import _inductor, _target
 
-    cache = Cache()
+    disk = Cache()
     key = digest({"eager_fusion": ABI, "graph": gm.code, "inputs": repr(inputs), "outputs": repr(out_specs),
                   "target": _target()})
-    with cache.inductor_dir():
-        entry = cache.load(key)
+    with disk.inductor_dir():
+        entry = disk.load(key)
         if entry is not None:
             return FusedKernel(PyCodeCache.load(entry["source"]).call, out_specs, entry["source"])
         call, _, source = _inductor(gm, example, {"is_inference": True})
         if call is None:  # no constants held by the module: it reloads from its source text
             call = PyCodeCache.load(source).call
-            cache.store(key, {"graph": gm.code, "source": source, "output_strides": [s.strides for s in out_specs]})
+            disk.store(key, {"graph": gm.code, "source": source, "output_strides": [s.strides for s in out_specs]})
     return FusedKernel(call, out_specs, source)
