@@ -58,7 +58,10 @@ class Op:
     `tp_linear`: how a tensor-parallel partial sum passes through it ("all": linear in every input, "one": in one
     input only); `decompose`: False keeps it whole in compiled graphs; `eager`: runs as its device kernel between
     compiled kernels; `device_checked` (an overload row): ATen's composite for it refuses devices other than
-    CPU/CUDA/XPU, so the C++ core routes it to the fallback, where the CPU's entry runs it on host aliases."""
+    CPU/CUDA/XPU, so the C++ core routes it to the fallback, where the CPU's entry runs it on host aliases;
+    `fuse`: adaptive eager fusion may put it in a fused kernel (compiler/eager_fusion.py): deterministic
+    elementwise ops and the reductions/normalisations Inductor fuses well; never a random draw, a view, a copy, a
+    matmul, indexing or anything data-dependent (those end a fused run)."""
 
     name: str
     engine: str = "host"
@@ -73,6 +76,7 @@ class Op:
     decompose: bool = True
     eager: bool = False
     device_checked: bool = False
+    fuse: bool = False
 
 
 def _group(engine: str, names: str, **kw: Any) -> list[Op]:
@@ -96,19 +100,20 @@ _TABLE: list[Op] = [
     *_group("host", "_scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_backward "
             "_scaled_dot_product_cudnn_attention _scaled_dot_product_cudnn_attention_backward",
             rule=Rule.ATTENTION),  # CUDA's kernels: priced when a caller names them
-    *_group("vector", "add sub", tp_linear="all"),
-    *_group("vector", "neg", exact=True, tp_linear="all"),
-    *_group("vector", "mul div", tp_linear="one"),
-    *_group("vector", "abs maximum minimum clamp clamp_min clamp_max", exact=True),
-    *_group("vector", "eq ne lt le gt ge max min amax amin argmax argmin fill zero", exact=True),
-    *_group("vector", "where", exact=True, passes=3),
-    *_group("vector", "masked_fill", exact=True, passes=2),
+    *_group("vector", "add sub", tp_linear="all", fuse=True),
+    *_group("vector", "neg", exact=True, tp_linear="all", fuse=True),
+    *_group("vector", "mul div", tp_linear="one", fuse=True),
+    *_group("vector", "abs maximum minimum clamp clamp_min clamp_max", exact=True, fuse=True),
+    *_group("vector", "eq ne lt le gt ge amax amin", exact=True, fuse=True),
+    *_group("vector", "max min argmax argmin fill zero", exact=True),
+    *_group("vector", "where", exact=True, passes=3, fuse=True),
+    *_group("vector", "masked_fill", exact=True, passes=2, fuse=True),
     *_group("vector", "triu tril", exact=True),
-    *_group("vector", "sum mean", tp_linear="all"),
-    *_group("vector", "sign sgn reciprocal pow sqrt rsqrt square logical_and logical_or logical_not "
-            "logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not floor ceil round trunc frac remainder fmod "
-            "floor_divide isnan isinf isfinite nan_to_num prod norm linalg_vector_norm all any "
-            "threshold_backward mse_loss mse_loss_backward smooth_l1_loss smooth_l1_loss_backward l1_loss huber_loss "
+    *_group("vector", "sum mean", tp_linear="all", fuse=True),
+    *_group("vector", "sign sgn reciprocal pow sqrt rsqrt square logical_and logical_or logical_not logical_xor "
+            "bitwise_and bitwise_or bitwise_xor bitwise_not floor ceil round trunc frac remainder fmod floor_divide "
+            "isnan isinf isfinite nan_to_num threshold_backward all any linalg_vector_norm", fuse=True),
+    *_group("vector", "prod norm mse_loss mse_loss_backward smooth_l1_loss smooth_l1_loss_backward l1_loss huber_loss "
             "huber_loss_backward binary_cross_entropy binary_cross_entropy_backward binary_cross_entropy_with_logits "
             "_foreach_add _foreach_mul _foreach_div _foreach_sub _foreach_addcmul _foreach_addcdiv _foreach_lerp "
             "_foreach_sqrt _foreach_norm _foreach_maximum _foreach_neg _amp_foreach_non_finite_check_and_unscale "
@@ -117,13 +122,15 @@ _TABLE: list[Op] = [
             "upsample_bilinear2d upsample_nearest2d_backward upsample_bilinear2d_backward native_dropout_backward "
             "nll_loss2d_forward nll_loss2d_backward _thnn_fused_lstm_cell _thnn_fused_gru_cell "
             "_thnn_fused_lstm_cell_backward_impl _thnn_fused_gru_cell_backward"),
-    *_group("vector", "addcmul addcdiv lerp", passes=3),
-    *_group("vector", "_softmax _log_softmax logsumexp native_layer_norm native_batch_norm _native_batch_norm_legit "
-            "native_group_norm", passes=3),
-    *_group("vector", "_softmax_backward_data _log_softmax_backward_data _fused_rms_norm var std var_mean std_mean "
-            "_native_batch_norm_legit_no_training nll_loss_backward", passes=2),
+    *_group("vector", "addcmul addcdiv lerp", passes=3, fuse=True),
+    *_group("vector", "_softmax _log_softmax logsumexp native_layer_norm native_group_norm", passes=3, fuse=True),
+    *_group("vector", "native_batch_norm _native_batch_norm_legit", passes=3),  # update running stats in place
+    *_group("vector", "_softmax_backward_data _log_softmax_backward_data _fused_rms_norm var std var_mean std_mean",
+            passes=2, fuse=True),
+    *_group("vector", "_native_batch_norm_legit_no_training nll_loss_backward", passes=2),
     *_group("vector", "_fused_rms_norm_backward", passes=4),
-    *_group("vector", "native_layer_norm_backward native_batch_norm_backward native_group_norm_backward", passes=5),
+    *_group("vector", "native_layer_norm_backward", passes=5, fuse=True),
+    *_group("vector", "native_batch_norm_backward native_group_norm_backward", passes=5),
     *_group("vector", "nll_loss_forward", passes=1),
     *_group("vector", "_fused_adam _fused_adamw", passes=12),
     *_group("vector", "_fused_sgd", passes=4),
@@ -138,8 +145,8 @@ _TABLE: list[Op] = [
             "silu mish mish_backward hardtanh hardtanh_backward hardsigmoid hardsigmoid_backward hardswish "
             "hardswish_backward leaky_relu leaky_relu_backward elu elu_backward softplus softplus_backward erf erfinv "
             "sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh logit xlogy glu glu_backward "
-            "log_sigmoid_forward log_sigmoid_backward threshold"),
-    *_group("scalar", "gelu_backward silu_backward", passes=3),
+            "log_sigmoid_forward log_sigmoid_backward threshold", fuse=True),
+    *_group("scalar", "gelu_backward silu_backward", passes=3, fuse=True),
     *_group("gpsimd", "index_select gather masked_select", rule=Rule.GATHER, exact=True),
     *_group("gpsimd", "index", rule=Rule.GATHER, exact=True, host_tensors=True),
     *_group("gpsimd", "embedding embedding_bag _embedding_bag", rule=Rule.GATHER),
@@ -194,6 +201,7 @@ def _merge(rows: list[Op]) -> dict[str, Op]:
     for r in rows:
         assert r.name not in table, f"{r.name} is listed twice"
         assert r.engine in ENGINES and r.native == (r.engine != "host"), f"{r.name}: host iff not native"
+        assert not (r.fuse and (r.random or not r.native)), f"{r.name}: only native, non-random ops fuse"
         base = r.name.split(".")[0]
         table[r.name] = (replace(table[base], name=r.name, random=r.random, device_checked=r.device_checked)
                          if base != r.name else r)

@@ -1,0 +1,211 @@
+"""Adaptive eager fusion (compiler/eager_fusion.py) on CPU tensors: a group of aten ops compiled into one kernel
+matches the ops run one by one, writes only the buffers it is given, is cached by its whole signature, is
+deterministic, and refuses what it cannot fuse (counted). Each Inductor compile costs seconds: groups are shared."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from torchneuron import _C
+from torchneuron.compiler import eager_fusion as ef
+from torchneuron.compiler.eager_fusion import Input, Node, Spec, Value, compile_group, fusable, stats
+from torchneuron.hardware import config
+from torchneuron.runtime.optable import TABLE
+
+aten = torch.ops.aten
+D = 64
+# bias + GELU + residual add + layer norm, as eager PyTorch runs it (what a transformer block's MLP output does)
+CHAIN = (Node("aten::add.Tensor", (Input(0), Input(1))), Node("aten::gelu", (Value(0),), (("approximate", "none"),)),
+         Node("aten::add.Tensor", (Value(1), Input(2))),
+         Node("aten::native_layer_norm", (Value(2), [D], Input(3), Input(4), 1e-5)))
+ALL = (Value(3, 0), Value(3, 1), Value(3, 2))  # layer norm's output, mean and rstd
+
+
+def chain_inputs(dtype: torch.dtype, shape: tuple = (4, 8, D)) -> list[torch.Tensor]:
+    """Random inputs; the activation is non-contiguous (a permuted tensor), the residual a strided slice."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape[::-1], generator=g).to(dtype).permute(2, 1, 0)
+    bias = torch.randn(D, generator=g).to(dtype)
+    residual = torch.randn(*shape[:-1], 2 * D, generator=g).to(dtype)[..., ::2]
+    weight, ln_bias = torch.randn(D, generator=g).to(dtype), torch.randn(D, generator=g).to(dtype)
+    return [x, bias, residual, weight, ln_bias]
+
+
+def specs(tensors: list[torch.Tensor]) -> tuple[Spec, ...]:
+    return tuple(Spec(tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+def unfused(x: torch.Tensor, b: torch.Tensor, r: torch.Tensor, w: torch.Tensor, lb: torch.Tensor) -> tuple:
+    return aten.native_layer_norm(aten.add.Tensor(aten.gelu(aten.add.Tensor(x, b)), r), [D], w, lb, 1e-5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHNEURON_CACHE_DIR", str(tmp_path_factory.mktemp("fusion-cache")))
+        yield
+
+
+def test_a_chain_matches_the_unfused_ops_and_stores_into_the_given_buffers():
+    for dtype in (torch.float32, torch.bfloat16):
+        ins = chain_inputs(dtype)
+        assert not ins[0].is_contiguous() and not ins[2].is_contiguous()
+        kernel = compile_group(CHAIN, specs(ins), ALL)
+        assert kernel is not None, stats().last_failure
+        assert kernel.source.count("cpp_fused_") == 2, "one kernel: the function and its one call"
+        ref = unfused(*ins)
+        outs = [torch.empty_strided(r.shape, r.stride(), dtype=r.dtype) for r in ref]
+        assert specs(outs) == kernel.out_specs  # the buffers the unfused ops would have produced
+        ptrs = [o.data_ptr() for o in outs]
+        before = [t.clone() for t in ins]
+        runs = stats().runs
+        assert kernel(ins, outs) is None
+        assert [o.data_ptr() for o in outs] == ptrs and stats().runs == runs + 1
+        for o, r in zip(outs, ref, strict=True):
+            torch.testing.assert_close(o, r)  # OpInfo's default tolerances for the dtype
+        assert all(torch.equal(a, b) for a, b in zip(ins, before, strict=True)), "inputs are only read"
+
+
+def test_only_the_requested_outputs_are_written():
+    """Ask for the layer norm's output and the GELU in the middle: two stores, into exactly the given memory."""
+    ins = chain_inputs(torch.float32)
+    kernel = compile_group(CHAIN, specs(ins), (Value(1), Value(3, 0)))
+    ref_gelu, ref_ln = aten.gelu(aten.add.Tensor(ins[0], ins[1])), unfused(*ins)[0]
+    n = ref_ln.numel()
+    arena = torch.full((2 * n + 3,), float("nan"))  # guard elements around and between the two buffers
+    gelu_out = arena[1:n + 1].as_strided(ref_gelu.shape, ref_gelu.stride())
+    ln_out = arena[n + 2:2 * n + 2].view(ref_ln.shape)
+    kernel(ins, [gelu_out, ln_out])
+    torch.testing.assert_close(gelu_out, ref_gelu)
+    torch.testing.assert_close(ln_out, ref_ln)
+    assert arena[[0, n + 1, 2 * n + 2]].isnan().all(), "nothing written outside the buffers"
+
+
+def test_the_cache_is_keyed_by_the_whole_signature():
+    ins = chain_inputs(torch.float32)
+    first = compile_group(CHAIN, specs(ins), ALL)
+    hits = stats().cache_hits
+    assert compile_group(CHAIN, specs(ins), ALL) is first and stats().cache_hits == hits + 1
+    as_lists = tuple(Spec(list(s.sizes), list(s.strides), s.dtype) for s in specs(ins))  # what C++ may build
+    tuple_dims = (*CHAIN[:3], replace(CHAIN[3], args=(Value(2), (D,), Input(3), Input(4), 1e-5)))
+    assert compile_group(tuple_dims, as_lists, ALL) is first
+    assert compile_group(CHAIN, specs(chain_inputs(torch.bfloat16)), ALL) is not first
+    other = compile_group(CHAIN, specs(ins), (Value(1), Value(3, 0)))  # other outputs (compiled above)
+    assert other is not None and other is not first
+    small = compile_group(CHAIN, specs(chain_inputs(torch.float32, (2, 3, D))), ALL)
+    assert small not in (None, first, other)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)  # Inductor splits its loops for the thread count
+    try:
+        assert compile_group(CHAIN, specs(chain_inputs(torch.float32, (2, 3, D))), ALL) not in (None, small)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_constants_are_keyed_with_their_type():
+    """`x + 2` keeps an int tensor's dtype, `x + 2.0` promotes it: equal as Python keys, not as groups."""
+    x = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    by_int = compile_group((Node("aten::add.Tensor", (Input(0), 2)),), specs([x]), (Value(0),))
+    by_float = compile_group((Node("aten::add.Tensor", (Input(0), 2.0)),), specs([x]), (Value(0),))
+    assert by_int.out_specs[0].dtype == torch.int32 and by_float.out_specs[0].dtype == torch.float32
+    for kernel, ref in ((by_int, x + 2), (by_float, x + 2.0)):
+        out = torch.empty_like(ref)
+        kernel([x], [out])
+        assert torch.equal(out, ref)
+
+
+def test_a_group_can_wait_until_it_recurs():
+    x = torch.arange(6, dtype=torch.int32)
+    group = ((Node("aten::mul.Tensor", (Input(0), 3)),), specs([x]), (Value(0),))
+    cold, compiled = stats().cold, stats().compiled
+    assert compile_group(*group, after=2) is None and stats().cold == cold + 1 and stats().compiled == compiled
+    kernel = compile_group(*group, after=2)
+    assert kernel is not None and stats().compiled == compiled + 1
+    assert compile_group(*group, after=5) is kernel  # compiled once: no more waiting
+    out = torch.empty_like(x)
+    kernel([x], [out])
+    assert torch.equal(out, x * 3)
+
+
+def test_runs_and_recompiles_are_bit_identical(tmp_path, monkeypatch):
+    ins = chain_inputs(torch.float32)
+    kernel = compile_group(CHAIN, specs(ins), ALL)
+    a, b = ([torch.empty_strided(s.sizes, s.strides, dtype=s.dtype) for s in kernel.out_specs] for _ in range(2))
+    kernel(ins, a)
+    kernel(ins, b)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    # the same group compiled again from nothing (no in-memory or on-disk entry) is the same code
+    small = specs(chain_inputs(torch.float32, (2, 3, D)))
+    source = compile_group(CHAIN, small, ALL).source
+    monkeypatch.setattr(ef, "_CACHE", {})
+    monkeypatch.setenv("TORCHNEURON_CACHE_DIR", str(tmp_path))
+    compiled = stats().compiled
+    again = compile_group(CHAIN, small, ALL)
+    assert stats().compiled == compiled + 1 and again.source == source
+
+
+def test_what_cannot_be_fused_returns_none_and_is_counted():
+    x = torch.randn(4, 4)
+    before = stats()
+    assert compile_group((Node("aten::mm", (Input(0), Input(0))),), specs([x]), (Value(0),)) is None
+    assert "aten::mm is not fusable" in stats().last_failure
+    assert compile_group((Node("aten::add.Tensor", (Input(0), torch.ones(()))),), specs([x]), (Value(0),)) is None
+    assert "tensor constant" in stats().last_failure
+    assert compile_group((Node("aten::relu", (Value(3),)),), specs([x]), (Value(0),)) is None  # no node 3 yet
+    assert compile_group((Node("aten::relu", (Input(1),)),), specs([x]), (Value(0),)) is None  # no input 1
+    assert stats().failures == before.failures + 4 and stats().compiled == before.compiled
+    hits = stats().cache_hits
+    assert compile_group((Node("aten::mm", (Input(0), Input(0))),), specs([x]), (Value(0),)) is None
+    assert stats().failures == before.failures + 4 and stats().cache_hits == hits + 1, "a failure is remembered"
+
+
+def test_the_off_switches(monkeypatch):
+    x = torch.randn(4, 4)
+    group = ((Node("aten::relu", (Input(0),)),), specs([x]), (Value(0),))
+    disabled = stats().disabled
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not ef.enabled() and compile_group(*group) is None
+    finally:
+        torch.use_deterministic_algorithms(False)
+    cfg = config.current_or_none()
+    monkeypatch.setattr(config, "current_or_none", lambda: replace(cfg, eager_fusion=False))  # EAGER_FUSION=0
+    assert not ef.enabled() and compile_group(*group) is None
+    assert stats().disabled == disabled + 2
+
+
+def test_fusable_follows_the_op_table():
+    for op in ("aten::add.Tensor", "aten::gelu", "aten::native_layer_norm", "aten::where.self", "aten::sum.dim_IntList",
+               "aten::_softmax", "aten::var.correction", "aten::clamp", "aten::pow.Tensor_Scalar", "aten::sigmoid"):
+        assert fusable(op), op
+    for op in ("aten::native_dropout", "aten::bernoulli.p", "aten::rand", "aten::uniform",  # the generator's draws
+               "aten::view", "aten::expand", "aten::transpose.int", "aten::mm", "aten::addmm", "aten::index.Tensor",
+               "aten::nonzero", "aten::clone", "aten::_to_copy", "aten::embedding",
+               "aten::add_.Tensor", "aten::add.out", "aten::relu_",  # write memory the group does not own
+               "aten::not_an_op", "aten::linalg_qr"):
+        assert not fusable(op), op
+    for name, record in TABLE.items():
+        if "." in name or not hasattr(torch.ops.aten, name):
+            continue
+        packet = getattr(torch.ops.aten, name)
+        fused = [o for o in packet.overloads() if fusable(f"aten::{name}" + ("" if o == "default" else f".{o}"))]
+        assert bool(fused) == record.fuse, name  # every fusing row names a real op with a functional overload
+        assert not any(getattr(packet, o)._schema.is_mutable for o in fused), name
+
+
+def test_a_group_runs_on_device_memory_through_host_views():
+    """What the stream worker does: neuron tensors enter as zero-copy CPU views (`_C._host_args`, the compiled
+    kernels' boundary) and the results land in the neuron out buffers' memory."""
+    ins = chain_inputs(torch.float32)
+    kernel = compile_group(CHAIN, specs(ins), ALL)
+    device = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="neuron").copy_(t) for t in ins]
+    outs = [torch.empty_strided(s.sizes, s.strides, dtype=s.dtype, device="neuron") for s in kernel.out_specs]
+    views = [*device, *outs]
+    _C._host_args(views, list(range(len(views))))
+    assert all(v.device.type == "cpu" and v.data_ptr() == t.data_ptr() for v, t in zip(views, device + outs,
+                                                                                         strict=True))
+    kernel(views[:len(ins)], views[len(ins):])
+    for o, r in zip(outs, unfused(*ins), strict=True):
+        torch.testing.assert_close(o.cpu(), r)
