@@ -123,6 +123,26 @@ at::Tensor& geometric_(at::Tensor& self, double p, std::optional<at::Generator> 
 
 at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Generator> gen) {
   TORCH_CHECK(0 <= p && p <= 1, "bernoulli_ expects p to be in [0, 1], but got p=", p);
+  if (self.is_contiguous() && (at::isFloatingType(self.scalar_type()) || self.scalar_type() == at::kBool)) {
+    // dropout's mask: the same draws and comparison as below, written straight into the tensor (no float64 array)
+    const c10::DeviceIndex dev = self.device().index();
+    const int64_t n = self.numel();
+    auto s = reserve_philox(gen, dev, static_cast<uint64_t>(n));
+    note_executed("aten::bernoulli_");
+    at::Tensor dst = host_alias(self);
+    launch(dev, "aten::bernoulli_", n, [dst, s, p, n]() mutable {
+      AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kBool, dst.scalar_type(), "bernoulli_", [&] {
+        scalar_t* out = dst.data_ptr<scalar_t>();
+        at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
+          for (int64_t i = lo; i < hi; ++i) {
+            auto w = philox(s.seed, s.offset + static_cast<uint64_t>(i));
+            out[i] = static_cast<scalar_t>(unit(w[0], w[1]) < p);
+          }
+        });
+      });
+    });
+    return self;
+  }
   return fill_random(self, self, gen, Want::one, "aten::bernoulli_", [=](Draws d) { return d.u1.lt(p); });
 }
 
