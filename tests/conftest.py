@@ -83,3 +83,14 @@ def no_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         yield
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--queue-everything", action="store_true",
+                     help="queue every kernel (small ones on an idle stream too; first layouts from meta kernels) so "
+                          "that the suite checks the queued path, which small test inputs would otherwise skip")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--queue-everything"):
+        torchneuron._C._set_queue_everything(True)

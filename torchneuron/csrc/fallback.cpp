@@ -161,6 +161,7 @@ struct ResultLayout {
   std::vector<ResultSlot> slots;
   std::vector<size_t> group_bytes;  // nbytes of each fresh storage
   std::vector<size_t> group_slot;   // the first slot over each fresh storage
+  bool from_meta = false;           // predicted by the meta kernel, not seen from the CPU kernel
   int64_t max_numel = 0;            // of the results: the random ops' draw count, the inline threshold
   bool int64 = false;               // an int64 result: the trainium rules inspect its values
 };
@@ -390,13 +391,27 @@ std::shared_ptr<const ResultLayout> meta_layout(const c10::OperatorHandle& op, c
   } catch (...) {
     return nullptr;
   }
-  return record_layout(op.schema(), ms, mflat, before, c10::kMeta);
+  auto L = record_layout(op.schema(), ms, mflat, before, c10::kMeta);
+  if (L) std::const_pointer_cast<ResultLayout>(L)->from_meta = true;
+  return L;
+}
+
+// A queued kernel's results differ from the layout handed out at its launch: only a meta kernel that disagrees
+// with the CPU kernel can cause it. The op then always runs on the host; this call's error says so.
+[[noreturn]] void mispredicted(OpEntry& e, const ResultLayout& L, size_t slot, const at::Tensor& got) {
+  e.no_meta.store(true);
+  const ResultSlot& s = L.slots.at(slot);
+  TORCH_CHECK(false, "neuron: ", e.name, " returned result ", slot, " as ", got.sizes(), " ", got.dtype(),
+              ", but its launch had handed out ", c10::IntArrayRef(s.sizes), " ", s.dtype, ", as ",
+              L.from_meta ? "PyTorch's meta kernel predicted" : "its first call with these arguments returned",
+              "; its results are wrong. From now on it runs on the host thread (set TORCHNEURON_LAUNCH_BLOCKING=1 to "
+              "run everything there); please report this.");
 }
 
 void remember_layout(OpEntry& e, std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {
   auto& c = layouts_of(e);
   std::unique_lock<std::shared_mutex> g(c.mu);
-  if (c.map.size() < kLayoutsPerOp) c.map.emplace(std::move(key), std::move(L));
+  if (c.map.size() < kLayoutsPerOp || c.map.count(key)) c.map.insert_or_assign(std::move(key), std::move(L));
 }
 
 // The out= overload of a functional op: same name, the same arguments (names and types), then one Tensor(a!)
@@ -582,6 +597,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   for (size_t nbytes : L.group_bytes)
     groups.emplace_back(c10::Storage::use_byte_size_t(), nbytes, neuron_allocator()->allocate(nbytes), neuron_allocator(),
                         /*resizable=*/true);
+  std::vector<const void*> expect;  // where an argument or a view result must point (meta layouts are checked)
   std::vector<void*> group_memory;
   for (auto& g : groups) group_memory.push_back(g.mutable_data());
   std::vector<at::Tensor> results;
@@ -594,6 +610,8 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
       case ResultSlot::view: results.push_back(tensor_over(flat[s.source].storage(), s)); break;
       case ResultSlot::fresh: results.push_back(tensor_over(groups[s.source], s)); break;
     }
+    bool pointed = (s.kind == ResultSlot::arg || s.kind == ResultSlot::view) && results.back().numel() > 0;
+    expect.push_back(pointed ? results.back().data_ptr() : nullptr);
   }
   c10::DeviceIndex device = c.device;
   const char* name = e.name.c_str();
@@ -603,20 +621,22 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   const c10::OperatorHandle* out_op = outable ? out_variant(op, e) : nullptr;
   if (out_op) {
     for (const at::Tensor& r : results) host.push_back(host_alias(r));
-    q.push(name, [out = *out_op, host = std::move(host), device]() mutable {
+    q.push(name, [out = *out_op, host = std::move(host), layout = std::move(layout), device, &e]() mutable {
       std::vector<const void*> dst;
       for (size_t i = host.size() - out.schema().returns().size(); i < host.size(); ++i) dst.push_back(host[i].toTensor().data_ptr());
       torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
       with_device_oom(device, [&] { out.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
-      for (size_t i = 0; i < dst.size(); ++i)
-        TORCH_INTERNAL_ASSERT(st[i].toTensor().data_ptr() == dst[i], "neuron: ", out.schema().name(), ".",
-                              out.schema().overload_name(), " moved a result its first call predicted the shape of");
+      for (size_t i = 0; i < dst.size(); ++i) {  // the out= kernel resizes an out it disagrees with
+        const at::Tensor& r = st[i].toTensor();
+        if (r.data_ptr() != dst[i] || r.sizes() != c10::IntArrayRef(layout->slots[i].sizes)) mispredicted(e, *layout, i, r);
+      }
     });
   } else
-  q.push(name, [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device]() mutable {
+  q.push(name, [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device, &e,
+                expect = std::move(expect)]() mutable {
     torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
     with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
-    if (mem.empty()) return;
+    if (mem.empty() && !layout->from_meta) return;
     std::vector<at::Tensor> out;
     out.reserve(layout->slots.size());
     for (const auto& v : st) {
@@ -625,6 +645,14 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
     }
     TORCH_INTERNAL_ASSERT(out.size() == layout->slots.size(), "neuron: ", op.schema().name(),
                           " returned a different number of results than at its first call with these arguments");
+    for (size_t k = 0; k < out.size(); ++k) {
+      const ResultSlot& s = layout->slots[k];
+      if (s.kind == ResultSlot::fresh &&
+          (!out[k].defined() || out[k].sizes() != c10::IntArrayRef(s.sizes) || out[k].dtype() != s.dtype))
+        mispredicted(e, *layout, k, out[k]);
+      if (expect[k] && out[k].defined() && out[k].numel() > 0 && out[k].data_ptr() != expect[k])
+        mispredicted(e, *layout, k, out[k]);  // handed out as a view (or an argument), computed as fresh memory
+    }
     for (size_t g = 0; g < mem.size(); ++g) {
       const at::Tensor& r = out[layout->group_slot[g]];
       if (r.storage().nbytes() == layout->group_bytes[g]) {  // the kernel's storage, whole: every view of it
@@ -687,6 +715,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   FlatArgs flat;
   bool keyed = signature(args, nargs, factory, key, flat);
   auto L = keyed ? find_layout(e, key) : nullptr;
+  if (L && L->from_meta && e.no_meta.load(std::memory_order_relaxed)) L = nullptr;  // mispredicted: learn anew
   bool writes_int64 = false;  // the trainium rules inspect what an op writes into an int64 argument
   if (trainium)
     for (size_t i : e.writes)
@@ -694,7 +723,8 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool trainium_blocks = trainium && writes_int64;
   if (L && !trainium_blocks && !(trainium && L->int64) && !run_inline(q, L->max_numel))
     return launch_queued(op, stack, e, c, std::move(L), flat, q);
-  if (keyed && !L && (!q.idle() || g_queue_everything.load(std::memory_order_relaxed)) && !trainium_blocks) {
+  if (keyed && !L && (!q.idle() || g_queue_everything.load(std::memory_order_relaxed)) && !trainium_blocks &&
+      !e.no_meta.load(std::memory_order_relaxed)) {
     if ((L = meta_layout(op, args, nargs)) && !(trainium && L->int64)) {
       remember_layout(e, std::move(key), L);
       return launch_queued(op, stack, e, c, std::move(L), flat, q);
