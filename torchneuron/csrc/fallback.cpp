@@ -356,8 +356,19 @@ std::vector<int64_t> shapes_of(const FlatArgs& flat) {
 // the host would wait for the stream; most meta kernels are Python, ~250 us, paid once per signature). None when
 // the op has no meta kernel or it refuses the arguments: the call then runs on the host, which raises the CPU's
 // own error for invalid arguments.
-std::shared_ptr<const ResultLayout> meta_layout(const c10::OperatorHandle& op, const c10::IValue* args, size_t nargs) {
-  if (!op.hasComputedKernelForDispatchKey(c10::DispatchKey::Meta)) return nullptr;
+std::shared_ptr<const ResultLayout> meta_layout(const c10::OperatorHandle& op, OpEntry& e, const c10::IValue* args,
+                                                size_t nargs) {
+  if (!e.meta_checked.load(std::memory_order_acquire)) {
+    // Only C++ meta kernels: a Python one (torch/_meta_registrations.py) would take the GIL on the launch path
+    // and some disagree with the CPU kernel's results.
+    std::string table = op.dumpComputedTable();
+    auto at = table.find("\nMeta: ");
+    auto end = at == std::string::npos ? at : table.find('\n', at + 1);
+    std::string line = at == std::string::npos ? "" : table.substr(at, end - at);
+    if (line.empty() || line.find(".py:") != std::string::npos) e.no_meta.store(true);
+    e.meta_checked.store(true, std::memory_order_release);
+  }
+  if (e.no_meta.load(std::memory_order_relaxed)) return nullptr;
   SmallMap<const c10::StorageImpl*, c10::Storage> storages;
   SmallMap<const c10::TensorImpl*, at::Tensor> same;
   FlatArgs mflat;
@@ -725,7 +736,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     return launch_queued(op, stack, e, c, std::move(L), flat, q);
   if (keyed && !L && (!q.idle() || g_queue_everything.load(std::memory_order_relaxed)) && !trainium_blocks &&
       !e.no_meta.load(std::memory_order_relaxed)) {
-    if ((L = meta_layout(op, args, nargs)) && !(trainium && L->int64)) {
+    if ((L = meta_layout(op, e, args, nargs)) && !(trainium && L->int64)) {
       remember_layout(e, std::move(key), L);
       return launch_queued(op, stack, e, c, std::move(L), flat, q);
     }

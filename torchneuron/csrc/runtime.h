@@ -242,7 +242,8 @@ struct OpEntry {
   std::atomic<void*> layouts{nullptr};  // fallback.cpp's per-signature result layouts
   std::atomic<void*> out_variant{nullptr};  // fallback.cpp: its out= overload (an OperatorHandle), once looked up
   std::atomic<bool> out_looked_up{false};
-  std::atomic<bool> no_meta{false};  // its meta kernel's result layout may differ from the CPU kernel's
+  std::atomic<bool> no_meta{false};  // no C++ meta kernel, or its result layout differed from the CPU kernel's
+  std::atomic<bool> meta_checked{false};
 };
 // The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
 // underscore dropped; dunder names such as "__and__" kept).
