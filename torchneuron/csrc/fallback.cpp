@@ -437,7 +437,9 @@ const c10::OperatorHandle* out_variant(const c10::OperatorHandle& op, OpEntry& e
   });
   const auto& f = op.schema();
   const c10::OperatorHandle* found = nullptr;
-  if (!f.returns().empty() && e.writes.empty()) {
+  // pointwise ops only: their functional and out= kernels are one TensorIterator loop; other out= kernels may use
+  // the out as scratch (a reduced loss resized to its unreduced shape) or differ otherwise
+  if (!f.returns().empty() && e.writes.empty() && op.hasTag(at::Tag::pointwise)) {
     auto it = by_name.find(f.name());
     for (const auto& n : it == by_name.end() ? std::vector<c10::OperatorName>{} : it->second) {
       auto h = c10::Dispatcher::singleton().findOp(n);
