@@ -59,6 +59,9 @@ PYBIND11_MODULE(_C, m) {
     g_launch_blocking = on;
   }, py::arg("on"), "TORCHNEURON_LAUNCH_BLOCKING: run every kernel at its launch (after the queued work finishes).");
   m.def("_launch_blocking", [] { return g_launch_blocking.load(); });
+  m.def("_drain_all", [] { synchronize_device(-1, /*raise=*/false); },
+        "Wait for every stream of every device, raising nothing (at exit: no kernel may run while the process "
+        "tears down).");
   m.def("_set_queue_everything", [](bool on) {
     synchronize_device(-1);
     g_queue_everything = on;

@@ -1,6 +1,7 @@
 """Device selection and properties of `torch.neuron`, mirroring `torch.cuda`, and the backend registration."""
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import os
@@ -44,6 +45,7 @@ def register() -> None:
     if cfg is not None:
         policy.set_policies()
         _C._set_launch_blocking(cfg.launch_blocking)
+        atexit.register(_C._drain_all)  # queued kernels finish before the interpreter and libtorch tear down
     for p in (NEURON_DEVICE, KEEP_PARAMETERS, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD):
         patches.apply(p)
     if cfg is not None and cfg.stream_check:  # TORCHNEURON_STREAM_CHECK=1
