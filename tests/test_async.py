@@ -476,3 +476,15 @@ def test_two_threads_each_on_its_own_stream_get_correct_results():
         assert len(results[i]) == 2
         for r in results[i]:
             torch.testing.assert_close(r, refs[i])
+
+
+def test_an_out_argument_the_kernel_resizes_is_not_replayed_with_its_old_shape():
+    """A layout is reused only when the first call left every argument's shape alone: `abs` of a 0-dim tensor runs
+    `abs.out` into a 1-D empty tensor the CPU kernel resizes, and a queued replay must not return the stale shape."""
+    xd, wd = on_device(*operands())
+    x, v = torch.randn((), device=DEV), torch.randn(3, device=DEV)
+    for _ in range(3):
+        slow(xd, wd, 1)  # a busy stream: the second and third calls are queued
+        a, b = x.abs(), torch.add(v, v, out=torch.empty(0, device=DEV))
+        assert a.shape == () and b.shape == (3,)
+        torch.testing.assert_close((a.cpu(), b.cpu()), (x.cpu().abs(), v.cpu() * 2))

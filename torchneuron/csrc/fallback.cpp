@@ -278,6 +278,15 @@ std::shared_ptr<const ResultLayout> find_layout(OpEntry& e, const std::vector<in
   return it == c.map.end() ? nullptr : it->second;
 }
 
+std::vector<int64_t> shapes_of(const FlatArgs& flat) {
+  std::vector<int64_t> v;
+  for (const at::Tensor& t : flat) {
+    v.insert(v.end(), t.sizes().begin(), t.sizes().end());
+    v.insert(v.end(), t.strides().begin(), t.strides().end());
+  }
+  return v;
+}
+
 // After a run on the host thread: the layout of its results, or none when they cannot be predicted from the
 // signature (a written argument changed shape, a result is not a neuron tensor, an unknown return type).
 std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
@@ -335,21 +344,8 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
     }
   }
   // written arguments keep their shape (an out= argument the kernel resized would need its new shape predicted)
-  size_t k = 0;
-  for (const at::Tensor& t : flat) {
-    for (int64_t x : t.sizes()) if (k >= before_sizes.size() || before_sizes[k++] != x) return nullptr;
-    for (int64_t x : t.strides()) if (k >= before_sizes.size() || before_sizes[k++] != x) return nullptr;
-  }
+  if (shapes_of(flat) != before_sizes) return nullptr;
   return L;
-}
-
-std::vector<int64_t> shapes_of(const FlatArgs& flat) {
-  std::vector<int64_t> v;
-  for (const at::Tensor& t : flat) {
-    v.insert(v.end(), t.sizes().begin(), t.sizes().end());
-    v.insert(v.end(), t.strides().begin(), t.strides().end());
-  }
-  return v;
 }
 
 // The layout PyTorch's meta kernel predicts, for a signature first met while the stream is busy (running it on
@@ -628,6 +624,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   }
   c10::DeviceIndex device = c.device;
   const char* name = e.name.c_str();
+  e.queued.fetch_add(1, std::memory_order_relaxed);
   // fresh results each over their own storage, from offset 0: the out= overload writes them in place
   bool outable = !L.slots.empty() && L.group_bytes.size() == L.slots.size();
   for (size_t k = 0; k < L.slots.size() && outable; ++k) outable = L.slots[k].kind == ResultSlot::fresh && L.slots[k].offset == 0;
@@ -720,7 +717,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   StreamQueue& q = current_queue(c.device);
   bool blocking = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed);
   if (exec == OpEntry::Exec::host || blocking || (trainium && c.fp64)) {
-    if (!q.idle()) q.wait(q.enqueued());
+    if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed), q.wait(q.enqueued());
     q.raise_error();
     return run_on_host(op, stack, e, c, trainium);
   }
@@ -743,7 +740,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       return launch_queued(op, stack, e, c, std::move(L), flat, q);
     }
   }
-  if (!q.idle()) q.wait(q.enqueued());
+  if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed), q.wait(q.enqueued());
   q.raise_error();
   if (L || !keyed) return run_on_host(op, stack, e, c, trainium);
   std::vector<int64_t> before = shapes_of(flat);  // to see whether the kernel changed a device argument's shape

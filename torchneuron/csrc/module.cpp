@@ -43,6 +43,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("_executed_ops", [] { return as_dict(executed_ops()); });
   m.def("_fallback_ops", [] { return as_dict(fallback_ops()); });
   m.def("_dtype_events", [] { return as_dict(dtype_events()); });
+  m.def("_queued_ops", [] { return as_dict(queued_ops()); }, "Calls queued on a stream, per op.");
+  m.def("_waiting_ops", [] { return as_dict(waiting_ops()); },
+        "Calls that made the host wait for their stream's queued work (data-dependent results, a first-met "
+        "signature, the trainium rules), per op.");
   m.def("_clear_op_tracking", &clear_op_tracking);
   m.def("_default_generator", [](int index) {
     return py::reinterpret_steal<py::object>(

@@ -41,7 +41,7 @@ void add_counts(std::unordered_map<std::string, int64_t>& agg, const Entries& en
 }
 
 void reset(OpEntry& e) {
-  e.executed = e.fallback = e.dtype_events = 0;
+  e.executed = e.fallback = e.dtype_events = e.queued = e.waited = 0;
   e.warned_fallback = e.warned_fp64 = e.warned_int64 = false;
 }
 
@@ -150,6 +150,20 @@ std::vector<std::pair<std::string, int64_t>> executed_ops() {
   std::lock_guard<std::mutex> g(g_mu);
   std::unordered_map<std::string, int64_t> agg(g_explicit.begin(), g_explicit.end());
   add_counts(agg, g_ops, &OpEntry::executed);
+  return {agg.begin(), agg.end()};
+}
+
+std::vector<std::pair<std::string, int64_t>> queued_ops() {
+  std::lock_guard<std::mutex> g(g_mu);
+  std::unordered_map<std::string, int64_t> agg;
+  add_counts(agg, g_ops, &OpEntry::queued);
+  return {agg.begin(), agg.end()};
+}
+
+std::vector<std::pair<std::string, int64_t>> waiting_ops() {
+  std::lock_guard<std::mutex> g(g_mu);
+  std::unordered_map<std::string, int64_t> agg;
+  add_counts(agg, g_ops, &OpEntry::waited);
   return {agg.begin(), agg.end()};
 }
 

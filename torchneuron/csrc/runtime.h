@@ -233,6 +233,7 @@ struct OpEntry {
   std::atomic<bool> exact{false};         // pure data movement: keeps every bit under the trainium dtype policy
   std::atomic<bool> host_tensors{false};  // takes CPU index tensors alongside device ones
   std::atomic<int64_t> executed{0}, fallback{0}, dtype_events{0};
+  std::atomic<int64_t> queued{0}, waited{0};  // calls queued; calls that made the host wait for the stream
   std::atomic<bool> warned_fallback{false}, warned_fp64{false}, warned_int64{false};
   // How the fallback runs it (fallback.cpp, decided at the first call): `now` on the calling thread (views:
   // metadata only), `host` on the calling thread after the stream's queued work (its results depend on data),
@@ -270,6 +271,8 @@ OpEntry& outside_entry(const std::string& name);   // device results computed ou
 std::vector<std::pair<std::string, int64_t>> executed_ops();
 std::vector<std::pair<std::string, int64_t>> fallback_ops();
 std::vector<std::pair<std::string, int64_t>> dtype_events();
+std::vector<std::pair<std::string, int64_t>> queued_ops();
+std::vector<std::pair<std::string, int64_t>> waiting_ops();
 void clear_op_tracking();  // also re-arms the warnings
 
 // ---- fallback.cpp: the boxed fallback (every op without an explicit kernel runs its ATen CPU kernel) ----
