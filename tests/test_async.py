@@ -488,3 +488,15 @@ def test_an_out_argument_the_kernel_resizes_is_not_replayed_with_its_old_shape()
         a, b = x.abs(), torch.add(v, v, out=torch.empty(0, device=DEV))
         assert a.shape == () and b.shape == (3,)
         torch.testing.assert_close((a.cpu(), b.cpu()), (x.cpu().abs(), v.cpu() * 2))
+
+
+def test_a_result_without_memory_is_never_replayed():
+    """`sgn`'s gradient of a real input is an efficient zero tensor (a storage without memory): its layout is not
+    reusable, so a queued replay cannot copy from nowhere; the gradient stays right on a busy stream."""
+    xd, wd = on_device(*operands())
+    x = torch.randn(20, 20)
+    for _ in range(3):
+        slow(xd, wd, 1)
+        xn = x.to(DEV).requires_grad_()
+        (g,) = torch.autograd.grad(xn.sgn().sum(), xn)
+        torch.testing.assert_close(g.cpu(), torch.zeros(20, 20))

@@ -14,6 +14,7 @@
 // way. Views run at once (metadata only). A cached layout costs a hash of the arguments' metadata; PyTorch's meta
 // kernels would do the same job, but most of them are Python (~250 us per call here) and the layout is the CPU
 // kernel's own by construction.
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/library.h>
@@ -298,6 +299,11 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
     ResultSlot s;
     if (!t.defined()) return L->slots.push_back(std::move(s)), true;
     if (t.device().type() != device_type || t.layout() != at::kStrided) return false;
+    // a result whose storage does not hold its elements (an efficient zero tensor has no memory): only the host
+    // path handles it
+    if (t.numel() > 0 && (!t.storage().data() || at::detail::computeStorageNbytes(t.sizes(), t.strides(),
+                          t.dtype().itemsize(), t.storage_offset()) > t.storage().nbytes()))
+      return false;
     L->max_numel = std::max<int64_t>(L->max_numel, t.numel());
     L->int64 |= t.scalar_type() == at::kLong;
     const auto* st = t.storage().unsafeGetStorageImpl();

@@ -63,6 +63,8 @@ PYBIND11_MODULE(_C, m) {
     g_launch_blocking = on;
   }, py::arg("on"), "TORCHNEURON_LAUNCH_BLOCKING: run every kernel at its launch (after the queued work finishes).");
   m.def("_launch_blocking", [] { return g_launch_blocking.load(); });
+  m.def("_set_launch_stacks", [](bool on) { g_launch_stacks = on; }, py::arg("on"),
+        "Keep the launching Python stack of each queued kernel, for the error it may raise (default on).");
   m.def("_drain_all", [] { synchronize_device(-1, /*raise=*/false); },
         "Wait for every stream of every device, raising nothing (at exit: no kernel may run while the process "
         "tears down).");

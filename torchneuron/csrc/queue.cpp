@@ -24,6 +24,7 @@ namespace torchneuron {
 
 std::atomic<bool> g_launch_blocking{false};
 std::atomic<bool> g_queue_everything{false};
+std::atomic<bool> g_launch_stacks{true};
 
 namespace {
 
@@ -44,7 +45,7 @@ StreamQueue::StreamQueue(c10::DeviceIndex device, c10::StreamId id) : device_(de
 
 uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool control) {
   Task t{std::move(run), name, nullptr, at::get_num_threads(), control};
-  if (!control && Py_IsInitialized())  // op bindings release the GIL: gathering takes it briefly
+  if (!control && g_launch_stacks.load(std::memory_order_relaxed) && Py_IsInitialized())  // bindings release the GIL: gathering takes it
     t.stack = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
   uint64_t ticket;
   bool wake;

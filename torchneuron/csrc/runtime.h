@@ -39,6 +39,7 @@ extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: ker
 // Tests only: queue every kernel, also small ones on an idle stream, and take a first-met signature's layout from
 // the meta kernel even on an idle stream (so that conformance suites exercise the queued path).
 extern std::atomic<bool> g_queue_everything;
+extern std::atomic<bool> g_launch_stacks;  // keep each queued kernel's launching Python stack (for its error)
 class StreamQueue {
  public:
   StreamQueue(c10::DeviceIndex device, c10::StreamId id);
