@@ -12,8 +12,8 @@
 // data_dependent_output, non-tensor results), checks without results, ops taking CPU index tensors, and ops under
 // the trainium dtype rules (float64 involved, int64 results, whose values the rules must inspect) always run that
 // way. Views run at once (metadata only). A cached layout costs a hash of the arguments' metadata; PyTorch's meta
-// kernels would do the same job, but most of them are Python (~250 us per call here) and the layout is the CPU
-// kernel's own by construction.
+// kernels would do the same job, but most of them are Python (~250 us per call here), and some disagree with the
+// CPU kernel (mvlgamma, batch norm's saved statistics), while the recorded layout is the CPU kernel's own.
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
@@ -162,7 +162,6 @@ struct ResultLayout {
   std::vector<ResultSlot> slots;
   std::vector<size_t> group_bytes;  // nbytes of each fresh storage
   std::vector<size_t> group_slot;   // the first slot over each fresh storage
-  bool from_meta = false;           // predicted by the meta kernel, not seen from the CPU kernel
   int64_t max_numel = 0;            // of the results: the random ops' draw count, the inline threshold
   bool int64 = false;               // an int64 result: the trainium rules inspect its values
 };
@@ -291,14 +290,13 @@ std::vector<int64_t> shapes_of(const FlatArgs& flat) {
 // After a run on the host thread: the layout of its results, or none when they cannot be predicted from the
 // signature (a written argument changed shape, a result is not a neuron tensor, an unknown return type).
 std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
-                                                  const FlatArgs& flat, const std::vector<int64_t>& before_sizes,
-                                                  c10::DeviceType device_type = kNeuron) {
+                                                  const FlatArgs& flat, const std::vector<int64_t>& before_sizes) {
   auto L = std::make_shared<ResultLayout>();
   SmallMap<const c10::StorageImpl*, int> groups;
   auto add = [&](const at::Tensor& t) -> bool {
     ResultSlot s;
     if (!t.defined()) return L->slots.push_back(std::move(s)), true;
-    if (t.device().type() != device_type || t.layout() != at::kStrided) return false;
+    if (!is_neuron(t) || t.layout() != at::kStrided) return false;
     // a result whose storage does not hold its elements (an efficient zero tensor has no memory): only the host
     // path handles it
     if (t.numel() > 0 && (!t.storage().data() || at::detail::computeStorageNbytes(t.sizes(), t.strides(),
@@ -354,71 +352,15 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
   return L;
 }
 
-// The layout PyTorch's meta kernel predicts, for a signature first met while the stream is busy (running it on
-// the host would wait for the stream; most meta kernels are Python, ~250 us, paid once per signature). None when
-// the op has no meta kernel or it refuses the arguments: the call then runs on the host, which raises the CPU's
-// own error for invalid arguments.
-std::shared_ptr<const ResultLayout> meta_layout(const c10::OperatorHandle& op, OpEntry& e, const c10::IValue* args,
-                                                size_t nargs) {
-  if (!e.meta_checked.load(std::memory_order_acquire)) {
-    // Only C++ meta kernels: a Python one (torch/_meta_registrations.py) would take the GIL on the launch path
-    // and some disagree with the CPU kernel's results.
-    std::string table = op.dumpComputedTable();
-    auto at = table.find("\nMeta: ");
-    auto end = at == std::string::npos ? at : table.find('\n', at + 1);
-    std::string line = at == std::string::npos ? "" : table.substr(at, end - at);
-    if (line.empty() || line.find(".py:") != std::string::npos) e.no_meta.store(true);
-    e.meta_checked.store(true, std::memory_order_release);
-  }
-  if (e.no_meta.load(std::memory_order_relaxed)) return nullptr;
-  SmallMap<const c10::StorageImpl*, c10::Storage> storages;
-  SmallMap<const c10::TensorImpl*, at::Tensor> same;
-  FlatArgs mflat;
-  auto to_meta = [&](const at::Tensor& t) -> at::Tensor {
-    if (!is_neuron(t)) return t;
-    if (at::Tensor* m = same.find(t.unsafeGetTensorImpl())) return *m;
-    const auto* st = t.storage().unsafeGetStorageImpl();
-    c10::Storage* ms = storages.find(st);
-    if (!ms)
-      ms = &storages.add(st, c10::Storage(c10::Storage::use_byte_size_t(), t.storage().nbytes(),
-                                          c10::DataPtr(nullptr, c10::Device(c10::kMeta)), c10::GetAllocator(c10::kMeta), true));
-    auto m = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(*ms), c10::DispatchKeySet(c10::DispatchKey::Meta),
-                                                      t.dtype());
-    m.unsafeGetTensorImpl()->set_sizes_and_strides(t.sizes(), t.strides(), t.storage_offset());
-    if (t.is_conj()) m._set_conj(true);
-    if (t.is_neg()) m._set_neg(true);
-    mflat.push_back(m);
-    return same.add(t.unsafeGetTensorImpl(), m);
-  };
-  torch::jit::Stack ms;
-  ms.reserve(nargs);
-  for (size_t i = 0; i < nargs; ++i) {
-    const c10::IValue& v = args[i];
-    if (v.isDevice() && v.toDevice().type() == kNeuron) ms.emplace_back(c10::Device(c10::kMeta));
-    else if (v.isGenerator()) ms.emplace_back();
-    else ms.push_back(map_tensors(v, to_meta));
-  }
-  std::vector<int64_t> before = shapes_of(mflat);
-  try {
-    op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::Meta), &ms);
-  } catch (...) {
-    return nullptr;
-  }
-  auto L = record_layout(op.schema(), ms, mflat, before, c10::kMeta);
-  if (L) std::const_pointer_cast<ResultLayout>(L)->from_meta = true;
-  return L;
-}
-
-// A queued kernel's results differ from the layout handed out at its launch: only a meta kernel that disagrees
-// with the CPU kernel can cause it. The op then always runs on the host; this call's error says so.
+// A queued kernel's results differ from the layout handed out at its launch (its first call with the same
+// argument signature returned another): an op whose results depend on more than the signature. The error says so
+// rather than leaving wrong results.
 [[noreturn]] void mispredicted(OpEntry& e, const ResultLayout& L, size_t slot, const at::Tensor& got) {
-  e.no_meta.store(true);
   const ResultSlot& s = L.slots.at(slot);
   TORCH_CHECK(false, "neuron: ", e.name, " returned result ", slot, " as ", got.sizes(), " ", got.dtype(),
-              ", but its launch had handed out ", c10::IntArrayRef(s.sizes), " ", s.dtype, ", as ",
-              L.from_meta ? "PyTorch's meta kernel predicted" : "its first call with these arguments returned",
-              "; its results are wrong. From now on it runs on the host thread (set TORCHNEURON_LAUNCH_BLOCKING=1 to "
-              "run everything there); please report this.");
+              ", but its launch had handed out ", c10::IntArrayRef(s.sizes), " ", s.dtype, " as its first call with "
+              "the same argument signature returned; its results are wrong. Please report this; "
+              "TORCHNEURON_LAUNCH_BLOCKING=1 runs every op at its launch.");
 }
 
 void remember_layout(OpEntry& e, std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {
@@ -612,7 +554,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   for (size_t nbytes : L.group_bytes)
     groups.emplace_back(c10::Storage::use_byte_size_t(), nbytes, neuron_allocator()->allocate(nbytes), neuron_allocator(),
                         /*resizable=*/true);
-  std::vector<const void*> expect;  // where an argument or a view result must point (meta layouts are checked)
+  std::vector<const void*> expect;  // where an argument or a view result must point (checked by the kernel)
   std::vector<void*> group_memory;
   for (auto& g : groups) group_memory.push_back(g.mutable_data());
   std::vector<at::Tensor> results;
@@ -652,7 +594,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
                 expect = std::move(expect)]() mutable {
     torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
     with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
-    if (mem.empty() && !layout->from_meta) return;
+    if (mem.empty()) return;  // arguments and views only: written in place
     std::vector<at::Tensor> out;
     out.reserve(layout->slots.size());
     for (const auto& v : st) {
@@ -731,7 +673,6 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   FlatArgs flat;
   bool keyed = signature(args, nargs, factory, key, flat);
   auto L = keyed ? find_layout(e, key) : nullptr;
-  if (L && L->from_meta && e.no_meta.load(std::memory_order_relaxed)) L = nullptr;  // mispredicted: learn anew
   bool writes_int64 = false;  // the trainium rules inspect what an op writes into an int64 argument
   if (trainium)
     for (size_t i : e.writes)
@@ -739,13 +680,6 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool trainium_blocks = trainium && writes_int64;
   if (L && !trainium_blocks && !(trainium && L->int64) && !run_inline(q, L->max_numel))
     return launch_queued(op, stack, e, c, std::move(L), flat, q);
-  if (keyed && !L && (!q.idle() || g_queue_everything.load(std::memory_order_relaxed)) && !trainium_blocks &&
-      !e.no_meta.load(std::memory_order_relaxed)) {
-    if ((L = meta_layout(op, e, args, nargs)) && !(trainium && L->int64)) {
-      remember_layout(e, std::move(key), L);
-      return launch_queued(op, stack, e, c, std::move(L), flat, q);
-    }
-  }
   if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed), q.wait(q.enqueued());
   q.raise_error();
   if (L || !keyed) return run_on_host(op, stack, e, c, trainium);

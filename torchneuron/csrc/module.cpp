@@ -71,8 +71,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_queue_everything", [](bool on) {
     synchronize_device(-1);
     g_queue_everything = on;
-  }, py::arg("on"), "Tests only: queue every kernel (small ones on an idle stream too; layouts of first-met "
-     "signatures from meta kernels), so that conformance suites run the queued path.");
+  }, py::arg("on"), "Tests only: queue every kernel whose layout is known (small ones on an idle stream too), so "
+     "that conformance suites run the queued path.");
   m.def("_set_internal_math", &set_internal_math,
         "Skip the dtype policy on this thread (PyTorch's own printing math); returns the previous setting.");
   m.def("_note_device_result", &note_device_result,

@@ -36,8 +36,8 @@ c10::StreamId current_stream_id(c10::DeviceIndex device);  // this thread's curr
 
 // ---- queue.cpp: stream-ordered execution (each stream an in-order queue run by its own worker thread) ----
 extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: kernels run at their launch
-// Tests only: queue every kernel, also small ones on an idle stream, and take a first-met signature's layout from
-// the meta kernel even on an idle stream (so that conformance suites exercise the queued path).
+// Tests only: queue every kernel with a known layout, also small ones on an idle stream (so that conformance suites
+// exercise the queued path).
 extern std::atomic<bool> g_queue_everything;
 extern std::atomic<bool> g_launch_stacks;  // keep each queued kernel's launching Python stack (for its error)
 class StreamQueue {
@@ -244,8 +244,6 @@ struct OpEntry {
   std::atomic<void*> layouts{nullptr};  // fallback.cpp's per-signature result layouts
   std::atomic<void*> out_variant{nullptr};  // fallback.cpp: its out= overload (an OperatorHandle), once looked up
   std::atomic<bool> out_looked_up{false};
-  std::atomic<bool> no_meta{false};  // no C++ meta kernel, or its result layout differed from the CPU kernel's
-  std::atomic<bool> meta_checked{false};
 };
 // The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
 // underscore dropped; dunder names such as "__and__" kept).
