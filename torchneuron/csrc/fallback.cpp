@@ -439,11 +439,6 @@ OpEntry::Exec classify_exec(const c10::OperatorHandle& op, const OpEntry& e) {
   return OpEntry::Exec::queued;
 }
 
-struct Prepared {
-  Call c;
-  bool trainium;
-};
-
 // Run the op now, on this thread, as one CPU kernel call over host aliases (the stream's earlier work is complete
 // or is none of its business).
 void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntry& e, Call& c, bool trainium) {
@@ -665,8 +660,8 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   StreamQueue& q = current_queue(c.device);
   bool blocking = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed);
   if (exec == OpEntry::Exec::host || blocking || (trainium && c.fp64)) {
-    if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed), q.wait(q.enqueued());
-    q.raise_error();
+    if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
+    drain_current(c.device);
     return run_on_host(op, stack, e, c, trainium);
   }
   std::vector<int64_t> key;
@@ -680,8 +675,8 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool trainium_blocks = trainium && writes_int64;
   if (L && !trainium_blocks && !(trainium && L->int64) && !run_inline(q, L->max_numel))
     return launch_queued(op, stack, e, c, std::move(L), flat, q);
-  if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed), q.wait(q.enqueued());
-  q.raise_error();
+  if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
+  drain_current(c.device);
   if (L || !keyed) return run_on_host(op, stack, e, c, trainium);
   std::vector<int64_t> before = shapes_of(flat);  // to see whether the kernel changed a device argument's shape
   run_on_host(op, stack, e, c, trainium);

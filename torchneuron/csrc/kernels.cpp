@@ -88,8 +88,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   at::Tensor d = to_device ? host(dst) : dst;
   at::Tensor src = from_device ? host(self) : self;
   if (now) {
-    if (!q.idle()) q.wait(q.enqueued());
-    q.raise_error();
+    drain_current(dev);
     KernelEvent event("aten::copy_", dev, nullptr, {self});  // a DMA transfer
     d.copy_(src);
     event.end({dst});
