@@ -44,6 +44,22 @@ def test_rand_is_philox_of_seed_and_position():
     assert torch.equal(torch.rand(3, device="neuron").cpu(), reference_uniform(7, 12, 3).float())
 
 
+def test_vectorised_draws_match_the_reference_across_a_carry_and_ragged_ends():
+    """The kernels make eight counters at a time: a run that starts unaligned, crosses the low counter word's wrap
+    (2^32) and ends mid-vector draws exactly the reference values; so does dropout's keep test, p at its ends too."""
+    seed, offset = 0x1234_5678_9ABC_DEF0, 2**32 - 20
+    state = torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
+    torch.neuron.set_rng_state(state)
+    got = torch.empty(45, device="neuron", dtype=torch.float64).uniform_().cpu()
+    assert torch.equal(got, reference_uniform(seed, offset, 45))
+    ref = reference_uniform(seed, offset + 48, 45)
+    for p in (0.0, 0.3, 0.9, 1.0):
+        for dtype in (torch.float32, torch.float16, torch.bool):
+            torch.neuron.set_rng_state(torch.tensor([seed, offset + 48], dtype=torch.int64).view(torch.uint8))
+            drawn = torch.empty(45, device="neuron", dtype=dtype).bernoulli_(p).cpu()
+            assert torch.equal(drawn, (ref < p).to(dtype)), (p, dtype)
+
+
 def test_state_is_cudas_seed_offset_layout():
     torch.neuron.manual_seed(11)
     state = torch.neuron.get_rng_state()

@@ -51,11 +51,10 @@ bool cpu_takes_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 at::Tensor keep_mask(uint64_t seed, uint64_t offset, at::IntArrayRef sizes, double p) {
   auto m = at::empty(sizes, at::TensorOptions().dtype(at::kBool));
   bool* d = m.data_ptr<bool>();
-  const double keep = 1.0 - p;
-  for (int64_t i = 0, n = m.numel(); i < n; ++i) {
-    auto w = philox(seed, offset + static_cast<uint64_t>(i));
-    d[i] = (static_cast<double>((static_cast<uint64_t>(w[1]) << 32 | w[0]) >> 11) + 0.5) * 0x1p-53 < keep;
-  }
+  const BelowP keep(1.0 - p);
+  for_each_philox(seed, offset, m.numel(), [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
+    d[i] = keep(w0, w1);
+  });
   return m;
 }
 

@@ -16,10 +16,59 @@
 namespace torchneuron {
 namespace {
 
-// 53 random bits -> a double in the open interval (0, 1): logs and divisions by it are always finite.
-inline double unit(uint32_t lo, uint32_t hi) {
-  return (static_cast<double>((static_cast<uint64_t>(hi) << 32 | lo) >> 11) + 0.5) * 0x1p-53;
+#if defined(__x86_64__)
+#include <immintrin.h>
+// Eight counters per step: the multiplications' high and low words from two 32x32->64 products per 64-bit lane.
+__attribute__((target("avx2"))) inline void mulhilo(__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
+  __m256i even = _mm256_mul_epu32(a, m), odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
+__attribute__((target("avx2"))) inline __m256i less_unsigned(__m256i a, __m256i b) {
+  const __m256i sign = _mm256_set1_epi32(INT32_MIN);
+  return _mm256_cmpgt_epi32(_mm256_xor_si256(b, sign), _mm256_xor_si256(a, sign));
+}
+__attribute__((target("avx2"))) void philox_chunk_avx2(uint64_t seed, uint64_t first, int n,
+                                                      uint32_t (&words)[4][kPhiloxChunk]) {
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53)), m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int base = 0; base < n; base += 8) {
+    const uint64_t ctr = first + static_cast<uint64_t>(base);
+    const __m256i start = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr)));
+    __m256i c0 = _mm256_add_epi32(start, lane);  // a lane whose low word wrapped carries into its high word
+    __m256i c1 = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr >> 32))),
+                                  less_unsigned(c0, start));
+    __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      __m256i h0, l0, h1, l1;
+      mulhilo(c0, m0, h0, l0);
+      mulhilo(c2, m1, h1, l1);
+      c0 = _mm256_xor_si256(_mm256_xor_si256(h1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+      c2 = _mm256_xor_si256(_mm256_xor_si256(h0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+      c1 = l1, c3 = l0;
+      k0 += 0x9E3779B9, k1 += 0xBB67AE85;
+    }
+    if (n - base >= 8) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words[0] + base), c0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words[1] + base), c1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words[2] + base), c2);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words[3] + base), c3);
+    } else {
+      alignas(32) uint32_t t[4][8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t[0]), c0);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t[1]), c1);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t[2]), c2);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t[3]), c3);
+      for (int k = 0; k < 4; ++k)
+        for (int j = 0; j < n - base; ++j) words[k][base + j] = t[k][j];
+    }
+  }
+}
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+#else
+constexpr bool kHaveAvx2 = false;
+#endif
 
 struct Draws {
   at::Tensor u1, u2;  // float64, shaped like the target; u2 only when asked for (from the counter's other words)
@@ -38,12 +87,13 @@ Draws draw(PhiloxSlice s, at::IntArrayRef sizes, Want want) {
   double* b = want == Want::two ? d.u2.data_ptr<double>() : nullptr;
   int64_t* w64 = want == Want::bits ? d.bits.data_ptr<int64_t>() : nullptr;
   at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) {
-      auto w = philox(s.seed, s.offset + static_cast<uint64_t>(i));
-      if (w64) w64[i] = static_cast<int64_t>(static_cast<uint64_t>(w[1]) << 32 | w[0]);
-      if (a) a[i] = unit(w[0], w[1]);
-      if (b) b[i] = unit(w[2], w[3]);
-    }
+    for_each_philox(s.seed, s.offset + static_cast<uint64_t>(lo), hi - lo,
+                    [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+      const int64_t i = lo + j;
+      if (w64) w64[i] = static_cast<int64_t>(static_cast<uint64_t>(w1) << 32 | w0);
+      if (a) a[i] = philox_unit(w0, w1);
+      if (b) b[i] = philox_unit(w2, w3);
+    });
   });
   return d;
 }
@@ -130,14 +180,14 @@ at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Genera
     auto s = reserve_philox(gen, dev, static_cast<uint64_t>(n));
     note_executed("aten::bernoulli_");
     at::Tensor dst = host_alias(self);
-    launch(dev, "aten::bernoulli_", n, [dst, s, p, n]() mutable {
+    launch(dev, "aten::bernoulli_", n, [dst, s, below = BelowP(p), n]() mutable {
       AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kBool, dst.scalar_type(), "bernoulli_", [&] {
         scalar_t* out = dst.data_ptr<scalar_t>();
         at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
-          for (int64_t i = lo; i < hi; ++i) {
-            auto w = philox(s.seed, s.offset + static_cast<uint64_t>(i));
-            out[i] = static_cast<scalar_t>(unit(w[0], w[1]) < p);
-          }
+          for_each_philox(s.seed, s.offset + static_cast<uint64_t>(lo), hi - lo,
+                          [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
+            out[lo + j] = static_cast<scalar_t>(below(w0, w1));
+          });
         });
       });
     });
@@ -201,6 +251,16 @@ at::Tensor& random_full(at::Tensor& self, std::optional<at::Generator> gen) {
 }
 
 }  // namespace
+
+void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPhiloxChunk]) {
+#if defined(__x86_64__)
+  if (kHaveAvx2) return philox_chunk_avx2(seed, first, n, words);
+#endif
+  for (int j = 0; j < n; ++j) {
+    auto w = philox(seed, first + static_cast<uint64_t>(j));
+    for (int k = 0; k < 4; ++k) words[k][j] = w[k];
+  }
+}
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("uniform_", uniform_);

@@ -6,6 +6,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <condition_variable>
@@ -186,6 +187,40 @@ inline std::array<uint32_t, 4> philox(uint64_t seed, uint64_t counter) {
   }
   return {c[0], c[1], c[2], c[3]};
 }
+// The same words for a run of counters, eight at a time (AVX2 when the CPU has it; rng.cpp):
+// words[k][j] = philox(seed, first + j)[k] for j < n <= kPhiloxChunk.
+constexpr int kPhiloxChunk = 256;
+void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPhiloxChunk]);
+// use(i, w0, w1, w2, w3) for i in [0, n), the words of counter first + i.
+template <class F>
+void for_each_philox(uint64_t seed, uint64_t first, int64_t n, F&& use) {
+  uint32_t w[4][kPhiloxChunk];
+  for (int64_t base = 0; base < n; base += kPhiloxChunk) {
+    const int m = static_cast<int>(std::min<int64_t>(kPhiloxChunk, n - base));
+    philox_chunk(seed, first + static_cast<uint64_t>(base), m, w);
+    for (int j = 0; j < m; ++j) use(base + j, w[0][j], w[1][j], w[2][j], w[3][j]);
+  }
+}
+// Two words -> a double in the open interval (0, 1) from their 53 high bits: logs and divisions by it are finite.
+inline double philox_unit(uint32_t lo, uint32_t hi) {
+  return (static_cast<double>(static_cast<int64_t>((static_cast<uint64_t>(hi) << 32 | lo) >> 11)) + 0.5) * 0x1p-53;
+}
+// philox_unit(lo, hi) < p as one integer comparison (the draw is monotone in the 64-bit word): a Bernoulli keep
+// test with exactly the values of the double comparison.
+struct BelowP {
+  explicit BelowP(double p) {
+    uint64_t lo = 0, hi = uint64_t{1} << 53;  // the first 53-bit value whose draw is not below p
+    while (lo < hi) {
+      uint64_t mid = (lo + hi) / 2, x = mid << 11;
+      if (philox_unit(static_cast<uint32_t>(x), static_cast<uint32_t>(x >> 32)) < p) lo = mid + 1;
+      else hi = mid;
+    }
+    all = lo == uint64_t{1} << 53, bound = lo << 11;
+  }
+  bool operator()(uint32_t lo, uint32_t hi) const { return all || (static_cast<uint64_t>(hi) << 32 | lo) < bound; }
+  uint64_t bound;
+  bool all;
+};
 // The counters a random op of n elements owns: element i draws philox(seed, offset + i). Advances the generator
 // (the default one of `device` when `gen` is empty) by n rounded up to a multiple of 4, as CUDA's offsets are.
 // A generator of another device type is refused with CUDA's message.
