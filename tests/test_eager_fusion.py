@@ -209,3 +209,131 @@ def test_a_group_runs_on_device_memory_through_host_views():
     kernel(views[:len(ins)], views[len(ins):])
     for o, r in zip(outs, unfused(*ins), strict=True):
         torch.testing.assert_close(o.cpu(), r)
+
+
+def test_a_fused_kernel_runs_without_the_gil():
+    """A stream worker runs fused kernels while the host thread launches: the loop must not hold the GIL. The
+    longest stall of a Python loop on this thread while another thread runs the kernel stays far below the
+    kernel's own duration (holding the GIL, the loop would stall for all of it)."""
+    import threading
+    import time
+
+    x, b = torch.randn(1 << 23), torch.randn(1 << 23)
+    group = ((Node("aten::add.Tensor", (Input(0), Input(1))), Node("aten::gelu", (Value(0),))), specs([x, b]),
+             (Value(1),))
+    kernel = compile_group(*group)
+    out = torch.empty_like(x)
+    t0 = time.perf_counter()
+    kernel([x, b], [out])
+    duration = time.perf_counter() - t0
+    torch.testing.assert_close(out, torch.nn.functional.gelu(x + b))
+    worker = threading.Thread(target=lambda: [kernel([x, b], [out]) for _ in range(3)])
+    worker.start()
+    last, stall = time.perf_counter(), 0.0
+    while worker.is_alive():
+        now = time.perf_counter()
+        stall, last = max(stall, now - last), now
+    worker.join()
+    assert stall < 0.5 * duration, (stall, duration)
+
+
+# ---- the device: stream workers fuse runs of queued ops ----
+
+BIG = (64, 4096)  # 2^18 elements: the smallest ops the device fuses (csrc/runtime.h kFuseElements)
+
+
+def busy_stream() -> None:
+    """Queue a long matmul so that the ops launched next wait in the queue, back to back, as a host that runs ahead
+    leaves them (the worker fuses only what is already queued)."""
+    m = torch.ones(1536, 1536, device="neuron")
+    m @ m
+
+
+def block(x: torch.Tensor, b: torch.Tensor, r: torch.Tensor, keep: list) -> torch.Tensor:
+    """bias + GELU + residual + scale, on whatever device its tensors are; `keep` holds the GELU result."""
+    h = torch.nn.functional.gelu(x + b)
+    keep.append(h)
+    return (h + r) * 0.5
+
+
+def device_inputs() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    cpu = [torch.randn(BIG, generator=g), torch.randn(BIG[1], generator=g), torch.randn(BIG, generator=g)]
+    return cpu, [t.to("neuron") for t in cpu]
+
+
+def fused_counts() -> tuple[int, int]:
+    c = _C._fusion_counts()
+    return c["kernels"], c["ops"]
+
+
+def test_queued_runs_fuse_once_they_recur_and_match_the_unfused_ops():
+    cpu, dev = device_inputs()
+    ref_keep: list = []
+    ref = block(*cpu, ref_keep)
+    before = fused_counts()
+    results = []
+    for _ in range(ef.AFTER + 2):  # sightings, then the compile, then a cache hit
+        busy_stream()
+        keep: list = []
+        out = block(*dev, keep)
+        results.append((out.cpu(), keep[0].cpu()))
+    kernels, ops = fused_counts()
+    assert kernels - before[0] >= 2 and ops - before[1] >= 2 * 4, "the last two runs: one kernel for the 4 ops"
+    for out, h in results:
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(h, ref_keep[0])  # an intermediate Python holds is stored too
+    assert torch.equal(results[-1][0], results[-2][0]), "deterministic run to run"
+    assert torch.equal(results[0][0], ref), "the first sightings run unfused: bit-identical to the CPU"
+
+
+def test_a_result_python_frees_is_still_stored_for_the_queued_ops_that_read_it():
+    """Python may drop a result while queued kernels still read it (stream order makes that legal, as on CUDA):
+    a fused run must store it. Here the clone after the run reads the GELU, freed before the worker gets there;
+    the sum's temporaries are freed too, and their blocks handed out again inside the run."""
+    cpu, dev = device_inputs()
+    ref = torch.nn.functional.gelu(cpu[0] + cpu[1])
+    before = fused_counts()
+    for _ in range(ef.AFTER + 1):
+        busy_stream()
+        copy = torch.nn.functional.gelu(dev[0] + dev[1]).clone()  # the GELU's result: freed at once
+        total = ((dev[0] * 2 + 1) * 3 + dev[2]) * 0.5  # each temporary freed, its block reused by the next op
+        torch.testing.assert_close(copy.cpu(), ref)
+        torch.testing.assert_close(total.cpu(), ((cpu[0] * 2 + 1) * 3 + cpu[2]) * 0.5)
+    assert fused_counts()[0] > before[0]
+
+
+def test_printing_deterministic_mode_and_views_end_a_fused_run(capsys):
+    cpu, dev = device_inputs()
+    for _ in range(ef.AFTER + 1):  # make the group hot
+        busy_stream()
+        block(*dev, [])
+    torch.neuron.synchronize()
+    before = fused_counts()
+    busy_stream()
+    h = torch.nn.functional.gelu(dev[0] + dev[1])
+    print(h[0, :2])  # a host read: the queue drains, the ops after it start a new run
+    out = (h + dev[2]) * 0.5
+    torch.testing.assert_close(out.cpu(), block(*cpu, []))
+    kernels, ops = fused_counts()
+    assert ops - before[1] <= 2 * (kernels - before[0]), "no fused run spans the print (2 ops on each side)"
+    torch.use_deterministic_algorithms(True)
+    try:
+        before = fused_counts()
+        busy_stream()
+        torch.testing.assert_close(block(*dev, []).cpu(), block(*cpu, []))
+        assert fused_counts() == before
+    finally:
+        torch.use_deterministic_algorithms(False)
+    busy_stream()
+    y = dev[0] + 1
+    z = y[:, ::2] * 2 + 1  # reads a view of y: the run stops there, the values stay right
+    torch.testing.assert_close(z.cpu(), (cpu[0] + 1)[:, ::2] * 2 + 1)
+
+
+def test_the_porting_report_counts_fused_kernels():
+    from torchneuron.integrations import porting_report
+
+    r = porting_report.collect()
+    assert r["eager_fusion"] == dict(zip(("kernels", "ops"), fused_counts(), strict=True))
+    assert f"eager fusion: {r['eager_fusion']['kernels']} fused kernels" in porting_report.render_text(r)

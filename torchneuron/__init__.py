@@ -36,6 +36,10 @@ if _aws.installed() is None:  # ours owns the `neuron` device
 
     route_default_backend()  # plain torch.compile(model) on neuron tensors reaches the neuron backend
 
+    from .compiler import eager_fusion as _eager_fusion
+
+    _eager_fusion.install()  # stream workers may fuse runs of queued ops (Inductor loads at the first compile)
+
     from .hardware import config as _config
 
     _cfg = _config.current_or_none()  # None: invalid, raised at the first use of the device

@@ -18,11 +18,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..hardware import config
+from ..runtime import patches
 from ..runtime.optable import op_info
 
 
@@ -80,6 +81,13 @@ _CACHE: dict[tuple, FusedKernel | None] = {}
 _SIGHTINGS: dict[tuple, int] = {}  # signatures seen but not compiled yet (compile_group's `after`)
 _LOCK = threading.Lock()  # one compile at a time (stream workers release the GIL inside Inductor's build)
 ABI = 1  # bump when the meaning of a cached group changes
+
+
+def install() -> None:
+    """Hand the stream workers the fusion entry points (torchneuron's import does; this module stays light)."""
+    from .. import _C
+
+    _C._set_eager_fusion(fusable, lambda ops: run_queued([QueuedOp(*q) for q in ops]))
 
 
 def stats() -> Stats:
@@ -183,6 +191,133 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
         return kernel
 
 
+AFTER = 3  # sightings of a group's signature before the stream worker compiles it (a step's groups recur)
+
+
+class QueuedOp(NamedTuple):
+    """One queued kernel as the stream worker hands it over: its qualified name with overload, its arguments
+    (CPU views of device memory, Python numbers for wrapped scalars, constants) and the CPU views of the results
+    its launch handed out."""
+
+    op: str
+    args: list
+    outs: list[torch.Tensor]
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of `t`'s storage: two tensors over overlapping storage are treated as one memory."""
+    s = t.untyped_storage()
+    return s.data_ptr(), s.data_ptr() + s.nbytes()
+
+
+def _overlaps(a: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    return a[0] < a[1] and any(a[0] < b[1] and b[0] < a[1] for b in spans)
+
+
+def run_queued(ops: list[QueuedOp]) -> int:
+    """The stream worker's entry (csrc/queue.cpp): fuse the longest leading run of `ops` into one kernel and run it.
+    Returns how many ops it ran (0: none; the worker runs the rest one by one). Never raises.
+
+    A result whose memory a later op of the run was handed (Python freed it, the allocator gave its block again) is
+    read only inside the run (every reader was launched before the free), so it lives in registers and is not
+    stored; every other result is. A run ends before an op that reads a view of an earlier result (only whole
+    results flow through a group) or whose results share memory with the run's inputs or other results. The group
+    compiles at its AFTER-th sighting."""
+    try:
+        return _run_queued(ops)
+    except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
+        _failed(None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        return 0
+
+
+@dataclass
+class _Result:
+    value: Value
+    out: torch.Tensor
+    span: tuple[int, int]
+    stored: bool = True
+
+
+class _Group:
+    """A run of queued ops being turned into Nodes: group inputs are deduplicated by (address, sizes, strides,
+    dtype); an argument equal to an earlier op's result becomes its Value."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.inputs: list[torch.Tensor] = []
+        self.input_ids: dict[tuple, int] = {}
+        self.in_spans: list[tuple[int, int]] = []
+        self.produced: dict[tuple, Value] = {}
+        self.results: list[_Result] = []
+
+    @staticmethod
+    def meta(t: torch.Tensor) -> tuple:
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+    def add(self, q: QueuedOp, overload: torch._ops.OpOverload) -> bool:
+        """Append `q` as the next node, or leave the group as it was and say no."""
+        new_inputs: dict[tuple, torch.Tensor] = {}
+        out_spans = [r.span for r in self.results]
+        clash = False
+
+        def arg(a: Any) -> Any:
+            nonlocal clash
+            if isinstance(a, (list, tuple)):
+                return type(a)(arg(x) for x in a)
+            if not isinstance(a, torch.Tensor):
+                return a
+            m = self.meta(a)
+            if m in self.produced:
+                return self.produced[m]
+            clash |= _overlaps(_extent(a), out_spans)  # a view of an earlier result
+            if m in self.input_ids:
+                return Input(self.input_ids[m])
+            new_inputs.setdefault(m, a)
+            return Input(len(self.inputs) + list(new_inputs).index(m))
+
+        schema = overload._schema.arguments
+        args = tuple(arg(v) for a, v in zip(schema, q.args, strict=False) if not a.kwarg_only)
+        kwargs = tuple((a.name, arg(v)) for a, v in zip(schema, q.args, strict=False) if a.kwarg_only)
+        spans = [_extent(o) for o in q.outs]
+        in_spans = self.in_spans + [_extent(t) for t in new_inputs.values()]
+        if clash or any(_overlaps(sp, in_spans + spans[:j]) for j, sp in enumerate(spans)):
+            return False
+        for r in self.results:
+            r.stored &= not any(_overlaps(sp, [r.span]) for sp in spans)  # its block was handed out again
+        for m, t in new_inputs.items():
+            self.input_ids[m] = len(self.inputs)
+            self.inputs.append(t)
+        self.in_spans = in_spans
+        for j, (o, sp) in enumerate(zip(q.outs, spans, strict=True)):
+            self.produced[self.meta(o)] = Value(len(self.nodes), j)
+            self.results.append(_Result(Value(len(self.nodes), j), o, sp))
+        self.nodes.append(Node(q.op, args, kwargs))
+        return True
+
+
+def _run_queued(ops: list[QueuedOp]) -> int:
+    if not enabled():
+        _STATS.disabled += 1
+        return 0
+    group = _Group()
+    for q in ops:
+        overload = _overload(q.op)
+        if overload is None or not fusable(q.op) or not group.add(q, overload):
+            break
+    if len(group.nodes) < 2:
+        return 0
+    wanted = [r for r in group.results if r.stored]
+    kernel = compile_group(tuple(group.nodes), tuple(Spec(tuple(t.shape), t.stride(), t.dtype) for t in group.inputs),
+                           tuple(r.value for r in wanted), after=AFTER)
+    if kernel is None:
+        return 0
+    outs = [r.out for r in wanted]
+    if any(s != Spec(tuple(o.shape), o.stride(), o.dtype) for s, o in zip(kernel.out_specs, outs, strict=True)):
+        return _failed(None, "the fused results' layout differs from the launched ones") or 0
+    kernel(group.inputs, outs)
+    return len(group.nodes)
+
+
 def _failed(key: tuple | None, why: str) -> None:
     _STATS.failures += 1
     _STATS.last_failure = why
@@ -258,8 +393,36 @@ def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[No
     return gm, example, out_specs
 
 
+# Inductor's Python binding of a CPU kernel holds the GIL while the loop runs; a fused kernel runs on a stream
+# worker, and holding the GIL there would stop the host thread from launching (the overlap async execution is for).
+_GIL_FREE_CALL = ("auto parsed = std::make_tuple({}); {{ struct NoGil {{ PyThreadState* s = PyEval_SaveThread();"
+                  " ~NoGil() {{ PyEval_RestoreThread(s); }} }} nogil; std::apply(kernel, parsed); }} Py_RETURN_NONE;")
+
+
+def _gil_free_bindings(done: patches.Applied) -> None:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    done.replace(CppPythonBindingsCodeCache, "call_entry_function", _GIL_FREE_CALL)
+
+
+GIL_FREE_KERNELS = patches.declare(
+    "gil-free-fused-kernels", "torch._inductor.codecache.CppPythonBindingsCodeCache.call_entry_function (while a "
+    "fused group compiles or loads)", "a fused kernel's loop runs without the GIL, so the host thread keeps "
+    "launching while a stream worker runs it (its binding is a different source, so a different cache entry)",
+    "tests/test_eager_fusion.py::test_a_fused_kernel_runs_without_the_gil", _gil_free_bindings, when="on demand")
+
+
 def _build(gm: Any, example: list, out_specs: tuple[Spec, ...], inputs: tuple[Spec, ...]) -> FusedKernel:
-    """Inductor's code for the traced group, from the compile cache or compiled now (and stored there)."""
+    """Inductor's code for the traced group, from the compile cache or compiled now (and stored there); its
+    kernels bound without the GIL."""
+    patches.apply(GIL_FREE_KERNELS)
+    try:
+        return _build_bound(gm, example, out_specs, inputs)
+    finally:
+        patches.undo(GIL_FREE_KERNELS)
+
+
+def _build_bound(gm: Any, example: list, out_specs: tuple[Spec, ...], inputs: tuple[Spec, ...]) -> FusedKernel:
     from torch._inductor.codecache import PyCodeCache
 
     from .cache import Cache, digest

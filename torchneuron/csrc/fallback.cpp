@@ -572,6 +572,15 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   bool outable = !L.slots.empty() && L.group_bytes.size() == L.slots.size();
   for (size_t k = 0; k < L.slots.size() && outable; ++k) outable = L.slots[k].kind == ResultSlot::fresh && L.slots[k].offset == 0;
   const c10::OperatorHandle* out_op = outable ? out_variant(op, e) : nullptr;
+  std::shared_ptr<FusableOp> fuse;
+  if (outable && fusion_wanted(op, e, L.max_numel)) {
+    fuse = std::make_shared<FusableOp>(FusableOp{op, {}, {}});
+    for (const c10::IValue& v : host) {  // a wrapped number enters the group as the number it is
+      bool number = v.isTensor() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number();
+      fuse->args.push_back(number ? c10::IValue(v.toTensor().item()) : v);
+    }
+    for (const at::Tensor& r : results) fuse->outs.push_back(host_alias(r));
+  }
   if (out_op) {
     for (const at::Tensor& r : results) host.push_back(host_alias(r));
     q.push(name, [out = *out_op, host = std::move(host), layout = std::move(layout), device, &e]() mutable {
@@ -583,7 +592,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         const at::Tensor& r = st[i].toTensor();
         if (r.data_ptr() != dst[i] || r.sizes() != c10::IntArrayRef(layout->slots[i].sizes)) mispredicted(e, *layout, i, r);
       }
-    });
+    }, false, std::move(fuse));
   } else
   q.push(name, [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device, &e,
                 expect = std::move(expect)]() mutable {
@@ -620,7 +629,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         dst.copy_(out[k]);
       }
     }
-  });
+  }, false, std::move(fuse));
   // the results replace the arguments on the stack, as a kernel's would
   stack->erase(stack->end() - static_cast<std::ptrdiff_t>(nargs), stack->end());
   size_t k = 0;

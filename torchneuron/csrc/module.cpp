@@ -68,6 +68,13 @@ PYBIND11_MODULE(_C, m) {
   m.def("_drain_all", [] { synchronize_device(-1, /*raise=*/false); },
         "Wait for every stream of every device, raising nothing (at exit: no kernel may run while the process "
         "tears down).");
+  m.def("_set_eager_fusion", [](py::object fusable, py::object run) { set_eager_fusion(fusable.ptr(), run.ptr()); },
+        py::arg("fusable"), py::arg("run"),
+        "Install adaptive eager fusion: fusable(op name) -> bool, run(list of queued ops) -> ops it ran fused.");
+  m.def("_fusion_counts", [] {
+    FusionCounts c = fusion_counts();
+    return py::dict(py::arg("kernels") = c.kernels, py::arg("ops") = c.ops);
+  }, "Fused kernels the stream workers ran and the queued ops they replaced.");
   m.def("_set_queue_everything", [](bool on) {
     synchronize_device(-1);
     g_queue_everything = on;

@@ -189,6 +189,7 @@ void clear_op_tracking() {
   reset(g_copy_in);
   for (auto& [name, e] : g_outside) reset(e);  // kept, not erased: a running collective may hold a reference
   for (auto& [schema, e] : g_ops) reset(e);
+  clear_fusion_counts();
 }
 
 }  // namespace torchneuron

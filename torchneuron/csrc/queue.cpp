@@ -43,8 +43,9 @@ struct ReleaseGil {
 
 StreamQueue::StreamQueue(c10::DeviceIndex device, c10::StreamId id) : device_(device), id_(id) {}
 
-uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool control) {
-  Task t{std::move(run), name, nullptr, at::get_num_threads(), control};
+uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool control,
+                           std::shared_ptr<const FusableOp> fuse) {
+  Task t{std::move(run), name, nullptr, at::get_num_threads(), control, std::move(fuse)};
   if (!control && g_launch_stacks.load(std::memory_order_relaxed) && Py_IsInitialized())  // bindings release the GIL: gathering takes it
     t.stack = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
   uint64_t ticket;
@@ -66,6 +67,7 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
 void StreamQueue::loop() {
   at::init_num_threads();
   int threads = -1;
+  std::vector<Task> group;  // the ops after `t` handed to eager fusion with it
   for (;;) {
     Task t;
     {
@@ -84,24 +86,49 @@ void StreamQueue::loop() {
       t = std::move(tasks_.front());
       tasks_.pop_front();
       ++popped_;
-    }
-    if (t.control || !failed_.load(std::memory_order_relaxed)) {
-      if (t.threads != threads) at::set_num_threads(threads = t.threads);
-      try {
-        t.run();
-      } catch (...) {
-        std::lock_guard<std::mutex> g(mu_);
-        if (!error_) error_ = Failure{std::current_exception(), t.name, std::move(t.stack)};
-        failed_.store(true, std::memory_order_relaxed);
+      // eager fusion: the fusable ops queued right behind this one (the host ran ahead) may become one kernel
+      while (t.fuse && !failed_.load(std::memory_order_relaxed) && group.size() + 1 < kMaxFusedOps &&
+             !tasks_.empty() && tasks_.front().fuse && tasks_.front().threads == t.threads) {
+        group.push_back(std::move(tasks_.front()));
+        tasks_.pop_front();
+        ++popped_;
       }
     }
-    t.run = nullptr;  // the kernel's captured state goes before it counts as complete
-    t.stack.reset();
-    completed_.fetch_add(1);  // seq_cst with the load below and the waiter's increment: no lost wake-up
-    if (waiters_.load()) {
-      std::lock_guard<std::mutex> g(mu_);
-      done_cv_.notify_all();
+    if (t.threads != threads) at::set_num_threads(threads = t.threads);
+    if (group.empty()) {
+      finish(t, false);
+      continue;
     }
+    // the run, from each op on: fused as far as eager fusion takes it, else that op alone
+    group.insert(group.begin(), std::move(t));
+    std::vector<const FusableOp*> ops;
+    for (const Task& g : group) ops.push_back(g.fuse.get());
+    for (size_t k = 0; k < group.size();) {
+      size_t fused = group.size() - k > 1 && !failed_.load(std::memory_order_relaxed)
+                         ? run_fused(std::vector<const FusableOp*>(ops.begin() + k, ops.end())) : 0;
+      for (size_t end = k + std::max<size_t>(fused, 1); k < end; ++k) finish(group[k], fused > 0);
+    }
+    group.clear();
+  }
+}
+
+void StreamQueue::finish(Task& t, bool ran) {
+  if (!ran && (t.control || !failed_.load(std::memory_order_relaxed))) {
+    try {
+      t.run();
+    } catch (...) {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!error_) error_ = Failure{std::current_exception(), t.name, std::move(t.stack)};
+      failed_.store(true, std::memory_order_relaxed);
+    }
+  }
+  t.run = nullptr;  // the kernel's captured state goes before it counts as complete
+  t.stack.reset();
+  t.fuse.reset();
+  completed_.fetch_add(1);  // seq_cst with the load below and the waiter's increment: no lost wake-up
+  if (waiters_.load()) {
+    std::lock_guard<std::mutex> g(mu_);
+    done_cv_.notify_all();
   }
 }
 

@@ -18,6 +18,9 @@
 #include <string>
 #include <vector>
 
+struct _object;
+typedef struct _object PyObject;  // Python.h's, declared for the fusion entry points
+
 namespace torchneuron {
 
 constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
@@ -41,13 +44,16 @@ extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: ker
 // exercise the queued path).
 extern std::atomic<bool> g_queue_everything;
 extern std::atomic<bool> g_launch_stacks;  // keep each queued kernel's launching Python stack (for its error)
+struct FusableOp;  // fusion.cpp
 class StreamQueue {
  public:
   StreamQueue(c10::DeviceIndex device, c10::StreamId id);
   // Queue `run` and return its ticket: the queue has run it once reached(ticket). A kernel keeps its launching
   // Python stack for its error; `control` tasks (event records, cross-stream waits) run even after a kernel of
   // the stream failed, kernels are then skipped until the error is reported.
-  uint64_t push(const char* name, std::function<void()> run, bool control = false);
+  // `fuse`: the op as the worker may hand it to eager fusion with the queued ops that follow it (fusion.cpp).
+  uint64_t push(const char* name, std::function<void()> run, bool control = false,
+                std::shared_ptr<const FusableOp> fuse = nullptr);
   uint64_t enqueued() const { return enqueued_.load(std::memory_order_acquire); }
   bool reached(uint64_t ticket) const;
   bool idle() const { return reached(enqueued()); }
@@ -65,7 +71,9 @@ class StreamQueue {
     std::shared_ptr<c10::GatheredContext> stack;
     int threads = 1;  // the launching thread's intra-op thread count
     bool control = false;
+    std::shared_ptr<const FusableOp> fuse;
   };
+  void finish(Task& t, bool ran);  // run `t` (unless `ran`: a fused kernel did its work) and count it complete
   struct Failure {
     std::exception_ptr error;
     const char* name = "";
@@ -279,6 +287,7 @@ struct OpEntry {
   std::atomic<void*> layouts{nullptr};  // fallback.cpp's per-signature result layouts
   std::atomic<void*> out_variant{nullptr};  // fallback.cpp: its out= overload (an OperatorHandle), once looked up
   std::atomic<bool> out_looked_up{false};
+  std::atomic<uint8_t> fuses{0};  // fusion.cpp: 0 not asked yet, 1 no, 2 yes
 };
 // The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
 // underscore dropped; dunder names such as "__and__" kept).
@@ -308,6 +317,30 @@ std::vector<std::pair<std::string, int64_t>> dtype_events();
 std::vector<std::pair<std::string, int64_t>> queued_ops();
 std::vector<std::pair<std::string, int64_t>> waiting_ops();
 void clear_op_tracking();  // also re-arms the warnings
+
+// ---- fusion.cpp: adaptive eager fusion (compiler/eager_fusion.py compiles a group; the stream worker runs it) ----
+// A queued functional op as eager fusion sees it: the op, its arguments on the host (CPU views of device memory;
+// wrapped numbers as numbers) and CPU views of the results its launch handed out.
+struct FusableOp {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> args;
+  std::vector<at::Tensor> outs;
+};
+// Ops smaller than this are not worth a fused kernel: the group's hand-over to Python costs tens of microseconds.
+constexpr int64_t kFuseElements = 1 << 18;
+constexpr size_t kMaxFusedOps = 16;
+// Should this queued launch carry a FusableOp: fusion is installed, the op fuses (the op table, asked once per op)
+// and it is large enough.
+bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements);
+// On a stream worker: run the leading ops of `ops` that eager fusion fuses as one kernel; how many it ran (0: none).
+size_t run_fused(const std::vector<const FusableOp*>& ops);
+// torchneuron's import installs the Python side: fusable(name) -> bool, run(list of ops) -> int.
+void set_eager_fusion(PyObject* fusable, PyObject* run);
+struct FusionCounts {
+  int64_t kernels = 0, ops = 0;  // fused kernels run, the ops they replaced
+};
+FusionCounts fusion_counts();
+void clear_fusion_counts();
 
 // ---- fallback.cpp: the boxed fallback (every op without an explicit kernel runs its ATen CPU kernel) ----
 void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.tracking import get_dtype_events, get_executed_ops, get_fallback_ops
+from ..runtime.tracking import get_dtype_events, get_executed_ops, get_fallback_ops, get_fusion_counts
 from . import cuda_compat
 
 
@@ -22,6 +22,7 @@ def collect() -> dict[str, Any]:
         "executed_ops": get_executed_ops(),
         "fallback_ops": get_fallback_ops(),
         "dtype_events": get_dtype_events(),
+        "eager_fusion": get_fusion_counts(),
         "memory": {f"neuron:{i}": {"max_allocated": torch.neuron.max_memory_allocated(i),
                                    "max_reserved": torch.neuron.max_memory_reserved(i)}
                    for i in range(torch.neuron.device_count())},
@@ -43,7 +44,8 @@ def _sections(r: dict[str, Any]) -> list[tuple[str, list[str]]]:
     ops = [f"executed on neuron: {sum(r['executed_ops'].values())} calls of {len(r['executed_ops'])} ops"
            + (f" ({_top(r['executed_ops'])})" if r["executed_ops"] else ""),
            f"host fallbacks: {sum(r['fallback_ops'].values())}"
-           + (f" ({_top(r['fallback_ops'])})" if r["fallback_ops"] else "")]
+           + (f" ({_top(r['fallback_ops'])})" if r["fallback_ops"] else ""),
+           f"eager fusion: {r['eager_fusion']['kernels']} fused kernels ran {r['eager_fusion']['ops']} queued ops"]
     mem = [f"{d}: peak {m['max_allocated'] / 2**20:.2f} MiB allocated" for d, m in r["memory"].items()
            if m["max_allocated"]] or ["no device memory used"]
     graphs = [f"{g['name']}: {g['nodes']} nodes, {g['recompiles']} recompiles"

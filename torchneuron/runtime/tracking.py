@@ -31,6 +31,11 @@ def get_dtype_events() -> dict[str, int]:
     return dict(_C._dtype_events())
 
 
+def get_fusion_counts() -> dict[str, int]:
+    """Adaptive eager fusion since the last clear: {"kernels": fused kernels run, "ops": queued ops they ran}."""
+    return dict(_C._fusion_counts())
+
+
 def clear_op_tracking() -> None:
     """Reset all counters, and re-arm the once-per-op warnings."""
     _C._clear_op_tracking()
