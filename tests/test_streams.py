@@ -1,4 +1,5 @@
 """Streams and events: torch.neuron.Stream/Event and the generic torch.Stream/torch.Event on `neuron`."""
+import gc
 import time
 
 import pytest
@@ -93,6 +94,7 @@ def test_record_stream_with_caching_allocator_meaning():
     has run its queued work (idle here), the block is cached for its allocating stream, and the statistics stay
     exact. (Reuse while the other stream is busy: tests/test_async.py.)"""
     side = torch.neuron.Stream()
+    gc.collect()  # earlier tests' garbage is not freed in the middle of this one
     torch.neuron.empty_cache()  # no block cached by earlier tests: the reuse below can only be x's or y's
     base = torch.neuron.memory_allocated()
     with torch.neuron.stream(side):
