@@ -181,11 +181,17 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
         if seen < after:
             _STATS.cold += 1
             return None
-        _SIGHTINGS.pop(key)
+        dynamo = _dynamo_compile_lock()
+        if not dynamo.acquire(blocking=False):  # torch.compile is compiling on another thread: not now
+            _STATS.cold += 1
+            return None
         try:
+            _SIGHTINGS.pop(key)
             kernel = _compile(tuple(Spec(*s) for s in key[1]), tuple(Value(*v) for v in key[2]), nodes)
         except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
             return _failed(key, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+        finally:
+            dynamo.release()
         _CACHE[key] = kernel
         _STATS.compiled += 1
         return kernel
@@ -316,6 +322,15 @@ def _run_queued(ops: list[QueuedOp]) -> int:
         return _failed(None, "the fused results' layout differs from the launched ones") or 0
     kernel(group.inputs, outs)
     return len(group.nodes)
+
+
+def _dynamo_compile_lock() -> threading.RLock:
+    """Dynamo's compile lock: Inductor's global state is not meant for two compiles at once, and a stream worker
+    compiles while the host thread may be in torch.compile. Taken without waiting (a host thread holding it may be
+    waiting for this very worker's stream)."""
+    from torch._dynamo import convert_frame
+
+    return convert_frame.compile_lock
 
 
 def _failed(key: tuple | None, why: str) -> None:
