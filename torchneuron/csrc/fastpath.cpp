@@ -14,6 +14,8 @@
 // the fallback policy, the pending kernel error of the stream, the device OOM mapping, and the trainium rules on
 // the result (int64 range, float64 rounding).
 #include <ATen/EmptyTensor.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
 #include <ATen/ops/add_native.h>
 #include <ATen/ops/div_native.h>
 #include <ATen/ops/exp_native.h>
@@ -37,12 +39,37 @@
 #include <ATen/ops/threshold_backward_native.h>
 #include <torch/library.h>
 
+#include <array>
 #include <tuple>
 
 #include "runtime.h"
 
 namespace torchneuron {
 namespace {
+
+// A CPU storage over a device storage's bytes, from the thread's recent ones when it can: the caching allocator
+// hands the same blocks out again, so most calls find theirs here instead of making a StorageImpl per tensor. Only
+// one nothing else holds is reused, over the same bytes, so it is exactly the alias a fresh one would be.
+c10::Storage host_storage(const c10::Storage& device) {
+  struct Entry {
+    const void* data = nullptr;
+    size_t nbytes = 0;
+    c10::Storage host;
+  };
+  thread_local std::array<Entry, 8> recent;
+  thread_local size_t next = 0;
+  const void* data = device.data();
+  const size_t nbytes = device.nbytes();
+  for (auto& e : recent)
+    if (e.data == data && e.nbytes == nbytes && e.host.use_count() == 1 && e.host.data() == data &&
+        e.host.nbytes() == nbytes)
+      return e.host;
+  c10::Storage host(c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(), nbytes, c10::DataPtr(device.mutable_data(), c10::Device(c10::kCPU)),
+      c10::GetCPUAllocator(), /*resizable=*/true));
+  if (nbytes) recent[next++ % recent.size()] = {data, nbytes, host};  // empty storages: one each (overlap checks)
+  return host;
+}
 
 // The structured CPU kernel `Native`, with its one result allocated in device memory and seen through a host alias.
 template <class Native>
@@ -56,7 +83,7 @@ struct OnDevice final : Native {
     device_out = strides.empty()
                      ? at::detail::empty_generic(sizes, neuron_allocator(), keys, dtype, options.memory_format_opt())
                                  : at::detail::empty_strided_generic(sizes, strides, neuron_allocator(), keys, dtype);
-    host_out = host_alias(device_out);
+    host_out = host_alias(device_out, host_storage(device_out.storage()));
     Native::set_output_raw_strided(i, sizes, strides, options);
   }
   const at::Tensor& maybe_get_output(int64_t) override { return host_out; }
@@ -91,15 +118,22 @@ struct Operands {
   }
 };
 
-// The host aliases of one call; one device tensor passed twice (`x * x`) is one CPU tensor twice, as on the CPU.
+// The host aliases of one call: one CPU storage per device storage (ATen's overlap checks compare storages), and
+// one device tensor passed twice (`x * x`) is one CPU tensor twice, as on the CPU.
 struct Aliases {
-  HostAliases storages;
+  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 3> storages;
   const c10::TensorImpl* last = nullptr;
   at::Tensor last_alias;
   at::Tensor operator()(const at::Tensor& t) {
     if (t.device().type() != kNeuron) return t;
-    if (t.unsafeGetTensorImpl() != last) last = t.unsafeGetTensorImpl(), last_alias = storages(t);
-    return last_alias;
+    if (t.unsafeGetTensorImpl() == last) return last_alias;
+    const auto* dev = t.storage().unsafeGetStorageImpl();
+    const c10::Storage* host = nullptr;
+    for (auto& [d, h] : storages)
+      if (d == dev) host = &h;
+    if (!host) host = &storages.emplace_back(dev, host_storage(t.storage())).second;
+    last = t.unsafeGetTensorImpl();
+    return last_alias = host_alias(t, *host);
   }
 };
 template <class T>
