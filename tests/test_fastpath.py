@@ -204,3 +204,51 @@ def test_pending_kernel_error_is_raised_by_a_fast_op():
         pass
     with pytest.raises((RuntimeError, IndexError), match="index_select"):
         one + 1
+
+
+def _busy() -> list[torch.Tensor]:
+    big = torch.randn(512, 512, device=DEV)
+    return [big @ big for _ in range(3)]
+
+
+def test_launch_stack_names_the_innermost_frames_of_a_deep_stack():
+    """A queued kernel's error names the innermost 12 frames of the stack that launched it (gathered cheaply at
+    every queued launch, csrc/launch_stack.cpp), most recent call last."""
+    src, good, bad = torch.randn(8, 4, device=DEV), torch.tensor([0, 1], device=DEV), torch.tensor([0, 99], device=DEV)
+    torch.index_select(src, 0, good)  # the signature's layout is known: the next call is queued
+
+    def nested(depth):
+        if depth:
+            return nested(depth - 1)
+        busy = _busy()
+        out = torch.index_select(src, 0, bad)  # LAUNCH
+        return out, busy
+
+    nested(20)
+    with pytest.raises((RuntimeError, IndexError)) as info:
+        torch.neuron.synchronize()
+    frames = str(info.value).split("It was launched from (most recent call last):")[1].split("\n(Set")[0]
+    lines = [ln for ln in frames.splitlines() if ln.strip()]
+    assert len(lines) == 12 and all("in nested" in ln for ln in lines)
+    launch = next(i for i, ln in enumerate(open(__file__), 1) if ln.rstrip().endswith("# LAUNCH"))
+    assert lines[-1].endswith(f"line {launch}, in nested")
+
+
+def test_launch_stacks_release_their_code_objects():
+    """The frames a launch keeps are released once its kernel has run (no code object lives on because a kernel was
+    once launched from it)."""
+    import sys
+
+    x = torch.randn(1 << 16, device=DEV)
+    x + x  # the signature's layout
+    ns: dict = {}
+    exec(compile("def launch(x):\n    return x + x\n", "<generated>", "exec"), ns)
+    code = ns["launch"].__code__
+    before = sys.getrefcount(code)
+    busy = _busy()
+    outs = [ns["launch"](x) for _ in range(50)]  # queued behind the busy stream: each keeps `code`
+    assert torchneuron._C._queued_ops().get("aten::add", 0) >= 50
+    torch.neuron.synchronize()
+    del busy, outs
+    x + x  # a later launch releases the finished kernels' stacks
+    assert sys.getrefcount(code) == before
