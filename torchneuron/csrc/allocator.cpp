@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <algorithm>
+#include <array>
 #include <map>
 #include <set>
 #include <mutex>
@@ -346,7 +347,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   std::map<uintptr_t, Block*> live_;  // every block owned by the allocator, in use or cached
   std::map<std::pair<c10::DeviceIndex, c10::StreamId>, std::multimap<size_t, Block*>> free_;  // per stream
   std::vector<PendingFree> pending_;
-  std::unordered_map<c10::DeviceIndex, DeviceStats> stats_;
+  std::array<DeviceStats, 128> stats_{};  // by device index (validated): no hashing on the op path
   std::unordered_map<c10::DeviceIndex, double> fraction_;
 
  public:

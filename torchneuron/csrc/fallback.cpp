@@ -260,6 +260,19 @@ bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<
   return true;
 }
 
+// The signature's storage, reused by the thread's calls (no allocation per call); a nested call (an op run from
+// within another's kernel) finds it taken and uses its own.
+struct KeyBuffer {
+  static thread_local std::vector<int64_t> spare;
+  std::vector<int64_t> key;
+  KeyBuffer() { key.swap(spare); }
+  ~KeyBuffer() {
+    key.clear();
+    if (key.capacity() > spare.capacity()) key.swap(spare);
+  }
+};
+thread_local std::vector<int64_t> KeyBuffer::spare;
+
 LayoutCache& layouts_of(OpEntry& e) {
   if (auto* c = static_cast<LayoutCache*>(e.layouts.load(std::memory_order_acquire))) return *c;
   auto* fresh = new LayoutCache;  // never freed: entries live for the process
@@ -673,7 +686,8 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     drain_current(c.device);
     return run_on_host(op, stack, e, c, trainium);
   }
-  std::vector<int64_t> key;
+  KeyBuffer buffer;
+  std::vector<int64_t>& key = buffer.key;
   FlatArgs flat;
   bool keyed = signature(args, nargs, factory, key, flat);
   auto L = keyed ? find_layout(e, key) : nullptr;

@@ -22,6 +22,11 @@ void installCapturedTracebackPython();  // libtorch_python (its header needs nlo
 
 namespace torchneuron {
 
+// launch_stack.cpp: the launching Python stack (its innermost frames; null on a thread without Python frames), and
+// its text for an error (" It was launched from (most recent call last): ...").
+std::shared_ptr<c10::GatheredContext> gather_launch_stack();
+std::string describe_launch_stack(const c10::GatheredContext& stack);
+
 std::atomic<bool> g_launch_blocking{false};
 std::atomic<bool> g_queue_everything{false};
 std::atomic<bool> g_launch_stacks{true};
@@ -47,7 +52,7 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
                            std::shared_ptr<const FusableOp> fuse) {
   Task t{std::move(run), name, nullptr, at::get_num_threads(), control, std::move(fuse)};
   if (!control && g_launch_stacks.load(std::memory_order_relaxed) && Py_IsInitialized())  // bindings release the GIL: gathering takes it
-    t.stack = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+    t.stack = gather_launch_stack();
   uint64_t ticket;
   bool wake;
   {
@@ -163,17 +168,7 @@ void StreamQueue::raise_error() {
   }
   std::string where = c10::str("neuron: the error above was raised by ", f.name, ", run asynchronously on neuron:",
                                static_cast<int>(device_), " stream ", id_, " and reported at this sync point.");
-  if (f.stack) {
-    std::vector<torch::CapturedTraceback*> tbs{static_cast<torch::CapturedTraceback*>(f.stack.get())};
-    auto frames = torch::symbolize(tbs);
-    where += " It was launched from (most recent call last):";
-    const auto& idx = frames.tracebacks.at(0);
-    size_t shown = std::min<size_t>(idx.size(), 12);  // the innermost frames (gathered innermost first)
-    for (size_t i = shown; i-- > 0;) {
-      const auto& fr = frames.all_frames.at(idx[i]);
-      where += c10::str("\n  File \"", fr.filename, "\", line ", fr.lineno, ", in ", fr.funcname);
-    }
-  }
+  if (f.stack) where += describe_launch_stack(*f.stack);
   where += "\n(Set TORCHNEURON_LAUNCH_BLOCKING=1 to raise errors at the launching op.)";
   try {
     std::rethrow_exception(f.error);
