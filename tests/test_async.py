@@ -490,6 +490,20 @@ def test_an_out_argument_the_kernel_resizes_is_not_replayed_with_its_old_shape()
         torch.testing.assert_close((a.cpu(), b.cpu()), (x.cpu().abs(), v.cpu() * 2))
 
 
+def test_an_out_argument_sized_by_float_arguments_is_keyed_by_their_values():
+    """`arange(start, end, step)` on the device is `arange.out` into an empty tensor, which the kernel resizes to a
+    length its float arguments decide: an empty range first must not make a later range (same tensor metadata,
+    other floats) replay as empty (what mvlgamma, which calls arange, returned under --queue-everything)."""
+    xd, wd = on_device(*operands())
+    for start, end, step in ((1.1, 1.1, 1.0), (0.0, 0.5, 0.5), (0.0, 0.5, 0.5), (-1.0, 2.0, 0.5), (1.1, 1.1, 1.0)):
+        slow(xd, wd, 1)
+        torch.testing.assert_close(torch.arange(start, end, step, device=DEV).cpu(), torch.arange(start, end, step))
+    x = torch.rand(5, 5) * 3 + 1
+    for p in (1, 3, 1):
+        slow(xd, wd, 1)
+        torch.testing.assert_close(torch.mvlgamma(x.to(DEV), p).cpu(), torch.mvlgamma(x, p))
+
+
 def test_a_result_without_memory_is_never_replayed():
     """`sgn`'s gradient of a real input is an efficient zero tensor (a storage without memory): its layout is not
     reusable, so a queued replay cannot copy from nowhere; the gradient stays right on a busy stream."""

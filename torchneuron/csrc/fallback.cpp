@@ -183,8 +183,9 @@ constexpr size_t kLayoutsPerOp = 256;  // signatures remembered per op; beyond, 
 using FlatArgs = c10::SmallVector<at::Tensor, 8>;
 
 // The argument signature: everything the results' metadata may depend on (tensor metadata and aliasing, integers,
-// flags, dtypes, devices; float values only for factories, which have no tensor to shape their result). False for
-// an argument no layout can be keyed by (a CPU tensor of more than 0 dims, an unknown value type).
+// flags, dtypes, devices; float values only for factories and out= overloads (`factory`), which have no input tensor
+// to shape their result: arange's out= length comes from its start, end and step). False for an argument no layout
+// can be keyed by (a CPU tensor of more than 0 dims, an unknown value type).
 bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<int64_t>& key, FlatArgs& flat) {
   key.reserve(64);
   auto tensor = [&](const at::Tensor& t) -> bool {
@@ -333,13 +334,11 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
         L->group_slot.push_back(L->slots.size());
       }
     }
-    if (s.kind != ResultSlot::arg) {
-      s.sizes.assign(t.sizes().begin(), t.sizes().end());
-      s.strides.assign(t.strides().begin(), t.strides().end());
-      s.offset = t.storage_offset();
-      s.dtype = t.dtype();
-      s.conj = t.is_conj(), s.neg = t.is_neg();
-    }
+    s.sizes.assign(t.sizes().begin(), t.sizes().end());  // an argument's too: the kernel must leave it so
+    s.strides.assign(t.strides().begin(), t.strides().end());
+    s.offset = t.storage_offset();
+    s.dtype = t.dtype();
+    s.conj = t.is_conj(), s.neg = t.is_neg();
     L->slots.push_back(std::move(s));
     return true;
   };
@@ -627,6 +626,8 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         mispredicted(e, *layout, k, out[k]);
       if (expect[k] && out[k].defined() && out[k].numel() > 0 && out[k].data_ptr() != expect[k])
         mispredicted(e, *layout, k, out[k]);  // handed out as a view (or an argument), computed as fresh memory
+      if (s.kind == ResultSlot::arg && out[k].defined() && out[k].sizes() != c10::IntArrayRef(s.sizes))
+        mispredicted(e, *layout, k, out[k]);  // the kernel resized an out= argument its launch did not
     }
     for (size_t g = 0; g < mem.size(); ++g) {
       const at::Tensor& r = out[layout->group_slot[g]];
@@ -689,7 +690,9 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   KeyBuffer buffer;
   std::vector<int64_t>& key = buffer.key;
   FlatArgs flat;
-  bool keyed = signature(args, nargs, factory, key, flat);
+  bool out_form = false;  // an out= overload: writes a keyword-only argument
+  for (size_t i : e.writes) out_form |= schema.arguments()[i].kwarg_only();
+  bool keyed = signature(args, nargs, factory || out_form, key, flat);
   auto L = keyed ? find_layout(e, key) : nullptr;
   bool writes_int64 = false;  // the trainium rules inspect what an op writes into an int64 argument
   if (trainium)
