@@ -55,7 +55,7 @@ def run(quick: bool = False) -> list[dict]:
     rows = []
     a = {d: torch.randn(16, device=d) for d in ("cpu", "neuron")}
     t = interleaved({d: (lambda d=d: a[d] + a[d]) for d in a}, calls=2000 if quick else 5000, repeats=reps)
-    rows.append(row("add, 16 elements", t["neuron"] * 1e6, t["cpu"] * 1e6, "us", 1.5))
+    rows.append(row("add, 16 elements", t["neuron"] * 1e6, t["cpu"] * 1e6, "us", 1.2))
     m = {d: torch.randn(1024, 1024, device=d) for d in ("cpu", "neuron")}
     t = interleaved({d: (lambda d=d: m[d] @ m[d]) for d in m}, calls=3 if quick else 10, repeats=reps)
     rows.append(row("matmul 1024x1024", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.05))
@@ -67,9 +67,9 @@ def run(quick: bool = False) -> list[dict]:
                                       nn.Linear(512, 10)),
                 lambda: (torch.randn(64, 256), torch.randint(0, 10, (64,))))
     t = interleaved(mlp, calls=10 if quick else 30, repeats=reps)
-    rows.append(row("MLP training step", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.15))
+    rows.append(row("MLP training step", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 0.85))
     cfg = GPTConfig()
     gpt = _pair(lambda: TinyGPT(cfg), lambda: gpt_batch(cfg, 8, torch.Generator().manual_seed(0)))
     t = interleaved(gpt, calls=3 if quick else 8, repeats=reps)
-    rows.append(row("small-GPT training step", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.15))
+    rows.append(row("small-GPT training step", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 0.9))
     return rows
