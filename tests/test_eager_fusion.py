@@ -3,6 +3,9 @@ matches the ops run one by one, writes only the buffers it is given, is cached b
 deterministic, and refuses what it cannot fuse (counted). Each Inductor compile costs seconds: groups are shared."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -334,3 +337,25 @@ def test_the_porting_report_counts_fused_kernels():
     r = porting_report.collect()
     assert r["eager_fusion"] == dict(zip(("kernels", "ops"), fused_counts(), strict=True))
     assert f"eager fusion: {r['eager_fusion']['kernels']} fused kernels" in porting_report.render_text(r)
+
+
+def test_fusion_off_installs_nothing():
+    """TORCHNEURON_EAGER_FUSION=0: the stream workers are never handed fusion (no GIL taken, nothing counted), and
+    the same recurring run that fuses above stays unfused and exact."""
+    code = """
+import torch
+from torchneuron import _C
+from torchneuron.compiler import eager_fusion as ef
+x, b = torch.randn(64, 4096), torch.randn(4096)
+xd, bd = x.to("neuron"), b.to("neuron")
+for _ in range(ef.AFTER + 2):
+    m = torch.ones(1536, 1536, device="neuron"); m @ m
+    out = torch.nn.functional.gelu(xd + bd) * 0.5
+    assert torch.equal(out.cpu(), torch.nn.functional.gelu(x + b) * 0.5)
+assert _C._fusion_counts() == {"kernels": 0, "ops": 0}, _C._fusion_counts()
+assert ef.stats() == ef.Stats(), ef.stats()
+print("ok")
+"""
+    env = {**os.environ, "TORCHNEURON_EAGER_FUSION": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

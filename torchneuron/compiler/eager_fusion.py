@@ -84,10 +84,14 @@ ABI = 1  # bump when the meaning of a cached group changes
 
 
 def install() -> None:
-    """Hand the stream workers the fusion entry points (torchneuron's import does; this module stays light)."""
+    """Hand the stream workers the fusion entry points (torchneuron's import does; this module stays light). Under
+    TORCHNEURON_EAGER_FUSION=0 nothing is installed, so queued launches carry nothing and workers never take the
+    GIL for fusion."""
     from .. import _C
 
-    _C._set_eager_fusion(fusable, lambda ops: run_queued([QueuedOp(*q) for q in ops]))
+    cfg = config.current_or_none()
+    if cfg is not None and cfg.eager_fusion:
+        _C._set_eager_fusion(fusable, lambda ops: run_queued([QueuedOp(*q) for q in ops]))
 
 
 def stats() -> Stats:

@@ -49,7 +49,7 @@ bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements) 
   return yes;
 }
 
-size_t run_fused(const std::vector<const FusableOp*>& ops) {
+size_t run_fused(c10::ArrayRef<const FusableOp*> ops) {
   if (!g_installed.load(std::memory_order_relaxed) || !python_usable()) return 0;
   pybind11::gil_scoped_acquire gil;
   size_t ran = 0;

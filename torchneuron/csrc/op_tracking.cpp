@@ -153,26 +153,19 @@ std::vector<std::pair<std::string, int64_t>> executed_ops() {
   return {agg.begin(), agg.end()};
 }
 
-std::vector<std::pair<std::string, int64_t>> queued_ops() {
+namespace {
+// One counter of every op, aggregated by name.
+std::vector<std::pair<std::string, int64_t>> op_counts(std::atomic<int64_t> OpEntry::*counter) {
   std::lock_guard<std::mutex> g(g_mu);
   std::unordered_map<std::string, int64_t> agg;
-  add_counts(agg, g_ops, &OpEntry::queued);
+  add_counts(agg, g_ops, counter);
   return {agg.begin(), agg.end()};
 }
+}  // namespace
 
-std::vector<std::pair<std::string, int64_t>> waiting_ops() {
-  std::lock_guard<std::mutex> g(g_mu);
-  std::unordered_map<std::string, int64_t> agg;
-  add_counts(agg, g_ops, &OpEntry::waited);
-  return {agg.begin(), agg.end()};
-}
-
-std::vector<std::pair<std::string, int64_t>> fallback_ops() {
-  std::lock_guard<std::mutex> g(g_mu);
-  std::unordered_map<std::string, int64_t> agg;
-  add_counts(agg, g_ops, &OpEntry::fallback);
-  return {agg.begin(), agg.end()};
-}
+std::vector<std::pair<std::string, int64_t>> queued_ops() { return op_counts(&OpEntry::queued); }
+std::vector<std::pair<std::string, int64_t>> waiting_ops() { return op_counts(&OpEntry::waited); }
+std::vector<std::pair<std::string, int64_t>> fallback_ops() { return op_counts(&OpEntry::fallback); }
 
 std::vector<std::pair<std::string, int64_t>> dtype_events() {
   std::lock_guard<std::mutex> g(g_mu);

@@ -7,7 +7,6 @@
 #include <ATen/Parallel.h>
 #include <Python.h>
 #include <pthread.h>
-#include <torch/csrc/profiler/combined_traceback.h>
 
 #include <condition_variable>
 #include <deque>
@@ -16,16 +15,7 @@
 
 #include "runtime.h"
 
-namespace torch {
-void installCapturedTracebackPython();  // libtorch_python (its header needs nlohmann/json, not in the wheel)
-}  // namespace torch
-
 namespace torchneuron {
-
-// launch_stack.cpp: the launching Python stack (its innermost frames; null on a thread without Python frames), and
-// its text for an error (" It was launched from (most recent call last): ...").
-std::shared_ptr<c10::GatheredContext> gather_launch_stack();
-std::string describe_launch_stack(const c10::GatheredContext& stack);
 
 std::atomic<bool> g_launch_blocking{false};
 std::atomic<bool> g_queue_everything{false};
@@ -110,7 +100,7 @@ void StreamQueue::loop() {
     for (const Task& g : group) ops.push_back(g.fuse.get());
     for (size_t k = 0; k < group.size();) {
       size_t fused = group.size() - k > 1 && !failed_.load(std::memory_order_relaxed)
-                         ? run_fused(std::vector<const FusableOp*>(ops.begin() + k, ops.end())) : 0;
+                         ? run_fused(c10::ArrayRef<const FusableOp*>(ops).slice(k)) : 0;
       for (size_t end = k + std::max<size_t>(fused, 1); k < end; ++k) finish(group[k], fused > 0);
     }
     group.clear();
@@ -258,10 +248,7 @@ void StreamQueue::reset_after_fork() {
 
 void install_fork_handler() {
   static std::once_flag once;
-  std::call_once(once, [] {
-    pthread_atfork(nullptr, nullptr, &reset_queues_after_fork);
-    torch::installCapturedTracebackPython();  // launch stacks include Python frames
-  });
+  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &reset_queues_after_fork); });
 }
 
 }  // namespace torchneuron

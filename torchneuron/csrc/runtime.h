@@ -102,6 +102,10 @@ void synchronize_device(c10::DeviceIndex device, bool raise = true);
 // for the stream's queued work and raise its pending error.
 void drain_current(c10::DeviceIndex device);
 void install_fork_handler();
+// launch_stack.cpp: the Python stack launching a queued kernel (its innermost frames; null on a thread without
+// Python frames), and its text for the kernel's error (" It was launched from (most recent call last): ...").
+std::shared_ptr<c10::GatheredContext> gather_launch_stack();
+std::string describe_launch_stack(const c10::GatheredContext& stack);
 // Run `kernel` on the current stream of `device`: queued, or at once when launches block or the stream is idle and
 // the work is small (`elements`), where a hand-off to the worker would cost more than the kernel. The kernel must
 // not own device memory (capture host aliases: the allocator orders reuse by stream, as CUDA's).
@@ -333,7 +337,7 @@ constexpr size_t kMaxFusedOps = 16;
 // and it is large enough.
 bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements);
 // On a stream worker: run the leading ops of `ops` that eager fusion fuses as one kernel; how many it ran (0: none).
-size_t run_fused(const std::vector<const FusableOp*>& ops);
+size_t run_fused(c10::ArrayRef<const FusableOp*> ops);
 // torchneuron's import installs the Python side: fusable(name) -> bool, run(list of ops) -> int.
 void set_eager_fusion(PyObject* fusable, PyObject* run);
 struct FusionCounts {
