@@ -41,7 +41,7 @@ OPS = {
     "silu_backward": (torch.ops.aten.silu_backward, 2, False),
     "gelu_backward": (torch.ops.aten.gelu_backward, 2, False),
 }
-DTYPES = [torch.float32, torch.bfloat16, torch.int32]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
 
 
 NO_SCALAR = {"maximum", "minimum", "relu_backward", "tanh_backward", "sigmoid_backward", "silu_backward",
@@ -125,6 +125,35 @@ def test_type_promotion_equals_cpu(a, b):
         check(fn, x, y)
         check(fn, x, 2.5)
         check(fn, x, torch.tensor(3, dtype=torch.float64), host=(1,))  # a 0-dim CPU tensor of a higher category
+
+
+@pytest.mark.parametrize("exponent", [0, 1, 0.5, -1, 3, 2.0], ids=str)
+def test_pow_scalar_special_exponents_equal_cpu(exponent):
+    """pow's CPU kernel fills (exponent 0) or copies (exponent 1) its result instead of computing it: on the
+    direct path those are device ops called from inside the fast kernel."""
+    check(lambda a: torch.pow(a, exponent), make((3, 5), torch.float32, 0).abs())
+    check(lambda a: torch.pow(a, exponent), make((3, 5), torch.bfloat16, 1).abs())
+
+
+def test_float64_under_the_host_policy_equals_cpu():
+    torchneuron.set_policies("host", "warn")  # the fixture restores the default
+    for name in ("add", "mul", "div", "exp", "tanh", "silu_backward"):
+        fn, arity, _ = OPS[name]
+        args = [make((4, 5), torch.float64, i) for i in range(arity)]
+        got = fn(*[a.to(DEV) for a in args])
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got.cpu(), fn(*args), rtol=0, atol=0)  # full precision, bit for bit
+
+
+def test_a_tensor_on_another_device_than_the_current_one():
+    if torch.neuron.device_count() < 2:
+        pytest.skip("one device")
+    x = make((4, 5), torch.float32, 0).to("neuron:1")
+    before = torch.neuron.memory_allocated(1), torch.neuron.memory_allocated(0)
+    y = torch.tanh(x) + x
+    assert y.device == torch.device("neuron:1") and torch.neuron.current_device() == 0
+    assert torch.neuron.memory_allocated(1) > before[0] and torch.neuron.memory_allocated(0) == before[1]
+    same(y, torch.tanh(x.cpu()) + x.cpu())
 
 
 def test_idle_runs_at_once_busy_is_queued_and_both_are_counted():

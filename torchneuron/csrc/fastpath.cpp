@@ -2,17 +2,34 @@
 // generality on every call: boxing the arguments, an argument signature, a layout look-up, the CPU kernel's own
 // output allocation and its adoption into device memory, then mapping the results back. For a tiny op on an idle
 // stream that is most of its cost. These ops are structured kernels: their CPU `meta` computes the result's shape,
-// dtype and strides (the same code the CPU's functional kernel runs), `impl` computes it. Here `meta` runs over host
-// aliases of the arguments, the result is allocated in device memory at once (a cached block, nothing adopted),
-// and `impl` writes it through its host alias: the CPU kernel's exact result, with no boxing and no result mapping.
+// dtype and strides (the same code the CPU's functional kernel runs), `impl` computes it; the result is allocated
+// in device memory at once (a cached block, nothing adopted). Two ways to run them:
+// - direct: `meta` and `impl` over the device tensors themselves, `impl` reaching the CPU's kernel through the
+//   op's DispatchStub, whose PrivateUse1 entry is routed to the CPU's (device memory is host memory). Taken when
+//   every tensor is a neuron tensor and all share one floating dtype, which is then the result's: TensorIterator
+//   converts operands to the common dtype only when that device is the CPU, so mixed dtypes must not come here.
+// - aliased: the same over host aliases of the arguments (CPU tensors on the same bytes), `impl` writing the
+//   result through its alias: everything else (integers, mixed dtypes, CPU values), and GELU, whose CPU kernel
+//   takes oneDNN's path only for CPU tensors (so the direct one would round differently from the CPU).
+// Either way the result is the CPU kernel's exact one, with no boxing and no result mapping.
 //
-// Only the plain case takes it: every tensor a neuron tensor of one device or a 0-dim CPU value, the stream
-// idle and the result small (where the boxed path runs the op inline as well), launches not blocking, no profiler
-// trace, and no float64 device tensor under the trainium rules. Everything else -- queued
-// launches, device mismatches and their messages, the fp64 rules -- is the boxed fallback's, called with the same
-// arguments, so behaviour is the fallback's by construction. The fast path keeps the rest of it: op counting and
-// the fallback policy, the pending kernel error of the stream, the device OOM mapping, and the trainium rules on
-// the result (int64 range, float64 rounding).
+// Only the plain case takes a fast path: every tensor a neuron tensor of one device or a 0-dim CPU value, the
+// stream idle and the result small (where the boxed path runs the op inline as well), launches not blocking, no
+// profiler trace, and no float64 device tensor under the trainium rules. Everything else -- queued launches, device
+// mismatches and their messages, the fp64 rules -- is the boxed fallback's, called with the same arguments, so
+// behaviour is the fallback's by construction. The fast path keeps the rest of it: op counting and the fallback
+// policy, the pending kernel error of the stream, the device OOM mapping, and the trainium rules on the result
+// (int64 range, float64 rounding).
+//
+// The stubs' exported look-up takes one kernel per CPU capability the wheel was built with; on x86-64 those are
+// AVX512 and AVX2 (the declarations must match, or the symbol is not found). Elsewhere only the aliased path runs.
+#if defined(__x86_64__)
+#define HAVE_AVX512_CPU_DEFINITION
+#define HAVE_AVX2_CPU_DEFINITION
+#define TORCHNEURON_DIRECT_STUBS 1
+#else
+#define TORCHNEURON_DIRECT_STUBS 0
+#endif
 #include <ATen/EmptyTensor.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
@@ -37,6 +54,11 @@
 #include <ATen/ops/tanh_backward_native.h>
 #include <ATen/ops/tanh_native.h>
 #include <ATen/ops/threshold_backward_native.h>
+#include <ATen/native/Activation.h>
+#include <ATen/native/BinaryOps.h>
+#include <ATen/native/DispatchStub.h>
+#include <ATen/native/Pow.h>
+#include <ATen/native/UnaryOps.h>
 #include <torch/library.h>
 
 #include <array>
@@ -89,17 +111,44 @@ struct OnDevice final : Native {
   const at::Tensor& maybe_get_output(int64_t) override { return host_out; }
 };
 
+// The same kernel over the device tensors themselves: its stub, registered for PrivateUse1 below, is the CPU's.
+// TensorIterator casts operands to the common dtype only when that device is the CPU, so this is taken only when
+// every operand already has the result's dtype.
+template <class Native>
+struct Direct final : Native {
+  at::Tensor out;
+  void set_output_raw_strided(int64_t i, at::IntArrayRef sizes, at::IntArrayRef strides,
+                              at::TensorOptions options) override {
+    const auto keys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+    const auto dtype = options.dtype().toScalarType();
+    out = strides.empty() ? at::detail::empty_generic(sizes, neuron_allocator(), keys, dtype, options.memory_format_opt())
+                          : at::detail::empty_strided_generic(sizes, strides, neuron_allocator(), keys, dtype);
+    Native::set_output_raw_strided(i, sizes, strides, options);
+  }
+  const at::Tensor& maybe_get_output(int64_t) override { return out; }
+  bool uniform_dtype() {
+    for (int i = 0; i < this->ntensors(); ++i)
+      if (this->dtype(i) != this->dtype(0)) return false;
+    return true;
+  }
+};
+
 // What the arguments allow: the device, whether the plain case holds, the result's element count (an upper bound
 // from broadcasting the tensors' sizes; a shape mismatch is the kernel's to report).
 struct Operands {
   c10::DeviceIndex device = -1;
   bool plain = true, fp64 = false;
   int64_t dims = 0;
+  std::optional<at::ScalarType> dtype;  // the first tensor's; `direct`: all neuron tensors, all of this dtype
+  bool direct = true;
   c10::SmallVector<int64_t, 6> sizes;  // innermost first
   void add(const at::Tensor& t) {
     if (!t.defined() || t.layout() != at::kStrided) return void(plain = false);
+    if (!dtype) dtype = t.scalar_type();
+    direct &= *dtype == t.scalar_type();
     if (t.device().type() != kNeuron) {
       plain &= t.device().is_cpu() && t.dim() == 0;  // a value (a Python number, a CPU scalar tensor)
+      direct = false;
       return;
     }
     if (device < 0) device = t.device().index();
@@ -150,7 +199,7 @@ c10::IValue boxed(c10::string_view v) { return c10::IValue(std::string(v)); }
 c10::IValue boxed(const std::optional<c10::string_view>& v) { return v ? boxed(*v) : c10::IValue(); }
 
 // One fast op: the aten schema it implements and the structured CPU kernel that computes it.
-template <class Native, const char* Name, const char* Overload, class... Args>
+template <class Native, bool kDirect, const char* Name, const char* Overload, class... Args>
 at::Tensor fast_kernel(Args... args) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(Name, Overload);
   static OpEntry& e = op_entry(op);
@@ -160,11 +209,22 @@ at::Tensor fast_kernel(Args... args) {
   if (o.plain && o.device >= 0 && !(trainium && o.fp64) && !g_tracing_device.load(std::memory_order_relaxed) &&
       !g_launch_blocking.load(std::memory_order_relaxed) && !g_queue_everything.load(std::memory_order_relaxed) &&
       o.elements() < kInlineElements) {
-    c10::DeviceGuard guard(c10::Device(kNeuron, o.device));
+    std::optional<c10::DeviceGuard> guard;  // the result is allocated on the current device
+    if (current_device() != o.device) guard.emplace(c10::Device(kNeuron, o.device));
     StreamQueue& q = current_queue(o.device);
     if (q.idle()) {
       count_call(e);
       q.raise_error();  // the stream's pending kernel error comes first, as at any host use of the device
+      if (kDirect && TORCHNEURON_DIRECT_STUBS && o.direct && at::isFloatingType(*o.dtype)) {
+        Direct<Native> k;
+        if (with_device_oom(o.device, [&] {
+              k.meta(args...);
+              if (!k.uniform_dtype()) return false;
+              k.impl(args..., k.out);
+              return true;
+            }))
+          return std::move(k.out);
+      }
       Aliases h;
       auto host = std::make_tuple(host_arg(h, args)...);
       OnDevice<Native> k;
@@ -218,35 +278,54 @@ FAST(threshold_backward, "aten::threshold_backward", "")
 
 using T = const at::Tensor&;
 using S = const at::Scalar&;
-#define K(id, cls, ...) fast_kernel<at::native::cls, id##_name, id##_overload, __VA_ARGS__>
+#define K(id, cls, ...) fast_kernel<at::native::cls, false, id##_name, id##_overload, __VA_ARGS__>
+#define D(id, cls, ...) fast_kernel<at::native::cls, true, id##_name, id##_overload, __VA_ARGS__>
 
 }  // namespace
 
+#if TORCHNEURON_DIRECT_STUBS
+// PrivateUse1's entry of each stub a direct kernel reaches: the CPU's own (device memory is host memory).
+template <auto& Stub, class R, class... A>
+void route_to_cpu(R (*)(A...)) {
+  Stub.set_privateuse1_dispatch_ptr(+[](A... a) -> R { return Stub(c10::kCPU, a...); });
+}
+#define ROUTE(stub) route_to_cpu<at::native::stub>(std::remove_reference_t<decltype(at::native::stub)>::FnPtr{})
+const bool stubs_routed = [] {
+  ROUTE(add_stub), ROUTE(mul_stub), ROUTE(div_true_stub), ROUTE(div_trunc_stub), ROUTE(div_floor_stub);
+  ROUTE(neg_stub), ROUTE(exp_stub), ROUTE(log_stub), ROUTE(sqrt_stub), ROUTE(rsqrt_stub), ROUTE(tanh_stub);
+  ROUTE(sigmoid_stub), ROUTE(silu_stub), ROUTE(maximum_stub), ROUTE(minimum_stub);
+  ROUTE(pow_tensor_scalar_stub), ROUTE(pow_tensor_tensor_stub), ROUTE(tanh_backward_stub);
+  ROUTE(sigmoid_backward_stub), ROUTE(silu_backward_stub), ROUTE(threshold_stub);
+  return true;
+}();
+#undef ROUTE
+#endif
+
 // The ops (a short table: the hot ones of eager training; every other op takes the boxed fallback).
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("add.Tensor", K(add, structured_ufunc_add_CPU, T, T, S));
-  m.impl("sub.Tensor", K(sub, structured_sub_out, T, T, S));
-  m.impl("mul.Tensor", K(mul, structured_mul_out, T, T));
-  m.impl("div.Tensor", K(div, structured_div_out, T, T));
-  m.impl("div.Tensor_mode", K(div_mode, structured_div_out_mode, T, T, std::optional<c10::string_view>));
-  m.impl("neg", K(neg, structured_neg_out, T));
-  m.impl("exp", K(exp, structured_exp_out, T));
-  m.impl("log", K(log, structured_log_out, T));
-  m.impl("sqrt", K(sqrt, structured_sqrt_out, T));
-  m.impl("rsqrt", K(rsqrt, structured_rsqrt_out, T));
-  m.impl("tanh", K(tanh, structured_tanh_out, T));
-  m.impl("sigmoid", K(sigmoid, structured_sigmoid_out, T));
-  m.impl("silu", K(silu, structured_silu_out, T));
+  m.impl("add.Tensor", D(add, structured_ufunc_add_CPU, T, T, S));
+  m.impl("sub.Tensor", D(sub, structured_sub_out, T, T, S));
+  m.impl("mul.Tensor", D(mul, structured_mul_out, T, T));
+  m.impl("div.Tensor", D(div, structured_div_out, T, T));
+  m.impl("div.Tensor_mode", D(div_mode, structured_div_out_mode, T, T, std::optional<c10::string_view>));
+  m.impl("neg", D(neg, structured_neg_out, T));
+  m.impl("exp", D(exp, structured_exp_out, T));
+  m.impl("log", D(log, structured_log_out, T));
+  m.impl("sqrt", D(sqrt, structured_sqrt_out, T));
+  m.impl("rsqrt", D(rsqrt, structured_rsqrt_out, T));
+  m.impl("tanh", D(tanh, structured_tanh_out, T));
+  m.impl("sigmoid", D(sigmoid, structured_sigmoid_out, T));
+  m.impl("silu", D(silu, structured_silu_out, T));
   m.impl("gelu", K(gelu, structured_gelu_out_cpu, T, c10::string_view));
-  m.impl("maximum", K(maximum, structured_maximum_out, T, T));
-  m.impl("minimum", K(minimum, structured_minimum_out, T, T));
-  m.impl("pow.Tensor_Scalar", K(pow_ts, structured_pow_Tensor_Scalar_out, T, S));
-  m.impl("pow.Tensor_Tensor", K(pow_tt, structured_pow_Tensor_Tensor_out, T, T));
+  m.impl("maximum", D(maximum, structured_maximum_out, T, T));
+  m.impl("minimum", D(minimum, structured_minimum_out, T, T));
+  m.impl("pow.Tensor_Scalar", D(pow_ts, structured_pow_Tensor_Scalar_out, T, S));
+  m.impl("pow.Tensor_Tensor", D(pow_tt, structured_pow_Tensor_Tensor_out, T, T));
   m.impl("gelu_backward", K(gelu_backward, structured_gelu_backward_out_cpu, T, T, c10::string_view));
-  m.impl("tanh_backward", K(tanh_backward, structured_tanh_backward_out, T, T));
-  m.impl("sigmoid_backward", K(sigmoid_backward, structured_sigmoid_backward_out, T, T));
-  m.impl("silu_backward", K(silu_backward, structured_silu_backward_out, T, T));
-  m.impl("threshold_backward", K(threshold_backward, structured_threshold_backward_out, T, T, S));
+  m.impl("tanh_backward", D(tanh_backward, structured_tanh_backward_out, T, T));
+  m.impl("sigmoid_backward", D(sigmoid_backward, structured_sigmoid_backward_out, T, T));
+  m.impl("silu_backward", D(silu_backward, structured_silu_backward_out, T, T));
+  m.impl("threshold_backward", D(threshold_backward, structured_threshold_backward_out, T, T, S));
 }
 #undef K
 
