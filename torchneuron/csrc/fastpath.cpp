@@ -93,36 +93,35 @@ c10::Storage host_storage(const c10::Storage& device) {
   return host;
 }
 
+// A structured kernel's result in device memory, as the CPU's functional wrapper allocates it: in the options'
+// memory format unless TensorIterator gives strides.
+at::Tensor device_result(at::IntArrayRef sizes, at::IntArrayRef strides, const at::TensorOptions& options) {
+  const auto keys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
+  const auto dtype = options.dtype().toScalarType();
+  return strides.empty() ? at::detail::empty_generic(sizes, neuron_allocator(), keys, dtype, options.memory_format_opt())
+                         : at::detail::empty_strided_generic(sizes, strides, neuron_allocator(), keys, dtype);
+}
+
 // The structured CPU kernel `Native`, with its one result allocated in device memory and seen through a host alias.
 template <class Native>
 struct OnDevice final : Native {
   at::Tensor device_out, host_out;
   void set_output_raw_strided(int64_t i, at::IntArrayRef sizes, at::IntArrayRef strides,
                               at::TensorOptions options) override {
-    // as the CPU's functional wrapper allocates: in the options' memory format unless TensorIterator gives strides
-    const auto keys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
-    const auto dtype = options.dtype().toScalarType();
-    device_out = strides.empty()
-                     ? at::detail::empty_generic(sizes, neuron_allocator(), keys, dtype, options.memory_format_opt())
-                                 : at::detail::empty_strided_generic(sizes, strides, neuron_allocator(), keys, dtype);
+    device_out = device_result(sizes, strides, options);
     host_out = host_alias(device_out, host_storage(device_out.storage()));
     Native::set_output_raw_strided(i, sizes, strides, options);
   }
   const at::Tensor& maybe_get_output(int64_t) override { return host_out; }
 };
 
-// The same kernel over the device tensors themselves: its stub, registered for PrivateUse1 below, is the CPU's.
-// TensorIterator casts operands to the common dtype only when that device is the CPU, so this is taken only when
-// every operand already has the result's dtype.
+// The same kernel over the device tensors themselves (the direct form, see the top of this file).
 template <class Native>
 struct Direct final : Native {
   at::Tensor out;
   void set_output_raw_strided(int64_t i, at::IntArrayRef sizes, at::IntArrayRef strides,
                               at::TensorOptions options) override {
-    const auto keys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
-    const auto dtype = options.dtype().toScalarType();
-    out = strides.empty() ? at::detail::empty_generic(sizes, neuron_allocator(), keys, dtype, options.memory_format_opt())
-                          : at::detail::empty_strided_generic(sizes, strides, neuron_allocator(), keys, dtype);
+    out = device_result(sizes, strides, options);
     Native::set_output_raw_strided(i, sizes, strides, options);
   }
   const at::Tensor& maybe_get_output(int64_t) override { return out; }
@@ -328,5 +327,6 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("threshold_backward", D(threshold_backward, structured_threshold_backward_out, T, T, S));
 }
 #undef K
+#undef D
 
 }  // namespace torchneuron
