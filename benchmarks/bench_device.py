@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from benchmarks.common import FOREACH, interleaved, row
-from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
+from torchneuron.models import GPTConfig, SmallCNN, TinyGPT, gpt_batch, image_batch
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor):
@@ -72,4 +72,11 @@ def run(quick: bool = False) -> list[dict]:
     gpt = _pair(lambda: TinyGPT(cfg), lambda: gpt_batch(cfg, 8, torch.Generator().manual_seed(0)))
     t = interleaved(gpt, calls=3 if quick else 8, repeats=reps)
     rows.append(row("small-GPT training step", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 0.9))
+    cfg = GPTConfig(sdpa=True)  # nanoGPT's form: attention is one fused kernel
+    gpt = _pair(lambda: TinyGPT(cfg), lambda: gpt_batch(cfg, 8, torch.Generator().manual_seed(0)))
+    t = interleaved(gpt, calls=3 if quick else 8, repeats=reps)
+    rows.append(row("small-GPT training step, SDPA attention", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms"))
+    cnn = _pair(SmallCNN, lambda: image_batch(32, torch.Generator().manual_seed(0)))
+    t = interleaved(cnn, calls=3 if quick else 8, repeats=reps)
+    rows.append(row("small-CNN training step", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms"))
     return rows

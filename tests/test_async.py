@@ -319,6 +319,38 @@ def test_data_dependent_ops_wait_for_queued_producers(op):
     torch.testing.assert_close(got.cpu(), expected)
 
 
+def _attention(t: torch.Tensor, grad: bool) -> list[torch.Tensor]:
+    q = t[:256].reshape(2, 4, 32, N).detach().requires_grad_(grad)  # fused-op inputs: the CPU flash kernel's case
+    out = torch.nn.functional.scaled_dot_product_attention(q, q * 0.5, q, is_causal=True)
+    return [out, *torch.autograd.grad(out.square().sum(), q)] if grad else [out]
+
+
+def _convolution(t: torch.Tensor, grad: bool) -> list[torch.Tensor]:
+    x = t[:512].reshape(2, 4, 256, 256).contiguous(memory_format=torch.channels_last).detach().requires_grad_(grad)
+    w = (t[0, :288].reshape(8, 4, 3, 3) * 0.1).detach().requires_grad_(grad)
+    out = torch.nn.functional.conv2d(x, w, padding=1)
+    return [out, *torch.autograd.grad(out.square().sum(), (x, w))] if grad else [out]
+
+
+@needs_async
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("kernel", [_attention, _convolution], ids=["attention", "convolution"])
+def test_attention_and_convolution_are_queued_behind_the_streams_work(kernel, grad):
+    """Explicit kernels run in stream order like the others: their launch returns while the slow work they read is
+    pending (the host runs ahead past attention and convolution), and the results are the CPU's (convolution's
+    layouts too, which a first call with the same signature learns on the host; attention's are the fused op's, as
+    on CUDA)."""
+    xd, wd = on_device(*operands())
+    kernel(torch.zeros(N, N, device=DEV), grad)
+    torch.neuron.synchronize()
+    got = kernel(slow(xd, wd), grad)
+    assert not torch.neuron.current_stream().query(), "an explicit kernel waited for the stream's work"
+    expected = kernel(reference(), grad)
+    for g, e in zip(got, expected, strict=True):
+        assert g.stride() == e.stride() or kernel is _attention
+        torch.testing.assert_close(g.cpu(), e)
+
+
 # ---------------------------------------------------------------- caching allocator across streams
 
 ROWS = 1100  # (ROWS, N) float32 blocks are larger than the slow kernel's (N, N) ones, so only each other's fit

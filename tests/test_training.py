@@ -2,6 +2,7 @@
 dropout: the neuron generator is counter-based like CUDA's and draws other numbers than the CPU's mt19937)."""
 import copy
 
+import pytest
 import torch
 
 import torchneuron
@@ -17,8 +18,9 @@ def _compare(make_model, make_batches, steps=20):
     return cpu, dev
 
 
-def test_small_gpt_trains_like_cpu():
-    cfg = GPTConfig(dropout=0.0)
+@pytest.mark.parametrize("sdpa", [False, True], ids=["explicit-attention", "sdpa"])
+def test_small_gpt_trains_like_cpu(sdpa):
+    cfg = GPTConfig(dropout=0.0, sdpa=sdpa)
     cpu, dev = _compare(lambda: TinyGPT(cfg), lambda: (gpt_batch(cfg, 8, torch.Generator().manual_seed(i))
                                                        for i in range(20)))
     assert len(dev) == 20 and dev[-1] < dev[0]
@@ -26,9 +28,11 @@ def test_small_gpt_trains_like_cpu():
     assert torchneuron.get_fallback_ops() == {}  # the whole step runs on native ops
 
 
-def test_small_gpt_with_dropout_is_reproducible():
-    """With dropout the masks come from the neuron generator: the same seed gives the same run, bit for bit."""
-    cfg = GPTConfig()
+@pytest.mark.parametrize("sdpa", [False, True], ids=["explicit-attention", "sdpa"])
+def test_small_gpt_with_dropout_is_reproducible(sdpa):
+    """With dropout the masks come from the neuron generator: the same seed gives the same run, bit for bit (SDPA:
+    its attention dropout too, drawn at the launch of the queued kernel)."""
+    cfg = GPTConfig(sdpa=sdpa)
     torch.manual_seed(0)
     model = TinyGPT(cfg)
     runs = [train_steps(copy.deepcopy(model), (gpt_batch(cfg, 8, torch.Generator().manual_seed(i)) for i in range(8)),

@@ -21,12 +21,13 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     dropout: float = 0.1
+    sdpa: bool = False  # attention through F.scaled_dot_product_attention (nanoGPT's "flash" path)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.sdpa = cfg.n_head, cfg.sdpa
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.attn_drop = nn.Dropout(cfg.dropout)
@@ -38,9 +39,14 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
-        att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
-        y = (self.attn_drop(att) @ v).transpose(1, 2).reshape(B, T, C)
+        if self.sdpa:
+            p = self.attn_drop.p if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+            att = att.masked_fill(~self.mask[:T, :T], float("-inf")).softmax(dim=-1)
+            y = self.attn_drop(att) @ v
+        y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_drop(self.proj(y))
 
 

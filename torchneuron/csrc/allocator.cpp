@@ -7,6 +7,8 @@
 // stream still reads it -- CUDA's bug, reproduced; with record_stream the block waits, after its free, until every
 // recorded stream has run the work queued so far. Memory goes back to the host only when no queued work can touch
 // it (emptyCache and the out-of-memory retry synchronize the device first, as cudaFree does).
+// Each device has its own state and lock, and a block's free finds it from a header before its memory: the op path
+// takes no process-wide lock.
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 
@@ -68,6 +70,22 @@ void bump(c10::CachingAllocator::StatArray& s, size_t bytes, bool up) {
 }
 
 void delete_block(void* ptr);
+void delete_adopted(void* ptr);
+
+// A device's allocator state, under its own lock (as CUDA's per-device allocators): ops on different devices, and
+// the frees of one device's kernels, never contend on a process-wide lock.
+struct DeviceCache {
+  std::mutex mu;
+  std::map<uintptr_t, Block*> segments;  // every block of the device, in use or cached, by address
+  std::map<c10::StreamId, std::multimap<size_t, Block*>> free;  // cached blocks, per allocating stream
+  std::vector<PendingFree> pending;
+  DeviceStats stats{};
+  double fraction = 1.0;
+};
+
+// A block the allocator made carries its Block* in the kAlign bytes before its memory: its free needs no look-up
+// (adopted host memory has no header and is found in its device's segments).
+Block*& header_of(void* ptr) { return *reinterpret_cast<Block**>(static_cast<char*>(ptr) - kAlign); }
 
 class NeuronAllocator final : public c10::DeviceAllocator {
  public:
@@ -78,22 +96,21 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     size_t size = (n + kRound - 1) / kRound * kRound;
     auto ctx = memory_context(MemoryAction::alloc);
     c10::StreamId stream = current_stream_id(dev);
-    std::unique_lock<std::mutex> g(mu_);
-    if (!pending_.empty()) finish_pending(false);
-    Block* b = take_cached(dev, stream, size);
+    DeviceCache& c = cache(dev);
+    std::unique_lock<std::mutex> g(c.mu);
+    if (!c.pending.empty()) finish_pending(c, dev, false);
+    Block* b = take_cached(c, stream, size);
     if (!b) {
-      reserve_or_throw(dev, size, n, ctx);
-      void* p = std::aligned_alloc(kAlign, (size + kAlign - 1) / kAlign * kAlign);
-      if (!p) throw_oom(dev, n, "the host could not provide the memory");
+      reserve_or_throw(c, dev, size, n, ctx);
+      void* base = std::aligned_alloc(kAlign, kAlign + (size + kAlign - 1) / kAlign * kAlign);
+      if (!base) throw_oom(c, dev, n, "the host could not provide the memory");
+      void* p = static_cast<char*>(base) + kAlign;
       b = new Block{p, size, n, dev, true, {}, stream};
-      live_[reinterpret_cast<uintptr_t>(p)] = b;
-      auto& st = stats_[dev];
-      bump(st.segment, 1, true), bump(st.reserved_bytes, size, true);
-      st.num_device_alloc++;
-      history(MemoryAction::segment_alloc, b, ctx);
+      header_of(p) = b;
+      new_segment(c, b, ctx);
     }
     b->requested = n;
-    note_alloc(b);
+    note_alloc(c, b);
     history(MemoryAction::alloc, b, ctx);
     g.unlock();
     trace_memory_allocation(b->ptr);
@@ -105,28 +122,24 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     if (n == 0 || !p) return {nullptr, nullptr, &delete_block, c10::Device(kNeuron, dev)};
     auto ctx = memory_context(MemoryAction::alloc);
     c10::StreamId stream = current_stream_id(dev);
-    std::unique_lock<std::mutex> g(mu_);
-    reserve_or_throw(dev, n, n, ctx);
+    DeviceCache& c = cache(dev);
+    std::unique_lock<std::mutex> g(c.mu);
+    reserve_or_throw(c, dev, n, n, ctx);
     auto* b = new Block{p, n, n, dev, true, std::move(host), stream};
-    live_[reinterpret_cast<uintptr_t>(p)] = b;
-    auto& st = stats_[dev];
-    bump(st.segment, 1, true), bump(st.reserved_bytes, n, true);
-    st.num_device_alloc++;
-    history(MemoryAction::segment_alloc, b, ctx);
-    note_alloc(b);
+    new_segment(c, b, ctx);
+    note_alloc(c, b);
     history(MemoryAction::alloc, b, ctx);
     g.unlock();
     trace_memory_allocation(p);
-    return {p, p, &delete_block, c10::Device(kNeuron, dev)};
+    return {p, p, &delete_adopted, c10::Device(kNeuron, dev)};
   }
 
-  void release(void* ptr) {
+  void release(Block* b) {
     auto ctx = memory_context(MemoryAction::free_requested);
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = live_.find(reinterpret_cast<uintptr_t>(ptr));
-    TORCH_INTERNAL_ASSERT(it != live_.end() && it->second->in_use, "neuron: freeing unknown pointer");
-    Block* b = it->second;
-    auto& st = stats_[b->device];
+    DeviceCache& c = cache(b->device);
+    std::lock_guard<std::mutex> g(c.mu);
+    TORCH_INTERNAL_ASSERT(b->in_use, "neuron: freeing a block that is not in use");
+    auto& st = c.stats;
     bump(st.allocation, 1, false), bump(st.active, 1, false);
     bump(st.allocated_bytes, b->size, false), bump(st.active_bytes, b->size, false);
     bump(st.requested_bytes, b->requested, false);
@@ -138,46 +151,34 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     if (b->host) p.until.emplace_back(&queue_of(b->device, b->stream), 0);
     for (c10::StreamId s : b->recorded) p.until.emplace_back(&queue_of(b->device, s), 0);
     for (auto& [q, t] : p.until) t = q->enqueued();
-    if (p.ready()) finish(b, ctx);
-    else pending_.push_back(std::move(p));
+    if (p.ready()) finish(c, b, ctx);
+    else c.pending.push_back(std::move(p));
   }
 
-  // A freed block no queued work can touch any more: cached for its stream, or its host memory released.
-  void finish(Block* b, const std::shared_ptr<c10::GatheredContext>& ctx = nullptr) {
-    history(MemoryAction::free_completed, b, ctx);
-    b->recorded.clear();
-    if (b->host) {
-      live_.erase(reinterpret_cast<uintptr_t>(b->ptr));
-      drop_segment(b);
-    } else {
-      free_[{b->device, b->stream}].emplace(b->size, b);
+  // The block of adopted memory at `ptr` (the free of a DataPtr without a header), or of any pointer into a block.
+  Block* find(const void* ptr, bool interior) {
+    auto key = reinterpret_cast<uintptr_t>(ptr);
+    for (int d = 0; d <= max_device_.load(std::memory_order_acquire); ++d) {
+      DeviceCache& c = devices_[d];
+      std::lock_guard<std::mutex> g(c.mu);
+      auto it = c.segments.upper_bound(key);
+      if (it == c.segments.begin()) continue;
+      --it;
+      if (it->first == key || (interior && key < it->first + it->second->size)) return it->second;
     }
-  }
-
-  // `wait`: synchronize the devices first, so that every pending free completes.
-  void finish_pending(bool wait) {
-    if (wait) synchronize_device(-1, /*raise=*/false);
-    std::vector<PendingFree> still;
-    for (auto& p : pending_) {
-      if (p.ready()) finish(p.block);
-      else still.push_back(std::move(p));
-    }
-    pending_.swap(still);
+    return nullptr;
   }
 
   c10::DeviceIndex device_of(const void* ptr) {
-    std::lock_guard<std::mutex> g(mu_);
-    auto key = reinterpret_cast<uintptr_t>(ptr);
-    auto it = live_.upper_bound(key);
-    if (it == live_.begin()) return -1;
-    --it;
-    return key < it->first + it->second->size ? it->second->device : -1;
+    Block* b = find(ptr, /*interior=*/true);
+    return b ? b->device : -1;
   }
 
   [[noreturn]] void host_oom(c10::DeviceIndex dev, size_t requested, const std::string& why) {
-    std::lock_guard<std::mutex> g(mu_);
-    stats_[dev].num_ooms++;
-    throw_oom(dev, requested, why.c_str());
+    DeviceCache& c = cache(dev);
+    std::lock_guard<std::mutex> g(c.mu);
+    c.stats.num_ooms++;
+    throw_oom(c, dev, requested, why.c_str());
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
@@ -186,10 +187,10 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   bool initialized() override { return device_count() > 0; }
 
   void emptyCache(c10::MempoolId_t = {0, 0}) override {
-    std::lock_guard<std::mutex> g(mu_);
-    std::set<c10::DeviceIndex> devs;
-    for (auto& [key, pool] : free_) devs.insert(key.first);
-    for (auto dev : devs) release_cached(dev);
+    for (int d = 0; d <= max_device_.load(std::memory_order_acquire); ++d) {
+      std::lock_guard<std::mutex> g(devices_[d].mu);
+      release_cached(devices_[d], static_cast<c10::DeviceIndex>(d));
+    }
   }
 
   // CUDA's meaning: a block used on another stream is not reused until that stream has run the work queued when the
@@ -199,25 +200,28 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     TORCH_CHECK(stream.device_type() == kNeuron, "record_stream: expected a neuron stream, got a ",
                 stream.device_type(), " stream");
     check_device_index(stream.device_index());
-    std::lock_guard<std::mutex> g(mu_);
-    auto it = live_.find(reinterpret_cast<uintptr_t>(ptr.get()));
-    TORCH_CHECK(it != live_.end() && it->second->in_use,
-                "record_stream: the tensor's memory was not allocated by the neuron allocator");
-    Block* b = it->second;
+    Block* b = ptr.get_deleter() == &delete_block ? header_of(ptr.get())
+               : ptr.get_deleter() == &delete_adopted ? find(ptr.get(), /*interior=*/false)
+                                                      : nullptr;
+    TORCH_CHECK(b, "record_stream: the tensor's memory was not allocated by the neuron allocator");
+    std::lock_guard<std::mutex> g(cache(b->device).mu);
+    TORCH_CHECK(b->in_use, "record_stream: the tensor's memory was not allocated by the neuron allocator");
     if (stream.id() != b->stream && std::find(b->recorded.begin(), b->recorded.end(), stream.id()) == b->recorded.end())
       b->recorded.push_back(stream.id());
   }
 
   DeviceStats getDeviceStats(c10::DeviceIndex dev) override {
     check_device_index(dev);
-    std::lock_guard<std::mutex> g(mu_);
-    return stats_[dev];
+    DeviceCache& c = cache(dev);
+    std::lock_guard<std::mutex> g(c.mu);
+    return c.stats;
   }
 
   void resetAccumulatedStats(c10::DeviceIndex dev) override {
     check_device_index(dev);
-    std::lock_guard<std::mutex> g(mu_);
-    auto& st = stats_[dev];
+    DeviceCache& c = cache(dev);
+    std::lock_guard<std::mutex> g(c.mu);
+    auto& st = c.stats;
     for (auto* arr : arrays(st))
       for (auto& s : *arr) s.reset_accumulated();
     st.num_alloc_retries = st.num_ooms = st.num_device_alloc = st.num_device_free = 0;
@@ -225,82 +229,133 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 
   void resetPeakStats(c10::DeviceIndex dev) override {
     check_device_index(dev);
-    std::lock_guard<std::mutex> g(mu_);
-    for (auto* arr : arrays(stats_[dev]))
+    DeviceCache& c = cache(dev);
+    std::lock_guard<std::mutex> g(c.mu);
+    for (auto* arr : arrays(c.stats))
       for (auto& s : *arr) s.reset_peak();
   }
 
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex dev) override {
     size_t cap = device_capacity(dev);
-    std::lock_guard<std::mutex> g(mu_);
-    size_t used = stats_[dev].reserved_bytes[0].current;
+    DeviceCache& c = cache(dev);
+    std::lock_guard<std::mutex> g(c.mu);
+    size_t used = c.stats.reserved_bytes[0].current;
     return {cap > used ? cap - used : 0, cap};
   }
 
+  void set_fraction(c10::DeviceIndex dev, double f) {
+    DeviceCache& c = cache(dev);
+    std::lock_guard<std::mutex> g(c.mu);
+    c.fraction = f;
+  }
+  double get_fraction(c10::DeviceIndex dev) {
+    DeviceCache& c = cache(dev);
+    std::lock_guard<std::mutex> g(c.mu);
+    return c.fraction;
+  }
+  std::vector<BlockView> blocks() {
+    std::vector<BlockView> out;
+    for (int d = 0; d <= max_device_.load(std::memory_order_acquire); ++d) {
+      std::lock_guard<std::mutex> g(devices_[d].mu);
+      for (const auto& [addr, b] : devices_[d].segments)
+        out.push_back({b->device, addr, b->size, b->requested, b->in_use});
+    }
+    return out;
+  }
+
  private:
+  DeviceCache& cache(c10::DeviceIndex dev) {  // `dev` validated by the caller
+    int seen = max_device_.load(std::memory_order_relaxed);
+    while (dev > seen && !max_device_.compare_exchange_weak(seen, dev)) {
+    }
+    return devices_[dev];
+  }
+
   static std::vector<c10::CachingAllocator::StatArray*> arrays(DeviceStats& st) {
     return {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes, &st.reserved_bytes,
             &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes};
   }
 
+  void new_segment(DeviceCache& c, Block* b, const std::shared_ptr<c10::GatheredContext>& ctx) {
+    c.segments[reinterpret_cast<uintptr_t>(b->ptr)] = b;
+    bump(c.stats.segment, 1, true), bump(c.stats.reserved_bytes, b->size, true);
+    c.stats.num_device_alloc++;
+    history(MemoryAction::segment_alloc, b, ctx);
+  }
+
+  // A freed block no queued work can touch any more: cached for its stream, or its host memory released.
+  void finish(DeviceCache& c, Block* b, const std::shared_ptr<c10::GatheredContext>& ctx = nullptr) {
+    history(MemoryAction::free_completed, b, ctx);
+    b->recorded.clear();
+    if (b->host) drop_segment(c, b);
+    else c.free[b->stream].emplace(b->size, b);
+  }
+
+  // `wait`: synchronize the device first, so that every pending free completes.
+  void finish_pending(DeviceCache& c, c10::DeviceIndex dev, bool wait) {
+    if (wait) synchronize_device(dev, /*raise=*/false);
+    std::vector<PendingFree> still;
+    for (auto& p : c.pending) {
+      if (p.ready()) finish(c, p.block);
+      else still.push_back(std::move(p));
+    }
+    c.pending.swap(still);
+  }
+
   // Best fit among the stream's cached blocks, accepting at most 2x the request so small tensors do not pin big
   // blocks.
-  Block* take_cached(c10::DeviceIndex dev, c10::StreamId stream, size_t size) {
-    auto& pool = free_[{dev, stream}];
-    auto it = pool.lower_bound(size);
-    if (it == pool.end() || it->first > 2 * size) return nullptr;
+  Block* take_cached(DeviceCache& c, c10::StreamId stream, size_t size) {
+    auto pool = c.free.find(stream);
+    if (pool == c.free.end()) return nullptr;
+    auto it = pool->second.lower_bound(size);
+    if (it == pool->second.end() || it->first > 2 * size) return nullptr;
     Block* b = it->second;
-    pool.erase(it);
+    pool->second.erase(it);
     return b;
   }
 
-  void note_alloc(Block* b) {
+  void note_alloc(DeviceCache& c, Block* b) {
     b->in_use = true;
-    auto& st = stats_[b->device];
+    auto& st = c.stats;
     bump(st.allocation, 1, true), bump(st.active, 1, true);
     bump(st.allocated_bytes, b->size, true), bump(st.active_bytes, b->size, true);
     bump(st.requested_bytes, b->requested, true);
   }
 
-  void drop_segment(Block* b) {
+  void drop_segment(DeviceCache& c, Block* b) {
     history(MemoryAction::segment_free, b, nullptr);
-    auto& st = stats_[b->device];
-    bump(st.segment, 1, false), bump(st.reserved_bytes, b->size, false);
-    st.num_device_free++;
-    if (!b->host) std::free(b->ptr);
+    c.segments.erase(reinterpret_cast<uintptr_t>(b->ptr));
+    bump(c.stats.segment, 1, false), bump(c.stats.reserved_bytes, b->size, false);
+    c.stats.num_device_free++;
+    if (!b->host) std::free(static_cast<char*>(b->ptr) - kAlign);
     delete b;  // an adopted block's DataPtr returns its memory to the host allocator here
   }
 
   // Return the device's cached blocks to the host, after synchronizing: queued work may still use a block
   // freed in stream order.
-  void release_cached(c10::DeviceIndex dev) {
-    finish_pending(/*wait=*/true);
-    for (auto& [key, pool] : free_) {
-      if (key.first != dev) continue;
-      for (auto& [size, b] : pool) {
-        live_.erase(reinterpret_cast<uintptr_t>(b->ptr));
-        drop_segment(b);
-      }
-      pool.clear();
-    }
+  void release_cached(DeviceCache& c, c10::DeviceIndex dev) {
+    finish_pending(c, dev, /*wait=*/true);
+    for (auto& [stream, pool] : c.free)
+      for (auto& [size, b] : pool) drop_segment(c, b);
+    c.free.clear();
   }
 
-  bool has_cached(c10::DeviceIndex dev) {
-    for (auto& [key, pool] : free_)
-      if (key.first == dev && !pool.empty()) return true;
+  bool has_cached(const DeviceCache& c) {
+    for (auto& [stream, pool] : c.free)
+      if (!pool.empty()) return true;
     return false;
   }
 
   // Make room for a new segment of `size` bytes within the core's capacity (times the process's memory
   // fraction), or raise torch.OutOfMemoryError.
-  void reserve_or_throw(c10::DeviceIndex dev, size_t size, size_t requested,
+  void reserve_or_throw(DeviceCache& c, c10::DeviceIndex dev, size_t size, size_t requested,
                         const std::shared_ptr<c10::GatheredContext>& ctx) {
-    size_t cap = limit(dev);
-    auto& st = stats_[dev];
+    size_t cap = limit(c, dev);
+    auto& st = c.stats;
     if (st.reserved_bytes[0].current + size <= cap) return;
-    if (has_cached(dev) || !pending_.empty()) {
+    if (has_cached(c) || !c.pending.empty()) {
       st.num_alloc_retries++;
-      release_cached(dev);
+      release_cached(c, dev);
       if (st.reserved_bytes[0].current + size <= cap) return;
     }
     st.num_ooms++;
@@ -308,19 +363,13 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       size_t used = st.reserved_bytes[0].current;
       record_memory_event(MemoryAction::oom, dev, 0, requested, ctx, cap > used ? cap - used : 0);
     }
-    throw_oom(dev, requested, nullptr);
+    throw_oom(c, dev, requested, nullptr);
   }
 
   // The bytes this process may reserve on the device.
-  size_t limit(c10::DeviceIndex dev) {
-    double f = fraction(dev);
+  size_t limit(const DeviceCache& c, c10::DeviceIndex dev) {
     size_t cap = device_capacity(dev);
-    return f >= 1.0 ? cap : static_cast<size_t>(static_cast<double>(cap) * f);
-  }
-
-  double fraction(c10::DeviceIndex dev) {
-    auto it = fraction_.find(dev);
-    return it == fraction_.end() ? 1.0 : it->second;
+    return c.fraction >= 1.0 ? cap : static_cast<size_t>(static_cast<double>(cap) * c.fraction);
   }
 
   void history(MemoryAction action, const Block* b, const std::shared_ptr<c10::GatheredContext>& ctx) {
@@ -328,13 +377,13 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       record_memory_event(action, b->device, reinterpret_cast<uintptr_t>(b->ptr), b->size, ctx);
   }
 
-  [[noreturn]] void throw_oom(c10::DeviceIndex dev, size_t requested, const char* why) {
-    auto& st = stats_[dev];
+  [[noreturn]] void throw_oom(const DeviceCache& c, c10::DeviceIndex dev, size_t requested, const char* why) {
+    auto& st = c.stats;
     size_t cap = device_capacity(dev);
-    double f = fraction(dev);
-    std::string frac = f < 1.0 ? "; the per-process memory fraction " + c10::str(f) + " limits this process to " +
-                                     fmt_bytes(limit(dev)) + " (torch.neuron.set_per_process_memory_fraction)"
-                               : "";
+    std::string frac = c.fraction < 1.0 ? "; the per-process memory fraction " + c10::str(c.fraction) +
+                                              " limits this process to " + fmt_bytes(limit(c, dev)) +
+                                              " (torch.neuron.set_per_process_memory_fraction)"
+                                        : "";
     TORCH_CHECK_WITH(OutOfMemoryError, false, "neuron:", static_cast<int>(dev), " out of memory: tried to allocate ",
                      fmt_bytes(requested), " (", requested, " bytes); the device has a capacity of ", fmt_bytes(cap),
                      frac, ", of which ", fmt_bytes(st.allocated_bytes[0].current), " is allocated by PyTorch and ",
@@ -343,35 +392,22 @@ class NeuronAllocator final : public c10::DeviceAllocator {
                                  "(TORCHNEURON_MEMORY_LIMIT / TORCHNEURON_INSTANCE).");
   }
 
-  std::mutex mu_;
-  std::map<uintptr_t, Block*> live_;  // every block owned by the allocator, in use or cached
-  std::map<std::pair<c10::DeviceIndex, c10::StreamId>, std::multimap<size_t, Block*>> free_;  // per stream
-  std::vector<PendingFree> pending_;
-  std::array<DeviceStats, 128> stats_{};  // by device index (validated): no hashing on the op path
-  std::unordered_map<c10::DeviceIndex, double> fraction_;
-
- public:
-  void set_fraction(c10::DeviceIndex dev, double f) {
-    std::lock_guard<std::mutex> g(mu_);
-    fraction_[dev] = f;
-  }
-  double get_fraction(c10::DeviceIndex dev) {
-    std::lock_guard<std::mutex> g(mu_);
-    return fraction(dev);
-  }
-  std::vector<BlockView> blocks() {
-    std::lock_guard<std::mutex> g(mu_);
-    std::vector<BlockView> out;
-    for (const auto& [addr, b] : live_) out.push_back({b->device, addr, b->size, b->requested, b->in_use});
-    return out;
-  }
+  std::array<DeviceCache, 128> devices_;  // by device index (validated): no hashing on the op path
+  std::atomic<int> max_device_{-1};       // the highest device index used so far (what scans visit)
 };
 
 NeuronAllocator g_allocator;
 
 void delete_block(void* ptr) {
   trace_memory_deallocation(ptr);
-  if (ptr) g_allocator.release(ptr);
+  if (ptr) g_allocator.release(header_of(ptr));
+}
+
+void delete_adopted(void* ptr) {
+  trace_memory_deallocation(ptr);
+  Block* b = g_allocator.find(ptr, /*interior=*/false);
+  TORCH_INTERNAL_ASSERT(b, "neuron: freeing unknown pointer");
+  g_allocator.release(b);
 }
 
 }  // namespace

@@ -71,43 +71,49 @@ at::Tensor scores(const at::Tensor& q, const at::Tensor& k, const std::optional<
   return s;
 }
 
-// The fused op's layout, (B, L, H, E) transposed to (B, H, L, E), which its meta kernel promises.
-at::Tensor fused_layout(const at::Tensor& t) {
-  if (t.transpose(1, 2).is_contiguous()) return t;
-  return at::empty({t.size(0), t.size(2), t.size(1), t.size(3)}, t.options()).transpose(1, 2).copy_(t);
+// A device tensor of `sizes` (B, H, L, E) in the fused op's layout, (B, L, H, E) transposed, which its meta kernel
+// promises.
+at::Tensor fused_layout_like(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::empty({sizes[0], sizes[2], sizes[1], sizes[3]}, options).transpose(1, 2);
 }
 
 at::Tensor scalar_long(uint64_t v) { return at::scalar_tensor(static_cast<int64_t>(v), at::kLong); }
 
+// Both kernels are queued on the current stream like any device kernel (the host runs ahead past attention): the
+// results are allocated at the launch in the fused op's layouts, and the queued work computes on host aliases,
+// then copies its results into theirs.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const std::optional<at::Tensor>& bias,
     bool compute_lse, double p, bool causal, std::optional<double> scale) {
+  auto dev = check_same_device("aten::_scaled_dot_product_efficient_attention",
+                               {query, key, value, bias.value_or(at::Tensor())});
   note_executed("aten::_scaled_dot_product_efficient_attention");
-  drain_current(query.device().index());  // computed on this thread, after the stream's queued work
   at::AutoDispatchBelowADInplaceOrView below;
   auto q = host_alias(query), k = on_host(key), v = on_host(value);
   auto b = on_host(bias);
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
-  auto lse = at::zeros({B, H, compute_lse ? (L + 31) / 32 * 32 : 0}, q.options().dtype(at::kFloat));
-  uint64_t seed = 0, offset = 0;
-  at::Tensor out;
-  if (cpu_takes_flash(q, k, v, b, p, causal, scale)) {
-    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, b, scale);
-    out = o;
-    if (compute_lse) lse.narrow(2, 0, L).copy_(l);
-  } else {
-    std::optional<at::Tensor> mask;
-    if (p > 0) {
-      auto s = reserve_philox(std::nullopt, query.device().index(), B * H * L * k.size(2));
-      seed = s.seed, offset = s.offset;
-      mask = keep_mask(seed, offset, {B, H, L, k.size(2)}, p);
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  auto out = fused_layout_like({B, H, L, v.size(3)}, query.options());
+  auto lse = at::empty({B, H, compute_lse ? (L + 31) / 32 * 32 : 0}, query.options().dtype(at::kFloat));
+  const bool flash = cpu_takes_flash(q, k, v, b, p, causal, scale);
+  PhiloxSlice draw{0, 0};
+  if (!flash && p > 0) draw = reserve_philox(std::nullopt, dev, B * H * L * S);  // in launch order
+  auto kernel = [q, k, v, b, o = host_alias(out), l = host_alias(lse), flash, compute_lse, p, causal, scale, draw] {
+    at::AutoDispatchBelowADInplaceOrView below;
+    const int64_t L = q.size(2);
+    l.zero_();
+    if (flash) {
+      auto [res, lse_res] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, p, causal, b, scale);
+      o.copy_(res);
+      if (compute_lse) l.narrow(2, 0, L).copy_(lse_res);
+      return;
     }
-    out = std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, b, p, causal, mask, scale));
-    if (compute_lse) lse.narrow(2, 0, L).copy_(scores(q, k, b, causal, scale_of(q, scale)).logsumexp(-1));
-  }
-  auto dev = query.device().index();
-  return {adopt_host_tensor(fused_layout(out), dev),
-          adopt_host_tensor(lse, dev), scalar_long(seed), scalar_long(offset)};
+    std::optional<at::Tensor> mask;
+    if (p > 0) mask = keep_mask(draw.seed, draw.offset, {q.size(0), q.size(1), L, k.size(2)}, p);
+    o.copy_(std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, b, p, causal, mask, scale)));
+    if (compute_lse) l.narrow(2, 0, L).copy_(scores(q, k, b, causal, scale_of(q, scale)).logsumexp(-1));
+  };
+  launch(dev, "aten::_scaled_dot_product_efficient_attention", B * H * L * S, std::move(kernel));
+  return {out, lse, scalar_long(draw.seed), scalar_long(draw.offset)};
 }
 
 // The gradient of the math formula: P = softmax(S), O = (P * keep / (1 - p)) V.
@@ -134,27 +140,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention_b
     const at::Tensor& bias, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& philox_seed,
     const at::Tensor& philox_offset, double p, std::array<bool, 4> grad_input_mask, bool causal,
     std::optional<double> scale) {
+  auto dev = check_same_device("aten::_scaled_dot_product_efficient_attention_backward",
+                               {grad_out, query, key, value, bias, out, lse});
   note_executed("aten::_scaled_dot_product_efficient_attention_backward");
-  drain_current(query.device().index());  // computed on this thread, after the stream's queued work
   at::AutoDispatchBelowADInplaceOrView below;
   auto q = host_alias(query), k = on_host(key), v = on_host(value), go = on_host(grad_out);
   auto b = on_host(bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
-  at::Tensor gq, gk, gv, gb;
-  if (!grad_input_mask[3] && cpu_takes_flash(q, k, v, b, p, causal, scale)) {
-    auto l = on_host(lse).narrow(2, 0, q.size(2)).contiguous();
-    std::tie(gq, gk, gv) =
-        at::_scaled_dot_product_flash_attention_for_cpu_backward(go, q, k, v, on_host(out), l, p, causal, b, scale);
-  } else {
-    auto seed = static_cast<uint64_t>(on_host(philox_seed).item<int64_t>());
-    auto offset = static_cast<uint64_t>(on_host(philox_offset).item<int64_t>());
-    std::tie(gq, gk, gv, gb) = math_backward(go, q, k, v, b, p, causal, scale_of(q, scale), seed, offset);
-  }
-  auto dev = query.device().index();
-  auto back = [&](const at::Tensor& t, bool want) {
-    return want && t.defined() ? adopt_host_tensor(fused_layout(t), dev) : at::Tensor();
+  const bool flash = !grad_input_mask[3] && cpu_takes_flash(q, k, v, b, p, causal, scale);
+  // The results the caller asked for, in the fused op's layouts (the bias's gradient contiguous, as its shape).
+  auto result = [&](const at::Tensor& like, bool want) {
+    return want ? fused_layout_like(like.sizes(), like.options()) : at::Tensor();
   };
-  at::Tensor grad_bias = grad_input_mask[3] && gb.defined() ? adopt_host_tensor(gb.contiguous(), dev) : at::Tensor();
-  return {back(gq, grad_input_mask[0]), back(gk, grad_input_mask[1]), back(gv, grad_input_mask[2]), grad_bias};
+  at::Tensor gq = result(query, grad_input_mask[0]), gk = result(key, grad_input_mask[1]),
+             gv = result(value, grad_input_mask[2]);
+  at::Tensor gb = grad_input_mask[3] && bias.defined() ? at::empty(bias.sizes(), bias.options()) : at::Tensor();
+  auto kernel = [q, k, v, go, b, o = on_host(out), l = on_host(lse), seed = on_host(philox_seed),
+                 offset = on_host(philox_offset), flash, p, causal, scale,
+                 dst = std::array<at::Tensor, 4>{on_host(gq), on_host(gk), on_host(gv), on_host(gb)}] {
+    at::AutoDispatchBelowADInplaceOrView below;
+    std::array<at::Tensor, 4> res;
+    if (flash) {
+      auto lse_l = l.narrow(2, 0, q.size(2)).contiguous();
+      std::tie(res[0], res[1], res[2]) =
+          at::_scaled_dot_product_flash_attention_for_cpu_backward(go, q, k, v, o, lse_l, p, causal, b, scale);
+    } else {
+      std::tie(res[0], res[1], res[2], res[3]) =
+          math_backward(go, q, k, v, b, p, causal, scale_of(q, scale), static_cast<uint64_t>(seed.item<int64_t>()),
+                        static_cast<uint64_t>(offset.item<int64_t>()));
+    }
+    for (size_t i = 0; i < dst.size(); ++i)
+      if (dst[i].defined()) dst[i].copy_(res[i]);
+  };
+  launch(dev, "aten::_scaled_dot_product_efficient_attention_backward",
+         q.size(0) * q.size(1) * q.size(2) * k.size(2), std::move(kernel));
+  return {gq, gk, gv, gb};
 }
 
 }  // namespace
