@@ -16,6 +16,7 @@ import inspect
 import re
 import threading
 import time
+from copy import deepcopy
 
 import pytest
 import torch
@@ -317,6 +318,18 @@ def test_data_dependent_ops_wait_for_queued_producers(op):
     expected = fn(buf.cpu())  # the CPU op on the same data
     assert got.shape == expected.shape and expected.numel() > 1
     torch.testing.assert_close(got.cpu(), expected)
+
+
+def test_queued_kernels_write_tensors_made_under_inference_mode():
+    """Tensors made under torch.inference_mode are written by queued kernels (the copy in, an in-place op), which run
+    on the stream's worker thread, outside the caller's inference mode."""
+    m = torch.nn.Linear(N // 2, N // 2)  # 256K parameters: the copy in is queued, as is the in-place add
+    x = torch.randn(64, N // 2)
+    with torch.inference_mode():
+        y = deepcopy(m).to(DEV)(x.to(DEV)).add_(1)
+        assert y.is_inference()
+        got = y.cpu()
+    torch.testing.assert_close(got, m(x).detach() + 1)
 
 
 def _attention(t: torch.Tensor, grad: bool) -> list[torch.Tensor]:

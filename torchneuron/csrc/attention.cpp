@@ -2,8 +2,9 @@
 // efficient attention uses, `_scaled_dot_product_efficient_attention` (masks, causal, dropout, scale), because
 // DTensor has sharding rules for it (tensor/sequence parallel shard the heads) and the compiler and cost model know
 // it. The neuron kernels compute it with the CPU's numerics: the CPU flash kernel (forward and backward) wherever
-// the CPU's own SDPA would take it, the CPU's math op otherwise (attention dropout, with the neuron generator's
-// mask), with the gradient of the math formula. What the fused op cannot express
+// the CPU's own SDPA would take it, the CPU's math op otherwise, and with attention dropout the math formula with
+// the neuron generator's mask (scores computed once for the result and its log-sum-exp); the gradient of the math
+// formula. What the fused op cannot express
 // (inputs that are not 4-D, unsupported dtypes, GQA's unequal head counts, or sdpa_kernel excluding it) takes the
 // math decomposition, counted as aten::_scaled_dot_product_attention_math in get_executed_ops().
 #include <ATen/native/transformers/attention.h>
@@ -47,13 +48,15 @@ bool cpu_takes_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return at::_fused_sdp_choice(q, k, v, bias, p, causal, scale) == static_cast<int64_t>(SDPBackend::flash_attention);
 }
 
-// The dropout keep-mask [B, H, L, S] from counters (offset + i), as every neuron random op draws.
-at::Tensor keep_mask(uint64_t seed, uint64_t offset, at::IntArrayRef sizes, double p) {
-  auto m = at::empty(sizes, at::TensorOptions().dtype(at::kBool));
-  bool* d = m.data_ptr<bool>();
+// Attention dropout's [B, H, L, S] multiplier from counters (offset + i), as every neuron random op draws: 1 / (1 - p)
+// where the element is kept, else 0.
+at::Tensor keep_scale(uint64_t seed, uint64_t offset, at::IntArrayRef sizes, double p) {
+  auto m = at::empty(sizes, at::TensorOptions().dtype(at::kFloat));
+  float* d = m.data_ptr<float>();
   const BelowP keep(1.0 - p);
+  const float kept = static_cast<float>(1.0 / (1.0 - p));
   for_each_philox(seed, offset, m.numel(), [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
-    d[i] = keep(w0, w1);
+    d[i] = keep(w0, w1) ? kept : 0.0f;
   });
   return m;
 }
@@ -107,10 +110,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
       if (compute_lse) l.narrow(2, 0, L).copy_(lse_res);
       return;
     }
-    std::optional<at::Tensor> mask;
-    if (p > 0) mask = keep_mask(draw.seed, draw.offset, {q.size(0), q.size(1), L, k.size(2)}, p);
-    o.copy_(std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, b, p, causal, mask, scale)));
-    if (compute_lse) l.narrow(2, 0, L).copy_(scores(q, k, b, causal, scale_of(q, scale)).logsumexp(-1));
+    if (p == 0) {  // the CPU's math op, for its numerics
+      o.copy_(std::get<0>(at::_scaled_dot_product_attention_math(q, k, v, b, p, causal, std::nullopt, scale)));
+      if (compute_lse) l.narrow(2, 0, L).copy_(scores(q, k, b, causal, scale_of(q, scale)).logsumexp(-1));
+      return;
+    }
+    // Dropout (no CPU result to match: the masks are the neuron generator's): the math formula the backward
+    // differentiates, with the scores computed once for both the result and the log-sum-exp.
+    auto S = scores(q, k, b, causal, scale_of(q, scale));
+    if (compute_lse) l.narrow(2, 0, L).copy_(S.logsumexp(-1));
+    auto P = at::softmax(S, -1).mul_(keep_scale(draw.seed, draw.offset, S.sizes(), p));
+    o.copy_(at::matmul(P, v.to(at::kFloat)));
   };
   launch(dev, "aten::_scaled_dot_product_efficient_attention", B * H * L * S, std::move(kernel));
   return {out, lse, scalar_long(draw.seed), scalar_long(draw.offset)};
@@ -121,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> math_backward(
     const at::Tensor& go, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& b, double p, bool causal, double scale, uint64_t seed, uint64_t offset) {
   auto P = at::softmax(scores(q, k, b, causal, scale), -1);
-  auto drop = p > 0 ? keep_mask(seed, offset, P.sizes(), p).to(at::kFloat).div_(1.0 - p) : at::Tensor();
+  auto drop = p > 0 ? keep_scale(seed, offset, P.sizes(), p) : at::Tensor();
   auto Pd = drop.defined() ? P * drop : P;
   auto g = go.to(at::kFloat), ve = v.to(at::kFloat), ke = k.to(at::kFloat);
   auto gv = at::matmul(Pd.transpose(-2, -1), g);

@@ -110,6 +110,9 @@ void StreamQueue::loop() {
 void StreamQueue::finish(Task& t, bool ran) {
   if (!ran && (t.control || !failed_.load(std::memory_order_relaxed))) {
     try {
+      // Kernels compute below autograd, on host aliases: an alias of an inference tensor (made under the launching
+      // thread's torch.inference_mode) may be written here, where inference mode is not on.
+      at::AutoDispatchBelowADInplaceOrView below;
       t.run();
     } catch (...) {
       std::lock_guard<std::mutex> g(mu_);
