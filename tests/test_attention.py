@@ -104,3 +104,20 @@ def test_compiled_attention_equals_eager(kw):
         grads.append([x.grad.cpu() for x in leaves])
     for e, c in zip(*grads, strict=True):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shapes", [((2, 4, 8, 16), (3, 4, 8, 16), (3, 4, 8, 16)),  # batch
+                                    ((2, 4, 8, 16), (2, 4, 8, 16), (2, 4, 9, 16)),  # key/value length
+                                    ((2, 4, 8, 16), (2, 4, 8, 8), (2, 4, 8, 16)),   # query/key embedding
+                                    ((2, 4, 8, 16), (2, 4, 8, 16), (2, 4, 8, 16), (3, 8, 8))],  # mask
+                         ids=["batch", "length", "embedding", "mask"])
+def test_mismatched_shapes_raise_at_the_call(shapes):
+    """The fused kernel is queued: what it would fail on is raised at the launch, not at a later sync point. (The
+    CPU raises for these too, except unequal key and value lengths, which its flash kernel does not check.)"""
+    q, k, v, *mask = (torch.randn(s) for s in shapes)
+    kw = {"attn_mask": mask[0]} if mask else {}
+    with pytest.raises(RuntimeError) as e:
+        F.scaled_dot_product_attention(q.to("neuron"), k.to("neuron"), v.to("neuron"),
+                                       **{n: t.to("neuron") for n, t in kw.items()})
+    assert "asynchronously" not in str(e.value)
+    torch.neuron.synchronize()  # nothing was queued that fails later

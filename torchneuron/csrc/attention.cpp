@@ -95,6 +95,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
   auto q = host_alias(query), k = on_host(key), v = on_host(value);
   auto b = on_host(bias);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
+  // What the kernel would fail on, raised at the launch (as CUDA's checks are), not at the next sync point.
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "scaled_dot_product_attention: expected query, key and value to "
+              "have the same batch size, got ", q.sizes(), ", ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(v.size(2) == S, "scaled_dot_product_attention: expected key and value to have the same sequence "
+              "length, got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.size(3) == q.size(3), "scaled_dot_product_attention: expected query and key to have the same "
+              "embedding dimension, got ", q.sizes(), " and ", k.sizes());
+  if (b) at::infer_size(b->sizes(), {B, H, L, S});  // the mask broadcasts to the scores' shape (or raises)
   auto out = fused_layout_like({B, H, L, v.size(3)}, query.options());
   auto lse = at::empty({B, H, compute_lse ? (L + 31) / 32 * 32 : 0}, query.options().dtype(at::kFloat));
   const bool flash = cpu_takes_flash(q, k, v, b, p, causal, scale);
