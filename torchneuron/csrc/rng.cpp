@@ -65,9 +65,43 @@ __attribute__((target("avx2"))) void philox_chunk_avx2(uint64_t seed, uint64_t f
     }
   }
 }
-const bool kHaveAvx2 = __builtin_cpu_supports("avx2");
+// The same with sixteen counters per step, where the CPU has AVX-512 (the same words: tests compare with philox()).
+__attribute__((target("avx512f"))) inline void mulhilo(__m512i a, __m512i m, __m512i& hi, __m512i& lo) {
+  __m512i even = _mm512_mul_epu32(a, m), odd = _mm512_mul_epu32(_mm512_srli_epi64(a, 32), m);
+  lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+  hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
+}
+__attribute__((target("avx512f"))) void philox_chunk_avx512(uint64_t seed, uint64_t first, int n,
+                                                          uint32_t (&words)[4][kPhiloxChunk]) {
+  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53)), m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57));
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int base = 0; base < n; base += 16) {
+    const uint64_t ctr = first + static_cast<uint64_t>(base);
+    const __m512i start = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr)));
+    __m512i c0 = _mm512_add_epi32(start, lane);  // a lane whose low word wrapped carries into its high word
+    const __m512i high = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr >> 32)));
+    __m512i c1 = _mm512_mask_add_epi32(high, _mm512_cmplt_epu32_mask(c0, start), high, _mm512_set1_epi32(1));
+    __m512i c2 = _mm512_setzero_si512(), c3 = _mm512_setzero_si512();
+    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      __m512i h0, l0, h1, l1;
+      mulhilo(c0, m0, h0, l0);
+      mulhilo(c2, m1, h1, l1);
+      c0 = _mm512_xor_si512(_mm512_xor_si512(h1, c1), _mm512_set1_epi32(static_cast<int>(k0)));
+      c2 = _mm512_xor_si512(_mm512_xor_si512(h0, c3), _mm512_set1_epi32(static_cast<int>(k1)));
+      c1 = l1, c3 = l0;
+      k0 += 0x9E3779B9, k1 += 0xBB67AE85;
+    }
+    const __mmask16 keep = n - base >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - base)) - 1);
+    _mm512_mask_storeu_epi32(words[0] + base, keep, c0);
+    _mm512_mask_storeu_epi32(words[1] + base, keep, c1);
+    _mm512_mask_storeu_epi32(words[2] + base, keep, c2);
+    _mm512_mask_storeu_epi32(words[3] + base, keep, c3);
+  }
+}
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2"), kHaveAvx512 = __builtin_cpu_supports("avx512f");
 #else
-constexpr bool kHaveAvx2 = false;
+constexpr bool kHaveAvx2 = false, kHaveAvx512 = false;
 #endif
 
 struct Draws {
@@ -254,6 +288,7 @@ at::Tensor& random_full(at::Tensor& self, std::optional<at::Generator> gen) {
 
 void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPhiloxChunk]) {
 #if defined(__x86_64__)
+  if (kHaveAvx512) return philox_chunk_avx512(seed, first, n, words);
   if (kHaveAvx2) return philox_chunk_avx2(seed, first, n, words);
 #endif
   for (int j = 0; j < n; ++j) {
