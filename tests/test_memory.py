@@ -63,6 +63,36 @@ def test_per_device_accounting():
     del t
 
 
+def test_threads_allocating_on_two_devices_keep_exact_accounting():
+    """Each device has its own allocator lock: two threads allocating and freeing on two devices at once (results
+    of kernels, adopted host memory, plain allocations) leave each device's counts exact, and every value right."""
+    import threading
+
+    base = [torch.neuron.memory_allocated(d) for d in (0, 1)]
+    errors = []
+
+    def churn(dev: int) -> None:
+        try:
+            x = torch.arange(1000, dtype=torch.float32, device=f"neuron:{dev}")
+            for i in range(300):
+                y = torch.empty(100 + i, device=f"neuron:{dev}")  # allocated
+                z = (x * 2).sum() + i  # kernel results, queued or inline
+                w = torch.linalg.qr(x[:16].view(4, 4)).Q  # a host fallback: its result memory is adopted
+                assert z.item() == 999000 + i and w.shape == (4, 4)
+                del y, z, w
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=churn, args=(d,)) for d in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.neuron.synchronize()
+    assert not errors, errors
+    assert [torch.neuron.memory_allocated(d) for d in (0, 1)] == base
+
+
 def test_results_of_ops_are_device_memory():
     x = torch.randn(256, 256, device="neuron")
     base = torch.neuron.memory_allocated()

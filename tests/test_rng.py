@@ -45,8 +45,9 @@ def test_rand_is_philox_of_seed_and_position():
 
 
 def test_vectorised_draws_match_the_reference_across_a_carry_and_ragged_ends():
-    """The kernels make eight (AVX2) or sixteen (AVX-512) counters at a time: a run that starts unaligned, crosses the low counter word's wrap
-    (2^32) and ends mid-vector draws exactly the reference values; so does dropout's keep test, p at its ends too."""
+    """The kernels make eight (AVX2) or sixteen (AVX-512) counters at a time: a run that starts unaligned, crosses
+    the low counter word's wrap (2^32) and ends mid-vector draws exactly the reference values; so does dropout's
+    keep test, p at its ends too."""
     seed, offset = 0x1234_5678_9ABC_DEF0, 2**32 - 20
     state = torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
     torch.neuron.set_rng_state(state)
