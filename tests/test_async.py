@@ -21,6 +21,7 @@ from copy import deepcopy
 import pytest
 import torch
 
+import torchneuron
 from tests.conftest import run_py
 
 N = 1024
@@ -362,6 +363,27 @@ def test_attention_and_convolution_are_queued_behind_the_streams_work(kernel, gr
     for g, e in zip(got, expected, strict=True):
         assert g.stride() == e.stride() or kernel is _attention
         torch.testing.assert_close(g.cpu(), e)
+
+
+@needs_async
+def test_an_op_keeps_queueing_as_shapes_keep_changing():
+    """The result layouts an op learns are a bounded memo that keeps what is in use and learns what is new: after
+    far more shapes than one generation holds (a growing KV cache, variable-length batches), a new shape and a shape
+    used all along are queued again, not left on the host thread for good."""
+    hot = torch.ones(7, device=DEV)
+    for n in range(8, 1000):
+        torch.ones(n, device=DEV).cumsum(0)
+        hot.cumsum(0)
+    fresh = torch.ones(1000, device=DEV)
+    fresh.cumsum(0)  # learnt
+    xd, wd = on_device(*operands())
+    torchneuron.clear_op_tracking()
+    busy = slow(xd, wd)
+    got = fresh.cumsum(0), hot.cumsum(0)
+    assert torchneuron._C._queued_ops().get("aten::cumsum", 0) == 2
+    del busy
+    torch.testing.assert_close(got[0].cpu(), torch.arange(1, 1001.0))
+    torch.testing.assert_close(got[1].cpu(), torch.arange(1, 8.0))
 
 
 # ---------------------------------------------------------------- caching allocator across streams

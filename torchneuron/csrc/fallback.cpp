@@ -173,11 +173,19 @@ struct KeyHash {
     return h;
   }
 };
+// A bounded memo in two generations: when `map` is full it becomes `old`, and a signature found in `old` moves back
+// into `map`. The signatures in use stay (a loop's shapes recur), and new ones are always remembered: shapes that
+// keep changing (a growing KV cache, variable-length batches) never leave an op running on the host thread for good.
 struct LayoutCache {
+  using Map = std::unordered_map<std::vector<int64_t>, std::shared_ptr<const ResultLayout>, KeyHash>;
   std::shared_mutex mu;
-  std::unordered_map<std::vector<int64_t>, std::shared_ptr<const ResultLayout>, KeyHash> map;
+  Map map, old;
+  void put(std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {  // mu held exclusively
+    if (map.size() >= kLayoutsPerOp && !map.count(key)) old = std::move(map), map = Map();
+    map.insert_or_assign(std::move(key), std::move(L));
+  }
+  static constexpr size_t kLayoutsPerOp = 256;  // signatures per generation
 };
-constexpr size_t kLayoutsPerOp = 256;  // signatures remembered per op; beyond, calls run on the host thread
 
 // The flat device tensor arguments of a call, in order (the indices ResultSlot::source refers to).
 using FlatArgs = c10::SmallVector<at::Tensor, 8>;
@@ -287,9 +295,21 @@ LayoutCache& layouts_of(OpEntry& e) {
 
 std::shared_ptr<const ResultLayout> find_layout(OpEntry& e, const std::vector<int64_t>& key) {
   auto& c = layouts_of(e);
-  std::shared_lock<std::shared_mutex> g(c.mu);
-  auto it = c.map.find(key);
-  return it == c.map.end() ? nullptr : it->second;
+  {
+    std::shared_lock<std::shared_mutex> g(c.mu);
+    if (auto it = c.map.find(key); it != c.map.end()) return it->second;
+    if (!c.old.count(key)) return nullptr;
+  }
+  std::unique_lock<std::shared_mutex> g(c.mu);
+  auto it = c.old.find(key);
+  if (it == c.old.end()) {  // moved back by another thread meanwhile
+    auto cur = c.map.find(key);
+    return cur == c.map.end() ? nullptr : cur->second;
+  }
+  auto L = it->second;
+  c.old.erase(it);
+  c.put(key, L);
+  return L;
 }
 
 std::vector<int64_t> shapes_of(const FlatArgs& flat) {
@@ -378,7 +398,7 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
 void remember_layout(OpEntry& e, std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {
   auto& c = layouts_of(e);
   std::unique_lock<std::shared_mutex> g(c.mu);
-  if (c.map.size() < kLayoutsPerOp || c.map.count(key)) c.map.insert_or_assign(std::move(key), std::move(L));
+  c.put(std::move(key), std::move(L));
 }
 
 // The out= overload of a functional op: same name, the same arguments (names and types), then one Tensor(a!)
