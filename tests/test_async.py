@@ -386,6 +386,24 @@ def test_an_op_keeps_queueing_as_shapes_keep_changing():
     torch.testing.assert_close(got[1].cpu(), torch.arange(1, 8.0))
 
 
+@needs_async
+def test_convolution_keeps_queueing_as_shapes_keep_changing():
+    """Convolution's learnt layouts are bounded too and keep learning: after hundreds of input shapes, a new
+    shape's second call is queued behind the stream's work."""
+    w = torch.randn(2, 1, 3, 3, device=DEV)
+    for n in range(3, 400):
+        torch.nn.functional.conv2d(torch.ones(1, 1, 3, n, device=DEV), w)
+    x = torch.ones(1, 1, 3, 500, device=DEV)
+    ref = torch.nn.functional.conv2d(x.cpu(), w.cpu())
+    torch.nn.functional.conv2d(x, w)  # learnt
+    xd, wd = on_device(*operands())
+    busy = slow(xd, wd)
+    got = torch.nn.functional.conv2d(x, w)
+    assert not torch.neuron.current_stream().query(), "the convolution waited for the stream's work"
+    del busy
+    torch.testing.assert_close(got.cpu(), ref)
+
+
 # ---------------------------------------------------------------- caching allocator across streams
 
 ROWS = 1100  # (ROWS, N) float32 blocks are larger than the slow kernel's (N, N) ones, so only each other's fit

@@ -181,7 +181,8 @@ std::vector<at::Tensor> explicit_kernel(const char* name, c10::DeviceIndex dev, 
       r = adopt_host_tensor(r, dev);
     }
     event.end(std::vector<c10::IValue>(res.begin(), res.end()));
-    if (seen.size() < 256) seen.emplace(std::make_pair(name, std::move(key)), std::move(shapes));
+    if (seen.size() >= 256) seen.clear();  // a bounded memo that keeps learning: new shapes are always remembered
+    seen.emplace(std::make_pair(name, std::move(key)), std::move(shapes));
     return res;
   }
   std::vector<at::Tensor> res, dst;
