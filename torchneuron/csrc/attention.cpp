@@ -109,7 +109,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
   PhiloxSlice draw{0, 0};
   if (!flash && p > 0) draw = reserve_philox(std::nullopt, dev, B * H * L * S);  // in launch order
   auto kernel = [q, k, v, b, o = host_alias(out), l = host_alias(lse), flash, compute_lse, p, causal, scale, draw] {
-    at::AutoDispatchBelowADInplaceOrView below;
     const int64_t L = q.size(2);
     l.zero_();
     if (flash) {
@@ -175,7 +174,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention_b
   auto kernel = [q, k, v, go, b, o = on_host(out), l = on_host(lse), seed = on_host(philox_seed),
                  offset = on_host(philox_offset), flash, p, causal, scale,
                  dst = std::array<at::Tensor, 4>{on_host(gq), on_host(gk), on_host(gv), on_host(gb)}] {
-    at::AutoDispatchBelowADInplaceOrView below;
     std::array<at::Tensor, 4> res;
     if (flash) {
       auto lse_l = l.narrow(2, 0, q.size(2)).contiguous();

@@ -154,7 +154,8 @@ at::Tensor& set_empty(at::Tensor& self) {
 // An explicit kernel in stream order. The layouts of its results are those of the first call with the same
 // signature on this thread (the CPU's algorithm choice decides them), which runs on this thread after the stream's
 // work and adopts the CPU's results; later calls allocate their results at the launch and queue `compute` (host
-// tensors in, host results out), copying its results into them. A profiler trace runs every call on this thread.
+// tensors in, host results out), copying its results into them (below autograd, as every queued kernel runs). A
+// profiler trace runs every call on this thread.
 struct ResultShape {
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
@@ -192,7 +193,6 @@ std::vector<at::Tensor> explicit_kernel(const char* name, c10::DeviceIndex dev, 
     dst.push_back(on_host(res.back()));
   }
   launch(dev, name, elements, [dev, compute = std::move(compute), dst = std::move(dst)] {
-    at::AutoDispatchBelowADInplaceOrView below;
     std::vector<at::Tensor> out = with_device_oom(dev, compute);
     for (size_t i = 0; i < dst.size(); ++i)
       if (dst[i].defined()) dst[i].copy_(out[i]);
