@@ -11,6 +11,7 @@ from pathlib import Path
 import libcst as cst
 import pytest
 from conftest import run_py
+from dist_helpers import free_port
 
 from torchneuron.migrate import check, fix
 from torchneuron.migrate.rules import RULES
@@ -228,7 +229,7 @@ NOT_RUN = {  # goldens that keep CUDA-only code by design
     "report_only": "CUDA-only APIs fix cannot replace (triton, pynvml, CUDA extensions, CUDA graphs): reported only",
 }
 GOLDEN_DRIVER = """
-import contextlib, io, json, os, runpy, sys, traceback
+import contextlib, faulthandler, io, json, os, runpy, sys, traceback
 import torch
 def jsonable(v):
     if isinstance(v, torch.Tensor):
@@ -250,12 +251,15 @@ for name, path in json.loads(sys.argv[1]):
     sys.argv, buf = [path, *(["ckpt.pt"] if name == "checkpoint" else [])], io.StringIO()
     shown = {"show": lambda **kw: print(json.dumps(jsonable(kw))), "raises": raises}
     torch.manual_seed(0)  # module-level models start alike on both devices
+    print(f"case {name}", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(300, exit=True)  # a hung case shows every thread's stack, then the run ends
     try:
         with contextlib.redirect_stdout(buf):
             runpy.run_path(path, init_globals=shown, run_name="__main__")
         out[name] = [0, buf.getvalue(), ""]
     except BaseException:
         out[name] = [1, buf.getvalue(), traceback.format_exc()]
+    faulthandler.cancel_dump_traceback_later()
     for mod in [m for m in sys.modules if m.startswith("torch.distributed")]:
         d = sys.modules[mod]
         if hasattr(d, "is_initialized") and d.is_initialized():
@@ -285,9 +289,8 @@ def golden_runs(tmp_path_factory):
            "LOCAL_RANK": "0", "TORCHNEURON_FALLBACK": "silent"}
     res = {}
     for target, extra in (("neuron", {}), ("cpu", {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})):
-        port = str(29000 + os.getpid() % 400 + (target == "cpu") * 400)
         r = subprocess.run([sys.executable, "-c", GOLDEN_DRIVER, json.dumps(jobs)], capture_output=True, text=True,
-                           env={**env, **extra, "MASTER_PORT": port}, cwd=d, timeout=900)
+                           env={**env, **extra, "MASTER_PORT": str(free_port())}, cwd=d, timeout=800)
         assert r.returncode == 0, r.stderr
         res[target] = json.loads(r.stdout.splitlines()[-1])
     return res

@@ -98,10 +98,10 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     c10::StreamId stream = current_stream_id(dev);
     DeviceCache& c = cache(dev);
     std::unique_lock<std::mutex> g(c.mu);
-    if (!c.pending.empty()) finish_pending(c, dev, false);
+    if (!c.pending.empty()) finish_pending(c);
     Block* b = take_cached(c, stream, size);
     if (!b) {
-      reserve_or_throw(c, dev, size, n, ctx);
+      reserve_or_throw(c, g, dev, size, n, ctx);
       void* base = std::aligned_alloc(kAlign, kAlign + (size + kAlign - 1) / kAlign * kAlign);
       if (!base) throw_oom(c, dev, n, "the host could not provide the memory");
       void* p = static_cast<char*>(base) + kAlign;
@@ -124,7 +124,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     c10::StreamId stream = current_stream_id(dev);
     DeviceCache& c = cache(dev);
     std::unique_lock<std::mutex> g(c.mu);
-    reserve_or_throw(c, dev, n, n, ctx);
+    reserve_or_throw(c, g, dev, n, n, ctx);
     auto* b = new Block{p, n, n, dev, true, std::move(host), stream};
     new_segment(c, b, ctx);
     note_alloc(c, b);
@@ -188,8 +188,8 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 
   void emptyCache(c10::MempoolId_t = {0, 0}) override {
     for (int d = 0; d <= max_device_.load(std::memory_order_acquire); ++d) {
-      std::lock_guard<std::mutex> g(devices_[d].mu);
-      release_cached(devices_[d], static_cast<c10::DeviceIndex>(d));
+      std::unique_lock<std::mutex> g(devices_[d].mu);
+      release_cached(devices_[d], g, static_cast<c10::DeviceIndex>(d));
     }
   }
 
@@ -291,9 +291,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     else c.free[b->stream].emplace(b->size, b);
   }
 
-  // `wait`: synchronize the device first, so that every pending free completes.
-  void finish_pending(DeviceCache& c, c10::DeviceIndex dev, bool wait) {
-    if (wait) synchronize_device(dev, /*raise=*/false);
+  void finish_pending(DeviceCache& c) {
     std::vector<PendingFree> still;
     for (auto& p : c.pending) {
       if (p.ready()) finish(c, p.block);
@@ -331,10 +329,14 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     delete b;  // an adopted block's DataPtr returns its memory to the host allocator here
   }
 
-  // Return the device's cached blocks to the host, after synchronizing: queued work may still use a block
-  // freed in stream order.
-  void release_cached(DeviceCache& c, c10::DeviceIndex dev) {
-    finish_pending(c, dev, /*wait=*/true);
+  // Return the device's cached blocks to the host, after synchronizing the device (queued work may still use a block
+  // freed in stream order) with the lock `g` holds on `c` released: a queued kernel may free or adopt memory, and
+  // the worker would wait for the lock while this thread waits for the worker.
+  void release_cached(DeviceCache& c, std::unique_lock<std::mutex>& g, c10::DeviceIndex dev) {
+    g.unlock();
+    synchronize_device(dev, /*raise=*/false);
+    g.lock();
+    finish_pending(c);
     for (auto& [stream, pool] : c.free)
       for (auto& [size, b] : pool) drop_segment(c, b);
     c.free.clear();
@@ -348,14 +350,14 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 
   // Make room for a new segment of `size` bytes within the core's capacity (times the process's memory
   // fraction), or raise torch.OutOfMemoryError.
-  void reserve_or_throw(DeviceCache& c, c10::DeviceIndex dev, size_t size, size_t requested,
-                        const std::shared_ptr<c10::GatheredContext>& ctx) {
+  void reserve_or_throw(DeviceCache& c, std::unique_lock<std::mutex>& g, c10::DeviceIndex dev, size_t size,
+                        size_t requested, const std::shared_ptr<c10::GatheredContext>& ctx) {
     size_t cap = limit(c, dev);
     auto& st = c.stats;
     if (st.reserved_bytes[0].current + size <= cap) return;
     if (has_cached(c) || !c.pending.empty()) {
       st.num_alloc_retries++;
-      release_cached(c, dev);
+      release_cached(c, g, dev);
       if (st.reserved_bytes[0].current + size <= cap) return;
     }
     st.num_ooms++;
