@@ -123,9 +123,13 @@ void StreamQueue::finish(Task& t, bool ran) {
   t.run = nullptr;  // the kernel's captured state goes before it counts as complete
   t.stack.reset();
   t.fuse.reset();
-  completed_.fetch_add(1);  // seq_cst with the load below and the waiter's increment: no lost wake-up
-  if (waiters_.load()) {
+  // seq_cst with the load below and the waiter's store: a waiter either sees this count or is woken. Only a waiter
+  // whose ticket this completes is woken (a host waiting at the end of a long backlog costs the worker no wake-up
+  // per kernel).
+  const uint64_t done = completed_.fetch_add(1) + 1;
+  if (done >= wake_at_.load()) {
     std::lock_guard<std::mutex> g(mu_);
+    wake_at_.store(kNoWaiter);  // a woken waiter whose ticket is still ahead registers it again
     done_cv_.notify_all();
   }
 }
@@ -139,9 +143,11 @@ void StreamQueue::wait_quiet(uint64_t ticket) {
   if (reached(ticket)) return;
   ReleaseGil nogil;
   std::unique_lock<std::mutex> l(mu_);
-  waiters_.fetch_add(1);
-  done_cv_.wait(l, [&] { return completed_.load() >= ticket; });
-  waiters_.fetch_sub(1);
+  for (;;) {
+    if (ticket < wake_at_.load()) wake_at_.store(ticket);  // before the check: see finish()
+    if (completed_.load() >= ticket) break;
+    done_cv_.wait(l);
+  }
 }
 
 void StreamQueue::wait(uint64_t ticket) {
@@ -246,7 +252,7 @@ void StreamQueue::reset_after_fork() {
   started_ = sleeping_ = false;
   completed_.store(enqueued_.load());
   popped_ = enqueued_.load();
-  waiters_.store(0);
+  wake_at_.store(kNoWaiter);
 }
 
 void install_fork_handler() {

@@ -88,7 +88,8 @@ class StreamQueue {
   std::deque<Task> tasks_;
   std::atomic<uint64_t> enqueued_{0}, completed_{0};
   uint64_t popped_ = 0;  // the worker's
-  std::atomic<int> waiters_{0};
+  static constexpr uint64_t kNoWaiter = ~uint64_t{0};
+  std::atomic<uint64_t> wake_at_{kNoWaiter};  // the lowest ticket a sleeping waiter waits for
   std::atomic<bool> failed_{false};
   std::optional<Failure> error_;
   bool started_ = false, sleeping_ = false;
