@@ -496,7 +496,12 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntr
     for_each_tensor(args[i], [&](const at::Tensor& a) {
       if (at::Tensor* dev = c.alias_to_tensor.find(a.unsafeGetTensorImpl())) written.emplace_back(*dev, a);
     });
-  with_device_oom(c.device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack); });
+  int64_t work = 0;  // its largest argument (its results are not known yet)
+  for (size_t i = 0; i < nargs; ++i) for_each_tensor(args[i], [&](const at::Tensor& t) { work = std::max(work, t.numel()); });
+  {
+    KernelThreadsGuard threads(work);
+    with_device_oom(c.device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack); });
+  }
   if (!drawn.empty()) {
     uint64_t n = 0;
     for (size_t i = stack->size() - schema.returns().size(); i < stack->size(); ++i)
@@ -553,7 +558,7 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntr
 // Queue the op on stream `q` with the results its layout predicts; the kernel runs later over host aliases and
 // copies each fresh result into the device memory handed out now.
 void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntry& e, Call& c,
-                   std::shared_ptr<const ResultLayout> layout, const FlatArgs& flat, StreamQueue& q) {
+                   std::shared_ptr<const ResultLayout> layout, const FlatArgs& flat, StreamQueue& q, int64_t work) {
   const ResultLayout& L = *layout;
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
@@ -624,7 +629,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         const at::Tensor& r = st[i].toTensor();
         if (r.data_ptr() != dst[i] || r.sizes() != c10::IntArrayRef(layout->slots[i].sizes)) mispredicted(e, *layout, i, r);
       }
-    }, false, std::move(fuse));
+    }, false, std::move(fuse), work);
   } else
   q.push(name, [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device, &e,
                 expect = std::move(expect)]() mutable {
@@ -663,7 +668,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         dst.copy_(out[k]);
       }
     }
-  }, false, std::move(fuse));
+  }, false, std::move(fuse), work);
   // the results replace the arguments on the stack, as a kernel's would
   stack->erase(stack->end() - static_cast<std::ptrdiff_t>(nargs), stack->end());
   size_t k = 0;
@@ -719,8 +724,10 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     for (size_t i : e.writes)
       for_each_tensor(args[i], [&](const at::Tensor& t) { writes_int64 |= t.scalar_type() == at::kLong; });
   const bool trainium_blocks = trainium && writes_int64;
-  if (L && !trainium_blocks && !(trainium && L->int64) && !run_inline(q, L->max_numel))
-    return launch_queued(op, stack, e, c, std::move(L), flat, q);
+  int64_t work = L ? L->max_numel : 0;  // the largest tensor, argument or result (a reduction's input is its work)
+  for (const at::Tensor& t : flat) work = std::max<int64_t>(work, t.defined() ? t.numel() : 0);
+  if (L && !trainium_blocks && !(trainium && L->int64) && !run_inline(q, work))
+    return launch_queued(op, stack, e, c, std::move(L), flat, q, work);
   if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
   drain_current(c.device);
   if (L || !keyed) return run_on_host(op, stack, e, c, trainium);

@@ -97,7 +97,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
     return dst;
   }
   if (!from_device && !(non_blocking && self.is_pinned())) src = src.clone();  // read now: the caller may change it
-  q.push("aten::copy_", [d, src]() mutable { d.copy_(src); });
+  q.push("aten::copy_", [d, src]() mutable { d.copy_(src); }, false, nullptr, dst.numel());
   return dst;
 }
 
@@ -171,7 +171,11 @@ std::vector<at::Tensor> explicit_kernel(const char* name, c10::DeviceIndex dev, 
   if (it == seen.end() || g_tracing_device.load(std::memory_order_relaxed)) {
     drain_current(dev);
     KernelEvent event(name, dev, nullptr, inputs);
-    std::vector<at::Tensor> res = with_device_oom(dev, compute);
+    std::vector<at::Tensor> res;
+    {
+      KernelThreadsGuard threads(elements);  // the threads its queued calls run with
+      res = with_device_oom(dev, compute);
+    }
     std::vector<ResultShape> shapes;
     for (auto& r : res) {
       if (!r.defined()) {

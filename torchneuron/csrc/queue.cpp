@@ -25,6 +25,7 @@ namespace {
 
 constexpr int kFixedStreams = 1 + 2 * 32;  // the default stream and the two priority pools (guard.cpp)
 constexpr auto kSpin = std::chrono::microseconds(30);  // a worker (or waiter) spins this long before sleeping
+const int kCores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
 // Blocking while holding the GIL would stall every Python thread (and a kernel that needs it): release it.
 struct ReleaseGil {
@@ -38,9 +39,22 @@ struct ReleaseGil {
 
 StreamQueue::StreamQueue(c10::DeviceIndex device, c10::StreamId id) : device_(device), id_(id) {}
 
+int kernel_threads(int threads, int64_t work) {
+  return threads > 1 && threads >= kCores && work < kFullThreadsWork ? threads - 1 : threads;
+}
+
+KernelThreadsGuard::KernelThreadsGuard(int64_t work) {
+  if (work < kInlineElements) return;  // too small to split across threads
+  const int now = at::get_num_threads(), want = kernel_threads(now, work);
+  if (want != now) saved_ = now, at::set_num_threads(want);
+}
+KernelThreadsGuard::~KernelThreadsGuard() {
+  if (saved_) at::set_num_threads(saved_);
+}
+
 uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool control,
-                           std::shared_ptr<const FusableOp> fuse) {
-  Task t{std::move(run), name, nullptr, at::get_num_threads(), control, std::move(fuse)};
+                           std::shared_ptr<const FusableOp> fuse, int64_t work) {
+  Task t{std::move(run), name, nullptr, kernel_threads(at::get_num_threads(), work), control, std::move(fuse)};
   if (!control && g_launch_stacks.load(std::memory_order_relaxed) && Py_IsInitialized())  // bindings release the GIL: gathering takes it
     t.stack = gather_launch_stack();
   uint64_t ticket;

@@ -52,8 +52,9 @@ class StreamQueue {
   // Python stack for its error; `control` tasks (event records, cross-stream waits) run even after a kernel of
   // the stream failed, kernels are then skipped until the error is reported.
   // `fuse`: the op as the worker may hand it to eager fusion with the queued ops that follow it (fusion.cpp).
+  // `work`: the kernel's size in elements (its largest tensor, or an estimate of its work): sets its threads (below).
   uint64_t push(const char* name, std::function<void()> run, bool control = false,
-                std::shared_ptr<const FusableOp> fuse = nullptr);
+                std::shared_ptr<const FusableOp> fuse = nullptr, int64_t work = 0);
   uint64_t enqueued() const { return enqueued_.load(std::memory_order_acquire); }
   bool reached(uint64_t ticket) const;
   bool idle() const { return reached(enqueued()); }
@@ -69,7 +70,7 @@ class StreamQueue {
     std::function<void()> run;
     const char* name = "";
     std::shared_ptr<c10::GatheredContext> stack;
-    int threads = 1;  // the launching thread's intra-op thread count
+    int threads = 1;  // the intra-op threads it runs with: kernel_threads() of the launching thread's
     bool control = false;
     std::shared_ptr<const FusableOp> fuse;
   };
@@ -111,6 +112,25 @@ std::string describe_launch_stack(const c10::GatheredContext& stack);
 // the work is small (`elements`), where a hand-off to the worker would cost more than the kernel. The kernel must
 // not own device memory (capture host aliases: the allocator orders reuse by stream, as CUDA's).
 constexpr int64_t kInlineElements = 1 << 15;
+// The intra-op threads a kernel launched with `threads` runs with. When they fill the machine's cores, a kernel
+// smaller than kFullThreadsWork runs with one thread fewer: the host thread keeps running ahead on that core (with
+// every core busy, a parallel kernel whose thread the host preempts waits at its barrier). A rule of the launch
+// alone, never of timing, so a kernel's result (a reduction's split follows the thread count) is the same every
+// run. Kernels below kInlineElements in every tensor split no work across threads: they may run inline.
+constexpr int64_t kFullThreadsWork = 1 << 20;
+int kernel_threads(int threads, int64_t work);
+// A kernel run on the host thread (a signature's first call, a data-dependent op) computes with the threads its
+// queued runs would: this sets kernel_threads(current, work) on this thread and restores the count after.
+class KernelThreadsGuard {
+ public:
+  explicit KernelThreadsGuard(int64_t work);
+  ~KernelThreadsGuard();
+  KernelThreadsGuard(const KernelThreadsGuard&) = delete;
+  KernelThreadsGuard& operator=(const KernelThreadsGuard&) = delete;
+
+ private:
+  int saved_ = 0;
+};
 inline bool run_inline(const StreamQueue& q, int64_t elements) {
   return g_launch_blocking.load(std::memory_order_relaxed) ||
          (elements < kInlineElements && !g_queue_everything.load(std::memory_order_relaxed) && q.idle());
@@ -122,7 +142,7 @@ void launch(c10::DeviceIndex device, const char* name, int64_t elements, F&& ker
     q.raise_error();
     kernel();
   } else {
-    q.push(name, std::forward<F>(kernel));
+    q.push(name, std::forward<F>(kernel), false, nullptr, elements);
   }
 }
 
