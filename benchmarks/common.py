@@ -1,6 +1,7 @@
-"""Timing helpers shared by the benchmarks: interleaved A/B runs in one process, medians of repeats."""
+"""Timing helpers shared by the benchmarks: A/B runs taking turns (in two processes, or in one), medians of repeats."""
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import time
 from collections.abc import Callable
@@ -40,6 +41,66 @@ def interleaved(fns: dict[str, Callable[[], object]], calls: int, repeats: int =
             sync()
             samples[name].append((time.perf_counter() - t0) / calls)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def _serve(conn, threads: int, build: Callable[..., Callable[[], object]], kwargs: dict, warmup: int) -> None:
+    """One side of `paired`: build the function, then time `calls` calls (ending with a synchronize) per request."""
+    torch.set_num_threads(threads)
+    fn = build(**kwargs)
+    for _ in range(warmup):
+        fn()
+    sync()
+    conn.send("ready")
+    while (calls := conn.recv()) is not None:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        conn.send((time.perf_counter() - t0) / calls)
+
+
+def paired(build: Callable[..., Callable[[], object]], calls: int, repeats: int = 9, warmup: int = 3,
+           **kwargs: object) -> dict[str, float]:
+    """Median seconds per call of `build(device=d, **kwargs)()` on "neuron" and on "cpu", each side in its own
+    process at this process's thread count, taking turns as `interleaved` does (only one side runs at a time, so a
+    noisy neighbour still hits both alike). Separate processes because one process is not neutral ground: the
+    device's stream worker has an OpenMP team of its own, and with more OpenMP threads in a process than cores,
+    libgomp makes every team sleep between parallel regions instead of spinning (measured: the CPU's MLP step at 2
+    threads took 4.9 ms beside a neuron worker's team, 2.1 ms in a process of its own)."""
+    ctx = multiprocessing.get_context("spawn")
+    sides = {}
+    for device in ("neuron", "cpu"):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_serve, args=(child, torch.get_num_threads(), build,
+                                                {**kwargs, "device": device}, warmup), daemon=True)
+        proc.start()
+        sides[device] = (parent, proc)
+    try:
+        for device, (conn, proc) in sides.items():
+            try:
+                conn.recv()
+            except EOFError:
+                proc.join(60)
+                raise RuntimeError(f"the {device} side of the benchmark failed (exit code {proc.exitcode}); its "
+                                   "traceback is above") from None
+        samples: dict[str, list[float]] = {d: [] for d in sides}
+        names = list(sides)
+        for r in range(repeats):
+            for device in (names if r % 2 == 0 else names[::-1]):
+                conn = sides[device][0]
+                time.sleep(0.05)  # the other side's OpenMP threads spin a few ms after its last parallel region
+                conn.send(calls)
+                samples[device].append(conn.recv())
+        return {d: statistics.median(v) for d, v in samples.items()}
+    finally:
+        for conn, proc in sides.values():
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
 
 
 def row(name: str, neuron: float, cpu: float, unit: str, target: float | None = None) -> dict:

@@ -39,6 +39,28 @@ struct ReleaseGil {
 
 StreamQueue::StreamQueue(c10::DeviceIndex device, c10::StreamId id) : device_(device), id_(id) {}
 
+// This thread's intra-op threads, and only this thread's: OpenMP's per-thread setting and MKL's thread-local one.
+// at::set_num_threads also stores a process-wide count that threads started later (autograd's) begin with, so a
+// worker running a kernel with one thread fewer would change what later threads launch with. Both entries are the
+// ones libtorch_cpu itself uses (its libgomp, its MKL); weak, so that a build without them (no MKL) still loads, and
+// where they are missing or do not act on ATen's count, at::set_num_threads.
+extern "C" void omp_set_num_threads(int) __attribute__((weak));
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // MKL's C entry (lower-case names take pointers)
+void set_this_thread_threads(int n) {
+  static const bool local = [] {
+    if (!omp_set_num_threads || !MKL_Set_Num_Threads_Local) return false;
+    const int before = at::get_num_threads(), probe = before == 1 ? 2 : 1;
+    omp_set_num_threads(probe);
+    const bool ok = at::get_num_threads() == probe;
+    omp_set_num_threads(before);
+    return ok;
+  }();
+  at::get_num_threads();  // ATen's lazy per-thread initialisation first: it would reset the count later
+  if (!local) return at::set_num_threads(n);
+  omp_set_num_threads(n);
+  MKL_Set_Num_Threads_Local(n);
+}
+
 int kernel_threads(int threads, int64_t work) {
   return threads > 1 && threads >= kCores && work < kFullThreadsWork ? threads - 1 : threads;
 }
@@ -46,10 +68,10 @@ int kernel_threads(int threads, int64_t work) {
 KernelThreadsGuard::KernelThreadsGuard(int64_t work) {
   if (work < kInlineElements) return;  // too small to split across threads
   const int now = at::get_num_threads(), want = kernel_threads(now, work);
-  if (want != now) saved_ = now, at::set_num_threads(want);
+  if (want != now) saved_ = now, set_this_thread_threads(want);
 }
 KernelThreadsGuard::~KernelThreadsGuard() {
-  if (saved_) at::set_num_threads(saved_);
+  if (saved_) set_this_thread_threads(saved_);
 }
 
 uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool control,
@@ -74,7 +96,6 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
 }
 
 void StreamQueue::loop() {
-  at::init_num_threads();
   int threads = -1;
   std::vector<Task> group;  // the ops after `t` handed to eager fusion with it
   for (;;) {
@@ -103,7 +124,7 @@ void StreamQueue::loop() {
         ++popped_;
       }
     }
-    if (t.threads != threads) at::set_num_threads(threads = t.threads);
+    if (t.threads != threads) set_this_thread_threads(threads = t.threads);
     if (group.empty()) {
       finish(t, false);
       continue;
