@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 import threading
 import time
@@ -562,6 +563,75 @@ def test_two_threads_each_on_its_own_stream_get_correct_results():
         for r in results[i]:
             torch.testing.assert_close(r, refs[i])
 
+
+
+def test_two_host_threads_waiting_on_one_stream_each_wake_when_their_own_work_is_done():
+    """A finished kernel wakes only a waiter whose point it reached: the waiter on the earlier event returns with
+    its value while the later work still runs, and the waiter on the later event is not lost."""
+    x, w = on_device(*operands(0))
+    first = slow(x, w, 2)
+    early = torch.neuron.Event()
+    early.record()
+    second = slow(first, w, 4)
+    late = torch.neuron.Event()
+    late.record()
+    done: dict[str, float] = {}
+
+    def wait(name: str, event: torch.neuron.Event) -> None:
+        event.synchronize()
+        done[name] = time.perf_counter()
+
+    threads = [threading.Thread(target=wait, args=(n, e)) for n, e in (("late", late), ("early", early))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert set(done) == {"early", "late"} and done["early"] <= done["late"]
+    torch.testing.assert_close(first.cpu(), reference(0, 2))
+    torch.testing.assert_close(second.cpu(), slow(reference(0, 2), operands(0)[1], 4))
+
+
+def test_kernel_threads_do_not_change_what_new_threads_start_with():
+    """With the intra-op threads filling the cores, medium kernels run with one thread fewer on the stream worker;
+    that is set for the worker alone. (at::set_num_threads would also set the count every later thread starts
+    with: a thread started after such a kernel saw one thread fewer.)"""
+    code = """
+        import os, threading, torch
+        n = os.cpu_count()
+        torch.set_num_threads(n)
+        x = torch.randn(1 << 16, device="neuron")
+        for _ in range(50):
+            x = (x * 1.0001).add_(1)  # queued medium kernels
+        torch.neuron.synchronize()
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start(); t.join()
+        assert seen == [n], (seen, n)
+        assert torch.get_num_threads() == n
+    """
+    run_py(code)
+
+
+def test_a_reduction_computes_the_same_bits_queued_on_the_host_and_every_run():
+    """A full sum's split follows the thread count, so the count a kernel runs with is a rule of its launch, the
+    same whether it runs on the host (its first call), queued behind other work, or inline: never of timing."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(max(n, os.cpu_count() or 1))
+    try:
+        x = torch.randn(1 << 19, generator=torch.Generator().manual_seed(1)).to(DEV)
+        torch.neuron.synchronize()
+        xs, ws = on_device(*operands(0))
+        first = x.sum()  # the first call of this signature: on the host thread
+        sums = [first]
+        for _ in range(4):
+            slow(xs, ws, 1)  # busy stream: the sum is queued behind it
+            sums.append(x.sum())
+        torch.neuron.synchronize()
+        sums.append(x.sum())  # idle stream
+        values = [s.item() for s in sums]
+        assert len(set(values)) == 1, values
+    finally:
+        torch.set_num_threads(n)
 
 def test_an_out_argument_the_kernel_resizes_is_not_replayed_with_its_old_shape():
     """A layout is reused only when the first call left every argument's shape alone: `abs` of a 0-dim tensor runs
