@@ -1,12 +1,12 @@
 """`torch.compile` of a small-GPT training step: backend="neuron" on the device vs Inductor on plain CPU.
 
-Steady state runs both in this process, interleaved (median of repeats). Compile times need cold caches on both
-sides, so each compile runs in a fresh process with fresh cache directories, alternating neuron and CPU; the
-warm-cache row compiles the neuron side again in a fresh process that reuses its on-disk cache.
+Steady state runs each side in a process of its own, taking turns (median of repeats; benchmarks/common.py).
+Compile times need cold caches on both sides, so each compile runs in a fresh process with fresh cache directories,
+alternating neuron and CPU; the warm-cache row compiles the neuron side again in a fresh process that reuses its
+on-disk cache.
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import statistics
@@ -14,11 +14,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 
 import torch
 import torch._dynamo
 
-from benchmarks.common import FOREACH, interleaved, row
+from benchmarks.common import FOREACH, paired, row
 from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
 
 BATCH = 8
@@ -73,44 +74,31 @@ def compile_times(repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def steady_state(quick: bool, dropout: float = GPTConfig.dropout) -> dict[str, float]:
+def compiled_step(device: str, dropout: float) -> Callable[[], None]:
+    """A training step of the small GPT compiled for `device` (backend "neuron", or Inductor on the CPU), its
+    compile cache in a fresh directory."""
+    os.environ["TORCHNEURON_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchneuron-bench-")
     cfg = GPTConfig(dropout=dropout)
     torch.manual_seed(0)
-    model = TinyGPT(cfg)
-    batch = gpt_batch(cfg, BATCH, torch.Generator().manual_seed(0))
-    fns = {}
-    for device in ("neuron", "cpu"):
-        m = copy.deepcopy(model).to(device)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=FOREACH)
-        fn = torch.compile(m, backend="neuron" if device == "neuron" else "inductor")
-        x, y = (t.to(device) for t in batch)
+    m = TinyGPT(cfg).to(device)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=FOREACH)
+    fn = torch.compile(m, backend="neuron" if device == "neuron" else "inductor")
+    x, y = (t.to(device) for t in gpt_batch(cfg, BATCH, torch.Generator().manual_seed(0)))
 
-        def step(fn=fn, opt=opt, x=x, y=y):
-            loss = fn(x, y)[1]
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-
-        fns[device] = step
-    with tempfile.TemporaryDirectory() as cache:
-        old = os.environ.get("TORCHNEURON_CACHE_DIR")
-        os.environ["TORCHNEURON_CACHE_DIR"] = cache
-        try:
-            return interleaved(fns, calls=3 if quick else 8, repeats=5 if quick else 9)
-        finally:
-            torch._dynamo.reset()
-            if old is None:
-                os.environ.pop("TORCHNEURON_CACHE_DIR")
-            else:
-                os.environ["TORCHNEURON_CACHE_DIR"] = old
+    def step() -> None:
+        loss = fn(x, y)[1]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
 
 
 def run(quick: bool = False) -> list[dict]:
-    t = steady_state(quick)
+    t = paired(compiled_step, calls=3 if quick else 8, repeats=5 if quick else 9, dropout=GPTConfig.dropout)
     rows = [row("small-GPT train step, compiled", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.05)]
     # Dropout draws its masks differently on each side (eager's generator on neuron, so results equal eager;
     # Inductor's own in-kernel RNG on the CPU): without it the row compares the compiled code alone.
-    t = steady_state(quick, dropout=0.0)
+    t = paired(compiled_step, calls=3 if quick else 8, repeats=5 if quick else 9, dropout=0.0)
     rows.append(row("  same, dropout=0", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.05))
     c = {k: statistics.median(v) for k, v in compile_times(1 if quick else 3).items()}
     rows.append(row("small-GPT cold compile", c["neuron"], c["cpu"], "s", 1.2))

@@ -127,6 +127,102 @@ def test_input_mutation_reaches_device_memory():
     assert torch.equal(buf.cpu(), torch.ones(4)) and torch.equal(out, x)
 
 
+
+# ---- queued calls: after its first call (on the host thread), a kernel is queued on the stream like any device
+# kernel, where its threads leave a core to the host (compiler/kernel.py); these tests run at one thread for that.
+
+@pytest.fixture
+def queued_kernels():
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("compiled calls are queued only when their threads leave a core to the host thread")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.needs_async
+def test_a_later_call_is_queued_and_returns_before_its_work(queued_kernels):
+    w = torch.randn(1024, 1024, device=N) / 32
+
+    def chain(x):
+        for _ in range(8):
+            x = torch.tanh(x @ w)
+        return x
+
+    f = torch.compile(chain, backend=N)
+    x = torch.randn(1024, 1024, device=N)
+    first = f(x)  # on the host thread: learns where each result lives
+    torch.neuron.synchronize()
+    calls = [f(x) for _ in range(3)]
+    assert not torch.neuron.current_stream().query(), "the compiled calls ran before their launches returned"
+    for out in calls:
+        assert torch.equal(out.cpu(), first.cpu())
+
+
+def test_queued_calls_train_like_eager(queued_kernels):
+    from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
+
+    cfg = GPTConfig(dropout=0.0)
+    losses = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = TinyGPT(cfg).to(N)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        fn = torch.compile(model, backend=N) if mode == "compiled" else model
+        x, y = (t.to(N) for t in gpt_batch(cfg, 4, torch.Generator().manual_seed(0)))
+        steps = []
+        for _ in range(5):  # the first compiled step runs on the host, the others are queued
+            loss = fn(x, y)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            steps.append(loss)
+        losses[mode] = torch.stack(steps).cpu()
+    torch.testing.assert_close(losses["compiled"], losses["eager"], rtol=1e-5, atol=1e-5)
+    assert losses["eager"][-1] < losses["eager"][0]
+
+
+def test_queued_calls_keep_mutations_aliases_and_order(queued_kernels):
+    """Results over input memory, several results over one buffer, an input mutated in place: each call sees the
+    work queued before it, and the work queued after it sees its results."""
+    def f(x, buf):
+        buf.add_(1)
+        y = (x * buf).view(4, 8)
+        return y, y.t(), y[1:], x[2:]
+
+    g = torch.compile(f, backend=N)
+    x = torch.randn(32, device=N)
+    buf, ref_buf = torch.zeros(32, device=N), torch.zeros(32)
+    sharing = []  # which results share memory, per call: the queued calls as the first
+    with torch.no_grad():
+        for i in range(4):
+            x.mul_(1.5)  # eager work the call must see
+            outs = g(x, buf)
+            ptrs = [o.untyped_storage().data_ptr() for o in outs]
+            sharing.append([[p == q for q in ptrs] for p in ptrs])
+            later = outs[0] * 2  # eager work on its result
+            ref_buf += 1
+            xr = x.cpu()
+            ref = f(xr, ref_buf.clone() - 1)
+            for o, r in zip(outs, ref, strict=True):
+                assert torch.equal(o.cpu(), r), i
+            assert torch.equal(later.cpu(), ref[0] * 2) and torch.equal(buf.cpu(), ref_buf)
+            assert outs[3].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert all(s == sharing[0] for s in sharing)
+
+
+def test_queued_call_copies_memory_an_aten_kernel_allocated(queued_kernels):
+    """Inductor calls ATen for ops it has no code for (a Cholesky factorisation): that result is memory the
+    generated code did not allocate, copied into the result allocated at the launch."""
+    a = torch.randn(6, 6, generator=torch.Generator().manual_seed(0))
+    spd = (a @ a.T + 6 * torch.eye(6)).to(N)
+    f = torch.compile(lambda m, k: torch.linalg.cholesky(m * k) + 1, backend=N)
+    for k in (1.0, 2.0, 3.0):
+        torch.testing.assert_close(f(spd, k).cpu(), torch.linalg.cholesky(spd.cpu() * k) + 1)
+
 def test_static_shapes_recompile_per_signature():
     f = torch.compile(lambda x: (x.sin() * 2).sum(-1), backend=N)
     for n in (4, 5, 6, 5):

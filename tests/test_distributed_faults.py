@@ -115,3 +115,33 @@ def test_ranks_that_disagree_all_get_a_clear_error(mismatches: list[dict[str, An
 def test_group_works_after_a_mismatch(mismatches: list[dict[str, Any]]) -> None:
     for r in mismatches:
         assert r["after"].tolist() == [3.0, 3.0]  # 0 + 1 + 2
+
+
+def test_the_last_reference_to_a_gloo_work_is_dropped_on_a_python_thread() -> None:
+    """gloo's run loop lets go of a work at the end of its loop iteration, holding the group's work mutex; were that
+    the last reference, freeing the work's tensors would take the GIL, which a thread destroying the group holds while
+    it waits for that mutex (a DDP script hung so at exit). The backend keeps each gloo work until gloo let go of it,
+    its own Work and the caller's references gone, and only then drops it; groups made and destroyed right after
+    their collectives never hang."""
+    from conftest import run_py
+
+    run_py("""
+        import faulthandler, time, torch, torch.distributed as dist
+        from datetime import timedelta
+        from torchneuron import _C
+        from torchneuron.distributed import process_group as P
+        faulthandler.dump_traceback_later(120, exit=True)
+        store = dist.HashStore()
+        for i in range(40):  # a collective, every Python reference dropped, the group destroyed at once
+            pg = P.ProcessGroupNeuron(dist.PrefixStore(str(i), store), 0, 1, timedelta(seconds=30))
+            out = [torch.empty(8, device="neuron")]
+            pg.allgather([out], [torch.ones(8, device="neuron")]).wait()
+            del out, pg
+        held = list(P._HELD)
+        assert held, "the backend did not keep its gloo works"
+        time.sleep(0.2)  # gloo's loops are long done with them
+        assert all(_C._sole_holder(w) for w in held)
+        del held
+        P._hold([])
+        assert not P._HELD, "works gloo let go of are dropped at the next collective"
+    """, timeout=300)

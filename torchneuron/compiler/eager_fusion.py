@@ -412,8 +412,9 @@ def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[No
     return gm, example, out_specs
 
 
-# Inductor's Python binding of a CPU kernel holds the GIL while the loop runs; a fused kernel runs on a stream
-# worker, and holding the GIL there would stop the host thread from launching (the overlap async execution is for).
+# Inductor's Python binding of a CPU kernel holds the GIL while the loop runs; fused groups and compiled graphs run on
+# a stream worker, and holding the GIL there would stop the host thread from launching (the overlap async execution
+# is for).
 _GIL_FREE_CALL = ("auto parsed = std::make_tuple({}); {{ struct NoGil {{ PyThreadState* s = PyEval_SaveThread();"
                   " ~NoGil() {{ PyEval_RestoreThread(s); }} }} nogil; std::apply(kernel, parsed); }} Py_RETURN_NONE;")
 
@@ -425,10 +426,11 @@ def _gil_free_bindings(done: patches.Applied) -> None:
 
 
 GIL_FREE_KERNELS = patches.declare(
-    "gil-free-fused-kernels", "torch._inductor.codecache.CppPythonBindingsCodeCache.call_entry_function (while a "
-    "fused group compiles or loads)", "a fused kernel's loop runs without the GIL, so the host thread keeps "
-    "launching while a stream worker runs it (its binding is a different source, so a different cache entry)",
-    "tests/test_eager_fusion.py::test_a_fused_kernel_runs_without_the_gil", _gil_free_bindings, when="on demand")
+    "gil-free-kernels", "torch._inductor.codecache.CppPythonBindingsCodeCache.call_entry_function (while a fused "
+    "group or a compiled graph's kernel compiles or loads)", "a kernel's loop runs without the GIL, so the host "
+    "thread keeps launching while a stream worker runs it (its binding is a different source, so a different cache "
+    "entry)", "tests/test_eager_fusion.py::test_a_fused_kernel_runs_without_the_gil", _gil_free_bindings,
+    when="on demand")
 
 
 def _build(gm: Any, example: list, out_specs: tuple[Spec, ...], inputs: tuple[Spec, ...]) -> FusedKernel:

@@ -1,12 +1,17 @@
 """Device kernels: code generation for the host by Inductor's CPU backend, and the zero-copy device boundary.
 
 A kernel's graph is rewritten from `neuron` to `cpu` and compiled by `compile_fx_inner`, exactly as Inductor
-compiles a CPU graph. At run time its neuron inputs enter as CPU views of the same memory (no copy), and the
-memory of its results is adopted by the neuron allocator (no copy; counted by
-torch.neuron.memory_allocated())."""
+compiles a CPU graph. At run time its neuron inputs enter as CPU views of the same memory (no copy). Its first call
+runs on the host thread, after the stream's queued work: the memory of its results is adopted by the neuron allocator
+(no copy; counted by torch.neuron.memory_allocated()) and where each result lives is learnt (`Layout`). Later calls
+are queued on the current stream like any device kernel: the results are allocated at the launch and the generated
+code, run by the stream's worker, allocates those buffers in that memory, so the host runs ahead past the graph."""
 from __future__ import annotations
 
+import functools
+import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,8 +21,10 @@ import torch.fx as fx
 
 from .. import _C
 from .._version import __version__
+from ..runtime import patches
 from ..runtime.tracking import KERNEL_OBSERVERS
 from .cache import Cache, digest
+from .eager_fusion import GIL_FREE_KERNELS
 
 CPU = torch.device("cpu")
 _DEVICE_STR = re.compile(r"neuron(:\d+)?")
@@ -88,16 +95,152 @@ def _target() -> dict:
             "inductor": digest(inductor_config.save_config_portable())}
 
 
+# The buffers of the generated code: its `empty_strided_cpu` is `_allocate`, which serves them from the plan of the
+# call running on this thread (first call: record them; queued calls: the results' memory), or allocates.
+_ALLOCATION = threading.local()
+
+
+def _allocate(sizes: tuple, strides: tuple, dtype: torch.dtype) -> torch.Tensor:
+    plan = getattr(_ALLOCATION, "plan", None)
+    return _EMPTY_STRIDED_CPU(sizes, strides, dtype) if plan is None else plan(tuple(sizes), tuple(strides), dtype)
+
+
+_EMPTY_STRIDED_CPU = torch._C._dynamo.guards._empty_strided_cpu
+# Compiled calls are queued only when their threads leave a core to the host thread. Their generated code is Python
+# (the GIL) and its loops run with every thread they were generated for: with every core busy, a worker running them
+# competes with the host for cores and the GIL (small-GPT compiled step at 2 threads on 2 cores: 17 ms queued, 8 ms
+# on the host thread; at 1 thread the same either way), so there they run on the host thread after the stream's work.
+_CORES = os.cpu_count() or 1
+# A queued call's size for the C++ core's kernel_threads(): large, so it runs with the launching thread's count, as
+# its first call on that thread did (its loops were generated for that count; its ATen calls split work by it).
+FULL_THREADS = 1 << 62
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One allocation of the generated code, in the order it makes them (straight-line code: always the same)."""
+
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Result:
+    """Where result i of a queued call lives: in `source` "buffer" (the generated code's allocation `index`, which
+    then takes the result's memory), "input" (the memory of device input `index`), "copy" (memory an ATen kernel
+    inside the code allocated: copied into the result, counted) or "empty" (no memory); with this metadata."""
+
+    source: str
+    index: int
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    offset: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    buffers: tuple[Buffer, ...]
+    roots: dict[int, int]  # buffer index -> the result memory (root) it is allocated in
+    root_bytes: tuple[int, ...]
+    results: tuple[Result | None, ...]  # None: a None result
+
+
+class _Record:
+    """The first call's allocations, and the address of each (no reference: the boundary adopts a result's memory
+    only when the results alone hold it)."""
+
+    def __init__(self) -> None:
+        self.buffers: list[tuple[Buffer, int]] = []
+
+    def __call__(self, sizes: tuple, strides: tuple, dtype: torch.dtype) -> torch.Tensor:
+        t = _EMPTY_STRIDED_CPU(sizes, strides, dtype)
+        self.buffers.append((Buffer(sizes, strides, dtype), t.data_ptr() if t.numel() else 0))
+        return t
+
+
+def _base(t: torch.Tensor) -> int:
+    """The address of a tensor's storage. (Not through `untyped_storage()`: a storage's Python object, once made,
+    holds a reference the boundary would take for a second holder of the memory.)"""
+    return t.data_ptr() - t.storage_offset() * t.element_size() if t.numel() else 0
+
+
+def _extent(sizes: tuple, strides: tuple, offset: int, dtype: torch.dtype) -> int:
+    """Bytes of storage a tensor with this metadata needs (as ATen computes a fresh allocation's size)."""
+    if any(n == 0 for n in sizes):
+        return 0
+    return (offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides, strict=True))) * dtype.itemsize
+
+
+class _Replay:
+    """A queued call's allocations: the buffers that hold results go into the results' memory."""
+
+    def __init__(self, layout: Layout, roots: list[torch.Tensor], name: str):
+        self.layout, self.roots, self.name, self.next = layout, roots, name, 0
+
+    def __call__(self, sizes: tuple, strides: tuple, dtype: torch.dtype) -> torch.Tensor:
+        k, self.next = self.next, self.next + 1
+        expected = self.layout.buffers[k] if k < len(self.layout.buffers) else None
+        if expected != Buffer(sizes, strides, dtype):
+            raise RuntimeError(f"neuron: compiled kernel {self.name} allocated buffer {k} as {sizes}, {strides}, "
+                               f"{dtype}, not as at its first call ({expected}); set TORCHNEURON_LAUNCH_BLOCKING=1 "
+                               "to run compiled kernels on the host thread")
+        root = self.layout.roots.get(k)
+        if root is None:
+            return _EMPTY_STRIDED_CPU(sizes, strides, dtype)
+        return torch.empty(0, dtype=dtype).set_(self.roots[root].untyped_storage(), 0, sizes, strides)
+
+
+def _learn(outs: list, devices: list[int | None], host_inputs: list[torch.Tensor], rec: _Record) -> Layout | None:
+    """Where each result of the first call lives, or None when a queued call could not reproduce it (a result that
+    stays on the host, or two results sharing memory an ATen kernel allocated)."""
+    by_ptr = {ptr: k for k, (_, ptr) in enumerate(rec.buffers) if ptr}  # a freed buffer's address: a later one's
+    inputs = {_base(t): j for j, t in enumerate(host_inputs) if t.numel()}
+    roots: dict[int, int] = {}
+    root_bytes: list[int] = []
+    results: list[Result | None] = []
+    copied: set[int] = set()
+    for o, device in zip(outs, devices, strict=True):
+        if o is None:
+            results.append(None)
+            continue
+        if device is None or not isinstance(o, torch.Tensor) or o.device.type != "cpu" or o.layout != torch.strided:
+            return None
+        meta = (o.dtype, tuple(o.shape), tuple(o.stride()), o.storage_offset())
+        ptr = _base(o)
+        if ptr == 0:
+            results.append(Result("empty", -1, *meta))
+        elif ptr in inputs:
+            results.append(Result("input", inputs[ptr], *meta))
+        elif ptr in by_ptr:
+            k = by_ptr[ptr]
+            if k not in roots:
+                b = rec.buffers[k][0]
+                roots[k] = len(root_bytes)
+                root_bytes.append(_extent(b.sizes, b.strides, 0, b.dtype))
+            results.append(Result("buffer", roots[k], *meta))
+        elif ptr in copied:
+            return None
+        else:
+            copied.add(ptr)
+            root_bytes.append(_extent(*meta[1:], o.dtype))
+            results.append(Result("copy", len(root_bytes) - 1, *meta))
+    return Layout(tuple(b for b, _ in rec.buffers), roots, tuple(root_bytes), tuple(results))
+
+
 class Kernel:
     """A compiled kernel, called boxed (a list of arguments, consumed) like Inductor's own compiled graphs. Its
-    neuron inputs enter as CPU views of the same memory; results over input memory become views of those
-    inputs and fresh memory is adopted by the neuron allocator, copied only when something besides the results
-    holds it (`_C._device_results`)."""
+    neuron inputs enter as CPU views of the same memory. The first call runs on the host thread: results over input
+    memory become views of those inputs and fresh memory is adopted by the neuron allocator, copied only when
+    something besides the results holds it (`_C._device_results`). Later calls are queued (see the module's doc)."""
 
     def __init__(self, call: Any, device_inputs: list[int], outputs: list[int | None], name: str = "kernel",
-                 graph: fx.GraphModule | None = None):
+                 graph: fx.GraphModule | None = None, queueable: bool = False):
         self.call, self.device_inputs, self.outputs = call, device_inputs, outputs
         self.name, self.graph = name, graph  # the graph: for the cost model (profilers)
+        self.queueable = queueable  # its generated code allocates through `_allocate`
+        self.layout: Layout | None = None
         self._boxed_call = True
 
     def __call__(self, args: list) -> list:
@@ -107,12 +250,72 @@ class Kernel:
             from ..profiler.kineto import record_kernel
 
             return record_kernel(self, args)
+        if self.layout is not None and not _C._launch_blocking() and torch.get_num_threads() < _CORES:
+            return self._launch(args)
         return self.run(args)
 
     def run(self, args: list) -> list:
+        """Run now, on this thread, after the current stream's queued work (the first call, profilers)."""
         inputs = [args[i] for i in self.device_inputs]  # keeps the memory behind the host views alive
         _C._host_args(args, self.device_inputs)
-        return _C._device_results(self.call(args), self.outputs, inputs)
+        if not self.queueable or self.layout is not None:
+            return _C._device_results(self.call(args), self.outputs, inputs)
+        host_inputs = [args[i] for i in self.device_inputs]
+        rec = _ALLOCATION.plan = _Record()
+        try:
+            outs = self.call(args)
+        finally:
+            _ALLOCATION.plan = None
+        self.layout = _learn(list(outs), self.outputs, host_inputs, rec)
+        self.queueable = self.layout is not None
+        return _C._device_results(outs, self.outputs, inputs)
+
+    def _launch(self, args: list) -> list:
+        """Queue the call on the current stream: allocate the results now, in the layout of the first call."""
+        layout = self.layout
+        inputs = [args[i] for i in self.device_inputs]
+        device = inputs[0].device if inputs else torch.device("neuron", torch.neuron.current_device())
+        roots = [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.root_bytes]
+        results: list[torch.Tensor | None] = []
+        for r in layout.results:
+            if r is None:
+                results.append(None)
+            elif r.source == "empty":
+                results.append(torch.empty_strided(r.sizes, r.strides, dtype=r.dtype, device=device))
+            else:
+                base = inputs[r.index] if r.source == "input" else roots[r.index]
+                results.append(_C._tensor_over(base, r.dtype, r.sizes, r.strides, r.offset))
+        _C._host_args(args, self.device_inputs, wait=False)
+        host = [*roots, *results]
+        _C._host_args(host, [i for i, t in enumerate(host) if t is not None], wait=False)
+        _C._queue_kernel(device.index, self.name, functools.partial(
+            _replay, self.call, self.name, layout, args, host[:len(roots)], host[len(roots):]), FULL_THREADS)
+        return results
+
+
+def _replay(call: Any, name: str, layout: Layout, args: list, roots: list[torch.Tensor],
+            results: list[torch.Tensor | None]) -> None:
+    """A queued call, on the stream's worker: the generated code over host views, its result buffers allocated in
+    the results' memory; a result anywhere else than its first call put it raises (at the next sync point)."""
+    plan = _ALLOCATION.plan = _Replay(layout, roots, name)
+    try:
+        outs = call(args)
+    finally:
+        _ALLOCATION.plan = None
+    if plan.next != len(layout.buffers):
+        raise RuntimeError(f"neuron: compiled kernel {name} allocated {plan.next} buffers, {len(layout.buffers)} "
+                           "at its first call; set TORCHNEURON_LAUNCH_BLOCKING=1 to run compiled kernels on the host")
+    for i, (o, r, dst) in enumerate(zip(outs, layout.results, results, strict=True)):
+        if r is None:
+            continue
+        if r.source == "copy":
+            dst.copy_(o)
+            continue
+        if r.source != "empty" and (_base(o) != _base(dst) or
+                                    o.shape != dst.shape or o.stride() != dst.stride() or
+                                    o.storage_offset() != dst.storage_offset()):
+            raise RuntimeError(f"neuron: compiled kernel {name} computed result {i} elsewhere than at its first call; "
+                               "set TORCHNEURON_LAUNCH_BLOCKING=1 to run compiled kernels on the host thread")
 
 
 @dataclass
@@ -140,18 +343,26 @@ def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner
     visible = gm.graph.output_node().meta.get("user_visible_output_idxs")
     key = digest({"graph": gm.code, "inputs": signature(inputs), "target": _target(), "visible": visible,
                   "kwargs": {k: inner_kwargs.get(k) for k in ("is_backward", "is_inference")}})
-    with cache.inductor_dir():
-        entry = cache.load(key)
-        if entry is not None:
-            call = PyCodeCache.load(entry["source"]).call
-            strides = [tuple(s) if s is not None else None for s in entry["output_strides"]]
-            source = entry["source"]
-        else:
-            call, strides, source = _inductor(gm, inputs, inner_kwargs)
+    patches.apply(GIL_FREE_KERNELS)  # queued calls run on a stream worker: their loops must not hold the GIL
+    try:
+        with cache.inductor_dir():
+            entry = cache.load(key)
+            if entry is not None:
+                call = None
+                strides = [tuple(s) if s is not None else None for s in entry["output_strides"]]
+                source = entry["source"]
+            else:
+                call, strides, source = _inductor(gm, inputs, inner_kwargs)
+                if call is None:
+                    cache.store(key, {"graph": gm.code, "source": source, "output_strides": strides})
+            queueable = call is None  # a module loaded from its source (no constants it holds)
             if call is None:
-                call = PyCodeCache.load(source).call
-                cache.store(key, {"graph": gm.code, "source": source, "output_strides": strides})
-    return Compiled(Kernel(call, device_inputs, outputs, name, gm), strides, entry is not None,
+                module = PyCodeCache.load(source)
+                module.empty_strided_cpu = _allocate  # its buffers come from the call's plan (see `_allocate`)
+                call = module.call
+    finally:
+        patches.undo(GIL_FREE_KERNELS)
+    return Compiled(Kernel(call, device_inputs, outputs, name, gm, queueable), strides, entry is not None,
                     time.perf_counter() - start, source)
 
 

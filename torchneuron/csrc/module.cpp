@@ -1,6 +1,7 @@
 // Python bindings of the C++ core (torchneuron._C). Everything here is called once at registration or by the
 // Python API layers; nothing on the per-op path goes through Python.
 #include <torch/csrc/Generator.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/extension.h>
 
 #include "runtime.h"
@@ -58,6 +59,9 @@ PYBIND11_MODULE(_C, m) {
     return host_alias(t);
   }, "A CPU tensor over the same memory as a neuron tensor (zero-copy; keep the neuron tensor alive while using it), "
      "after the current stream's queued work: what the host reads and writes through it happens now.");
+  m.def("_sole_holder", [](const c10::intrusive_ptr<c10d::Work>& work) {
+    return work.use_count() <= 2;  // the Python object's reference and this call's
+  }, py::arg("work"), "Whether the Python object is the only holder of this c10d work (gloo's run loop let go).");
   m.def("_set_launch_blocking", [](bool on) {
     synchronize_device(-1);
     g_launch_blocking = on;

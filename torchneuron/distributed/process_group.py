@@ -135,6 +135,19 @@ def _finish_reduction(name: str, tensors: Tensors, divisor: int | None) -> None:
         _C._note_device_result(f"c10d::{name}", t)
 
 
+# gloo's run loop drops its reference to a work at the end of its loop iteration, holding the group's work mutex. Were
+# that the last reference, freeing the work's tensors would take the GIL (their Python objects), while a thread that
+# holds the GIL and destroys the group (DDP's reducer going away at the end of a script) waits for that mutex: the
+# process hangs (seen once in ~190 runs of a DDP script). So the last reference to every gloo work is dropped here, on
+# a Python thread, once gloo has let go of it; the list outlives the groups.
+_HELD: list[dist.Work] = []
+
+
+def _hold(works: Sequence[dist.Work]) -> None:
+    _HELD[:] = [w for w in _HELD if not _C._sole_holder(w)]
+    _HELD.extend(works)
+
+
 def _future(work: dist.Work) -> torch.futures.Future:
     """The work's future; gloo's send/recv/reduce_scatter works have none, so a thread watches those."""
     try:
@@ -291,7 +304,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         row = fp.row()
         gathered = torch.empty(n * len(row), dtype=torch.int64)
         try:
-            self._gloo._allgather_base(gathered, torch.tensor(row)).wait()
+            exchange = self._gloo._allgather_base(gathered, torch.tensor(row))
+            _hold([exchange])
+            exchange.wait()
         except Exception as e:
             raise self._failure(name, e) from e
         fps = [Fingerprint.from_row(r, n) for r in gathered.view(n, -1).tolist()]
@@ -308,7 +323,9 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         own device memory, so the group keeps each Work, and with it the result and input tensors, until its
         transfer is done: neither the caller nor a compiled graph can free memory gloo still reads or writes."""
         works = launch()
-        work = Work(self, name, works if isinstance(works, list) else [works], result, finish, inputs)
+        works = works if isinstance(works, list) else [works]
+        _hold(works)
+        work = Work(self, name, works, result, finish, inputs)
         self._inflight = [w for w in self._inflight if not w.is_completed()] + [work]
         if self._coalescing is not None:
             self._coalescing.append(work)
