@@ -71,6 +71,23 @@ def test_dropout_masks_come_from_the_neuron_generator():
         torch.testing.assert_close(d, c, rtol=1e-5, atol=1e-6)
 
 
+
+def test_dropout_backward_takes_the_forward_mask_or_draws_the_same_one():
+    """The forward hands its keep-mask to the backward (a memo): a second backward of the same graph finds none and
+    draws it again from (seed, offset). Both give the same gradients."""
+    q, k, v, _ = inputs(2, 2, 8, 8, {})
+    leaves = [t.to("neuron").requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, dropout_p=0.3)
+    g = torch.linspace(-1, 1, out.numel()).view(out.shape).to("neuron")
+    grads = []
+    for _ in range(2):
+        out.backward(g, retain_graph=True)
+        grads.append([x.grad.cpu() for x in leaves])
+        for x in leaves:
+            x.grad = None
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
 def test_what_the_fused_op_cannot_do_takes_math_counted():
     q = torch.randn(3, 8, 16, device="neuron")  # 3-D inputs: the fused op takes (batch, heads, seq, dim)
     torchneuron.clear_op_tracking()

@@ -12,6 +12,8 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <deque>
+#include <mutex>
 
 #include "runtime.h"
 
@@ -59,6 +61,46 @@ at::Tensor keep_scale(uint64_t seed, uint64_t offset, at::IntArrayRef sizes, dou
     d[i] = keep(w0, w1) ? kept : 0.0f;
   });
   return m;
+}
+
+// Attention dropout's multipliers, from a forward to its backward, which would draw the same counters again (the
+// multiplier is a function of seed, offset, shape and p alone): this only saves the backward that work. Bounded (the
+// oldest go first); a miss (evicted, or taken by an earlier backward of the same graph) draws it again, same values.
+class KeepMemo {
+ public:
+  void put(uint64_t seed, uint64_t offset, double p, const at::Tensor& keep) {
+    const size_t bytes = keep.nbytes();
+    if (bytes > kMaxBytes) return;
+    std::lock_guard<std::mutex> g(mu_);
+    entries_.push_back({seed, offset, p, keep});
+    for (bytes_ += bytes; bytes_ > kMaxBytes; entries_.pop_front()) bytes_ -= entries_.front().keep.nbytes();
+  }
+  at::Tensor take(uint64_t seed, uint64_t offset, double p, at::IntArrayRef sizes) {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->seed != seed || it->offset != offset || it->p != p || it->keep.sizes() != sizes) continue;
+      at::Tensor keep = std::move(it->keep);
+      bytes_ -= keep.nbytes();
+      entries_.erase(it);
+      return keep;
+    }
+    return {};
+  }
+
+ private:
+  static constexpr size_t kMaxBytes = size_t{64} << 20;
+  struct Entry {
+    uint64_t seed, offset;
+    double p;
+    at::Tensor keep;
+  };
+  std::mutex mu_;
+  std::deque<Entry> entries_;
+  size_t bytes_ = 0;
+};
+KeepMemo& keep_memo() {
+  static auto* memo = new KeepMemo;  // leaked: stream workers may use it during static destruction
+  return *memo;
 }
 
 double scale_of(const at::Tensor& q, std::optional<double> scale) {
@@ -126,7 +168,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
     // differentiates, with the scores computed once for both the result and the log-sum-exp.
     auto S = scores(q, k, b, causal, scale_of(q, scale));
     if (compute_lse) l.narrow(2, 0, L).copy_(S.logsumexp(-1));
-    auto P = at::softmax(S, -1).mul_(keep_scale(draw.seed, draw.offset, S.sizes(), p));
+    auto keep = keep_scale(draw.seed, draw.offset, S.sizes(), p);
+    if (compute_lse) keep_memo().put(draw.seed, draw.offset, p, keep);  // a backward will follow
+    auto P = at::softmax(S, -1).mul_(keep);
     o.copy_(at::matmul(P, v.to(at::kFloat)));
   };
   launch(dev, "aten::_scaled_dot_product_efficient_attention", B * H * L * S, std::move(kernel));
@@ -138,7 +182,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> math_backward(
     const at::Tensor& go, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const std::optional<at::Tensor>& b, double p, bool causal, double scale, uint64_t seed, uint64_t offset) {
   auto P = at::softmax(scores(q, k, b, causal, scale), -1);
-  auto drop = p > 0 ? keep_scale(seed, offset, P.sizes(), p) : at::Tensor();
+  at::Tensor drop;
+  if (p > 0) {
+    drop = keep_memo().take(seed, offset, p, P.sizes());
+    if (!drop.defined()) drop = keep_scale(seed, offset, P.sizes(), p);
+  }
   auto Pd = drop.defined() ? P * drop : P;
   auto g = go.to(at::kFloat), ve = v.to(at::kFloat), ke = k.to(at::kFloat);
   auto gv = at::matmul(Pd.transpose(-2, -1), g);
