@@ -223,6 +223,28 @@ def test_queued_call_copies_memory_an_aten_kernel_allocated(queued_kernels):
     for k in (1.0, 2.0, 3.0):
         torch.testing.assert_close(f(spd, k).cpu(), torch.linalg.cholesky(spd.cpu() * k) + 1)
 
+
+def test_a_compiled_optimizer_step_keeps_its_host_step_counts(queued_kernels):
+    """Adam's step counts stay on the host (not capturable) and the compiled step updates them in place: a kernel
+    with host tensor arguments runs on the host thread, so they are current whenever the host reads them."""
+    results = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        params = [torch.randn(16, 8, device=N, requires_grad=True) for _ in range(2)]
+        opt = torch.optim.Adam(params, lr=0.1, foreach=False)
+        step = torch.compile(opt.step, backend=N) if mode == "compiled" else opt.step
+        counts = []
+        for i in range(4):
+            for p in params:
+                p.grad = torch.full_like(p, 0.1 * (i + 1))
+            step()
+            counts.append([opt.state[p]["step"].item() for p in params])
+        assert all(opt.state[p]["step"].device.type == "cpu" for p in params)
+        results[mode] = ([p.detach().cpu() for p in params], counts)
+    assert results["compiled"][1] == results["eager"][1] == [[float(i + 1)] * 2 for i in range(4)]
+    for c, e in zip(results["compiled"][0], results["eager"][0], strict=True):
+        torch.testing.assert_close(c, e)
+
 def test_static_shapes_recompile_per_signature():
     f = torch.compile(lambda x: (x.sin() * 2).sum(-1), backend=N)
     for n in (4, 5, 6, 5):

@@ -261,6 +261,11 @@ class Kernel:
         if not self.queueable or self.layout is not None:
             return _C._device_results(self.call(args), self.outputs, inputs)
         host_inputs = [args[i] for i in self.device_inputs]
+        if any(isinstance(a, torch.Tensor) for i, a in enumerate(args) if i not in self.device_inputs):
+            # a host tensor argument (a compiled optimizer's CPU step count, which the graph may update in place)
+            # is read and written when the call runs: the host thread's
+            self.queueable = False
+            return _C._device_results(self.call(args), self.outputs, inputs)
         rec = _ALLOCATION.plan = _Record()
         try:
             outs = self.call(args)
