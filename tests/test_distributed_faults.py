@@ -120,28 +120,37 @@ def test_group_works_after_a_mismatch(mismatches: list[dict[str, Any]]) -> None:
 def test_the_last_reference_to_a_gloo_work_is_dropped_on_a_python_thread() -> None:
     """gloo's run loop lets go of a work at the end of its loop iteration, holding the group's work mutex; were that
     the last reference, freeing the work's tensors would take the GIL, which a thread destroying the group holds while
-    it waits for that mutex (a DDP script hung so at exit). The backend keeps each gloo work until gloo let go of it,
-    its own Work and the caller's references gone, and only then drops it; groups made and destroyed right after
-    their collectives never hang."""
+    it waits for that mutex (a DDP script hung so at exit). A group keeps each gloo work, its own Work and the
+    caller's references gone, until gloo let go of it, then drops it; a group that goes drops its last ones once gloo
+    let go of them. Groups made and destroyed right after their collectives never hang."""
     from conftest import run_py
 
     run_py("""
-        import faulthandler, time, torch, torch.distributed as dist
+        import faulthandler, gc, time, weakref, torch, torch.distributed as dist
         from datetime import timedelta
         from torchneuron import _C
         from torchneuron.distributed import process_group as P
         faulthandler.dump_traceback_later(120, exit=True)
         store = dist.HashStore()
-        for i in range(40):  # a collective, every Python reference dropped, the group destroyed at once
-            pg = P.ProcessGroupNeuron(dist.PrefixStore(str(i), store), 0, 1, timedelta(seconds=30))
+        pg = P.ProcessGroupNeuron(dist.PrefixStore("kept", store), 0, 1, timedelta(seconds=30))
+        for _ in range(3):
             out = [torch.empty(8, device="neuron")]
             pg.allgather([out], [torch.ones(8, device="neuron")]).wait()
-            del out, pg
-        held = list(P._HELD)
-        assert held, "the backend did not keep its gloo works"
-        time.sleep(0.2)  # gloo's loops are long done with them
+            del out
+        held = list(pg._held.works)
+        assert held, "the group did not keep its gloo works"
+        time.sleep(0.2)  # gloo's loop is long done with them
         assert all(_C._sole_holder(w) for w in held)
         del held
-        P._hold([])
-        assert not P._HELD, "works gloo let go of are dropped at the next collective"
+        pg._held.add([])
+        assert not pg._held.works, "works gloo let go of are dropped at the group's next collective"
+        for i in range(40):  # a collective, every Python reference dropped, the group destroyed at once
+            g = P.ProcessGroupNeuron(dist.PrefixStore(str(i), store), 0, 1, timedelta(seconds=30))
+            out = [torch.empty(8, device="neuron")]
+            g.allgather([out], [torch.ones(8, device="neuron")]).wait()
+            refs = [weakref.ref(w) for w in g._held.works]
+            del out, g
+            gc.collect()
+            assert all(r() is None for r in refs), "a destroyed group's gloo works outlived it"
+        assert not P._STRANDED
     """, timeout=300)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -135,17 +136,33 @@ def _finish_reduction(name: str, tensors: Tensors, divisor: int | None) -> None:
         _C._note_device_result(f"c10d::{name}", t)
 
 
-# gloo's run loop drops its reference to a work at the end of its loop iteration, holding the group's work mutex. Were
-# that the last reference, freeing the work's tensors would take the GIL (their Python objects), while a thread that
-# holds the GIL and destroys the group (DDP's reducer going away at the end of a script) waits for that mutex: the
-# process hangs (seen once in ~190 runs of a DDP script). So the last reference to every gloo work is dropped here, on
-# a Python thread, once gloo has let go of it; the list outlives the groups.
-_HELD: list[dist.Work] = []
+class HeldWorks:
+    """gloo's run loop drops its reference to a work at the end of its loop iteration, holding the group's work
+    mutex. Were that the last reference, freeing the work's tensors would take the GIL (their Python objects), while a
+    thread that holds the GIL and destroys the group (DDP's reducer going away at the end of a script) waits for that
+    mutex: the process hangs (seen once in ~190 runs of a DDP script). So a group keeps each of gloo's works and drops
+    it on a Python thread once gloo has let go of it; when the group goes, it waits for gloo to let go of the last
+    ones and drops them too (a held work keeps gloo's context, and with it the group's store, alive)."""
+
+    def __init__(self) -> None:
+        self.works: list[dist.Work] = []
+
+    def add(self, works: Sequence[dist.Work]) -> None:
+        self.works[:] = [w for w in self.works if not _C._sole_holder(w)]
+        self.works.extend(works)
+
+    @staticmethod
+    def release(works: list[dist.Work], patience: float = 5.0) -> None:
+        """The group is gone: drop the works once gloo let go of them (at most `patience` seconds; a work gloo still
+        runs after that, a collective that never completes, is left to the process)."""
+        deadline = time.monotonic() + patience
+        while any(not _C._sole_holder(w) for w in works) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        _STRANDED.extend(w for w in works if not _C._sole_holder(w))
+        works.clear()
 
 
-def _hold(works: Sequence[dist.Work]) -> None:
-    _HELD[:] = [w for w in _HELD if not _C._sole_holder(w)]
-    _HELD.extend(works)
+_STRANDED: list[dist.Work] = []
 
 
 def _future(work: dist.Work) -> torch.futures.Future:
@@ -261,6 +278,8 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         self._timeout, self._global_ranks, self._seq = timeout, list(global_ranks) or list(range(size)), 0
         self._coalescing: list[Work] | None = None
         self._inflight: list[Work] = []
+        self._held = HeldWorks()
+        weakref.finalize(self, HeldWorks.release, self._held.works)
         for device in ("neuron", "cpu"):
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
@@ -305,7 +324,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         gathered = torch.empty(n * len(row), dtype=torch.int64)
         try:
             exchange = self._gloo._allgather_base(gathered, torch.tensor(row))
-            _hold([exchange])
+            self._held.add([exchange])
             exchange.wait()
         except Exception as e:
             raise self._failure(name, e) from e
@@ -324,7 +343,7 @@ class ProcessGroupNeuron(dist.ProcessGroup):
         transfer is done: neither the caller nor a compiled graph can free memory gloo still reads or writes."""
         works = launch()
         works = works if isinstance(works, list) else [works]
-        _hold(works)
+        self._held.add(works)
         work = Work(self, name, works, result, finish, inputs)
         self._inflight = [w for w in self._inflight if not w.is_completed()] + [work]
         if self._coalescing is not None:
