@@ -20,15 +20,15 @@ PYBIND11_MODULE(_C, m) {
   using namespace torchneuron;
   m.doc() = "torchneuron C++ core: allocator, guard, hooks, fallback, kernels, autocast";
   m.def("_init", [](const std::vector<int64_t>& capacities, const std::string& unavailable,
-                    const std::vector<std::string>& device_checked) {
+                    const std::vector<std::string>& device_checked, const std::vector<std::string>& one_kernel) {
     configure_devices(capacities, unavailable);
     register_hooks();
     install_fork_handler();
-    return route_to_cpu_kernels(device_checked);
+    return route_to_cpu_kernels(device_checked, one_kernel);
   }, "Configure the modelled devices (one capacity in bytes per visible logical core, or none and the reason "
      "they are unusable), register the hooks, and route to the fallback the CPU kernels ATen would bypass "
-     "(`device_checked`: composites refusing PrivateUse1, from the op table).", py::arg("capacities"),
-     py::arg("unavailable"), py::arg("device_checked"));
+     "(`device_checked`: composites refusing PrivateUse1; `one_kernel`: list ops run as one kernel; from the op "
+     "table).", py::arg("capacities"), py::arg("unavailable"), py::arg("device_checked"), py::arg("one_kernel"));
   m.def("_set_policies", &set_policies, py::arg("dtype_policy"), py::arg("fallback_policy"),
         "Set the dtype policy ('trainium' | 'host') and the fallback policy ('warn' | 'silent' | 'error') by name; "
         "ValueError for an unknown name.");

@@ -375,7 +375,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // (a different algorithm, different rounding, and an extra out= round trip). Route them to the CPU kernel
 // through the fallback instead, so the device computes exactly what the CPU does; likewise the composites ATen
 // guards with a device-type check that excludes PrivateUse1 (`device_checked`, from the op table). Returns how many.
-int route_to_cpu_kernels(const std::vector<std::string>& device_checked);
+int route_to_cpu_kernels(const std::vector<std::string>& device_checked, const std::vector<std::string>& one_kernel);
 
 // ---- bridge.cpp: device tensors <-> the CPU tensors ATen's kernels compute on (zero-copy both ways) ----
 // A CPU tensor that aliases the device tensor's memory (same bytes, sizes, strides, offset): the zero-copy

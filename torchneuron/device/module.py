@@ -38,7 +38,8 @@ def register() -> None:
     from ..runtime import optable, policy
 
     cfg, error = _config.current_or_none(), _config.error()  # the one read of the environment
-    _C._init([cfg.core_capacity] * cfg.device_count if cfg else [], error or "", optable.device_checked())
+    _C._init([cfg.core_capacity] * cfg.device_count if cfg else [], error or "", optable.device_checked(),
+             optable.names("one_kernel"))
     _registered = True
     _initialized = cfg is not None and cfg.local_rank_error is None
     policy.install_op_tables()

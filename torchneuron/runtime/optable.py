@@ -61,7 +61,9 @@ class Op:
     CPU/CUDA/XPU, so the C++ core routes it to the fallback, where the CPU's entry runs it on host aliases;
     `fuse`: adaptive eager fusion may put it in a fused kernel (compiler/eager_fusion.py): deterministic
     elementwise ops and the reductions/normalisations Inductor fuses well; never a random draw, a view, a copy, a
-    matmul, indexing or anything data-dependent (those end a fused run)."""
+    matmul, indexing or anything data-dependent (those end a fused run); `one_kernel`: a list op (`_foreach_*`) the
+    device runs as one kernel, as CUDA's multi-tensor kernels do: the C++ core routes it to the fallback, which runs
+    ATen's list op on the host aliases, instead of its composite launching one device op per tensor."""
 
     name: str
     engine: str = "host"
@@ -77,6 +79,7 @@ class Op:
     eager: bool = False
     device_checked: bool = False
     fuse: bool = False
+    one_kernel: bool = False
 
 
 def _group(engine: str, names: str, **kw: Any) -> list[Op]:
@@ -115,14 +118,17 @@ _TABLE: list[Op] = [
             "isnan isinf isfinite nan_to_num threshold_backward all any linalg_vector_norm", fuse=True),
     *_group("vector", "prod norm mse_loss mse_loss_backward smooth_l1_loss smooth_l1_loss_backward l1_loss huber_loss "
             "huber_loss_backward binary_cross_entropy binary_cross_entropy_backward binary_cross_entropy_with_logits "
-            "_foreach_add _foreach_mul _foreach_div _foreach_sub _foreach_addcmul _foreach_addcdiv _foreach_lerp "
-            "_foreach_sqrt _foreach_norm _foreach_maximum _foreach_neg _amp_foreach_non_finite_check_and_unscale "
-            "_amp_update_scale avg_pool2d avg_pool2d_backward max_pool2d_with_indices max_pool2d_with_indices_backward "
+            "_amp_foreach_non_finite_check_and_unscale _amp_update_scale avg_pool2d avg_pool2d_backward "
+            "max_pool2d_with_indices max_pool2d_with_indices_backward "
             "_adaptive_avg_pool2d _adaptive_avg_pool2d_backward adaptive_max_pool2d upsample_nearest2d "
             "upsample_bilinear2d upsample_nearest2d_backward upsample_bilinear2d_backward native_dropout_backward "
             "nll_loss2d_forward nll_loss2d_backward _thnn_fused_lstm_cell _thnn_fused_gru_cell "
             "_thnn_fused_lstm_cell_backward_impl _thnn_fused_gru_cell_backward"),
     *_group("vector", "addcmul addcdiv lerp", passes=3, fuse=True),
+    *_group("vector", "_foreach_add _foreach_mul _foreach_div _foreach_sub _foreach_addcmul _foreach_addcdiv "
+            "_foreach_lerp _foreach_sqrt _foreach_norm _foreach_maximum _foreach_minimum _foreach_neg _foreach_abs "
+            "_foreach_exp _foreach_pow _foreach_reciprocal _foreach_sign _foreach_clamp_min _foreach_clamp_max "
+            "_foreach_zero", one_kernel=True),
     *_group("vector", "_softmax _log_softmax logsumexp native_layer_norm native_group_norm", passes=3, fuse=True),
     *_group("vector", "native_batch_norm _native_batch_norm_legit", passes=3),  # update running stats in place
     *_group("vector", "_softmax_backward_data _log_softmax_backward_data _fused_rms_norm var std var_mean std_mean",

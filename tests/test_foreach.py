@@ -1,0 +1,83 @@
+"""List ops (`torch._foreach_*`, what optimizers and gradient clipping call) run on `neuron` as one kernel each, as
+CUDA's multi-tensor kernels do, with the CPU's results (the op table's `one_kernel`, routed to the fallback)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchneuron
+
+SHAPES = [(3, 4), (7,), (2, 3, 5), ()]
+
+
+def tensors(seed: int, dtype=torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(s, generator=g, dtype=torch.float32).add(0.5).to(dtype) for s in SHAPES]
+
+
+CASES = {  # name: (fn over lists a, b, c, in-place or not)
+    "add_scalar_": lambda a, b, c: torch._foreach_add_(a, 2.5),
+    "add_list_alpha_": lambda a, b, c: torch._foreach_add_(a, b, alpha=0.3),
+    "mul_scalarlist_": lambda a, b, c: torch._foreach_mul_(a, [1.0, 2.0, 3.0, 4.0]),
+    "div_list_": lambda a, b, c: torch._foreach_div_(a, b),
+    "sub_scalar": lambda a, b, c: torch._foreach_sub(a, 1.0),
+    "lerp_": lambda a, b, c: torch._foreach_lerp_(a, b, 0.1),
+    "addcmul_": lambda a, b, c: torch._foreach_addcmul_(a, b, c, value=0.2),
+    "addcdiv_scalarlist_": lambda a, b, c: torch._foreach_addcdiv_(a, b, c, [0.5, -1.0, 2.0, 0.1]),
+    "addcdiv_host_scalars_": lambda a, b, c: torch._foreach_addcdiv_(a, b, c, torch.tensor([0.5, -1.0, 2.0, 0.1])),
+    "sqrt": lambda a, b, c: torch._foreach_sqrt(a),
+    "norm": lambda a, b, c: torch._foreach_norm(a, 2),
+    "maximum": lambda a, b, c: torch._foreach_maximum(a, b),
+    "pow_": lambda a, b, c: torch._foreach_pow_(a, 2.0),
+    "clamp_min_": lambda a, b, c: torch._foreach_clamp_min_(a, 0.9),
+    "zero_": lambda a, b, c: torch._foreach_zero_(a),
+}
+ONE_KERNEL = {"addcdiv_host_scalars_": False}  # its `Tensor scalars` is a host tensor: ATen's composite runs it
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_list_op_is_one_kernel_with_the_cpus_results(case):
+    fn = CASES[case]
+    cpu = [tensors(i) for i in range(3)]
+    dev = [[t.to("neuron") for t in ts] for ts in cpu]
+    ref = fn(*cpu)
+    torchneuron.clear_op_tracking()
+    out = fn(*dev)
+    name = "aten::_foreach_" + case.split("_scalar")[0].split("_list")[0].rstrip("_").removesuffix("_host") + (
+        "_" if case.endswith("_") else "")
+    ran = torchneuron.get_executed_ops()
+    if ONE_KERNEL.get(case, True):
+        assert ran == {name: 1}, ran
+    else:
+        assert name not in ran and sum(ran.values()) == len(SHAPES), ran  # one device op per tensor
+    for d, c in zip(dev[0], cpu[0], strict=True):  # the in-place results
+        assert torch.equal(d.cpu(), c)
+    if ref is not None:
+        for d, c in zip(out, ref, strict=True):
+            assert d.device.type == "neuron" and torch.equal(d.cpu(), c)
+
+
+def test_optimizer_steps_match_the_cpu_and_launch_a_kernel_per_list_op():
+    torch.manual_seed(0)
+    params = [torch.randn(s, requires_grad=True) for s in ((16, 8), (8,), (4, 4))]
+    runs = {}
+    for device in ("cpu", "neuron"):
+        ps = [p.detach().clone().to(device).requires_grad_() for p in params]
+        opt = torch.optim.AdamW(ps, lr=0.1, foreach=True)
+        for i in range(3):
+            for p in ps:
+                p.grad = torch.full_like(p, 0.1 * (i + 1))
+            torchneuron.clear_op_tracking()
+            opt.step()  # (the first also makes the optimizer's state)
+        runs[device] = [p.detach().cpu() for p in ps]
+    for n, c in zip(runs["neuron"], runs["cpu"], strict=True):
+        assert torch.equal(n, c)
+    ran = torchneuron.get_executed_ops()
+    assert all(k.startswith("aten::_foreach_") for k in ran), ran  # no per-tensor ops
+    assert max(ran.values()) <= 2, ran  # one kernel per list op of the step
+
+
+def test_a_list_op_over_tensors_on_two_devices_raises_like_cuda():
+    a = [torch.ones(3, device="neuron"), torch.ones(3)]
+    with pytest.raises(RuntimeError, match="same device|devices"):
+        torch._foreach_add_(a, 1.0)
