@@ -66,6 +66,36 @@ def test_int64_in_range_is_silent(no_warnings):
     assert idx.sum().item() == 499500
 
 
+
+def test_index_results_are_queued_and_other_int64_results_inspected():
+    """Under the int64 rule an op's int64 results are inspected on the host thread, after the stream's work; not
+    an op's indices into arguments that cannot hold 2^31 elements (max pooling's, argmax's): those stay queued, so a
+    CNN with max pooling does not wait for the device every step. An argmax of int64 values is still inspected."""
+    from torchneuron import _C
+
+    x = torch.randn(8, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    d = x.to("neuron")
+    pool = torch.nn.MaxPool2d(2, return_indices=True)
+    for _ in range(2):  # the first call of a signature learns its layout on the host
+        out, idx = pool(d)
+        arg = d.flatten(1).argmax(1)
+        ints = torch.arange(40, device="neuron").view(4, 10).argmax(1)
+    big = torch.randn(1 << 20, device="neuron")
+    big.mul_(2)
+    torchneuron.clear_op_tracking()
+    big.mul_(2)  # queued work the next launches come after
+    out, idx = pool(d)
+    arg = d.flatten(1).argmax(1)
+    queued, waited = _C._queued_ops(), _C._waiting_ops()
+    assert queued.get("aten::max_pool2d_with_indices") == 1 and queued.get("aten::argmax") == 1, queued
+    assert not waited, waited
+    big.mul_(2)
+    ints = torch.arange(40, device="neuron").view(4, 10).argmax(1)  # int64 values in: inspected on the host
+    assert _C._queued_ops().get("aten::argmax") == 1 and "aten::arange" in _C._waiting_ops()
+    ref_out, ref_idx = pool(x)
+    assert torch.equal(out.cpu(), ref_out) and torch.equal(idx.cpu(), ref_idx)
+    assert torch.equal(arg.cpu(), x.flatten(1).argmax(1)) and ints.tolist() == [9, 9, 9, 9]
+
 def test_policy_from_environment():
     code = "import torch; print((torch.ones(1, dtype=torch.float64, device='neuron') / 3).item())"
     assert float(run_py(code).stdout) == THIRD_F32

@@ -725,8 +725,15 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
       for_each_tensor(args[i], [&](const at::Tensor& t) { writes_int64 |= t.scalar_type() == at::kLong; });
   const bool trainium_blocks = trainium && writes_int64;
   int64_t work = L ? L->max_numel : 0;  // the largest tensor, argument or result (a reduction's input is its work)
-  for (const at::Tensor& t : flat) work = std::max<int64_t>(work, t.defined() ? t.numel() : 0);
-  if (L && !trainium_blocks && !(trainium && L->int64) && !run_inline(q, work))
+  bool int64_args = false;
+  for (const at::Tensor& t : flat) {
+    work = std::max<int64_t>(work, t.defined() ? t.numel() : 0);
+    int64_args |= t.defined() && t.scalar_type() == at::kLong;
+  }
+  // int64 results the trainium rules must inspect: not an op's indices into arguments that cannot hold 2^31 values
+  const bool inspect_int64 = trainium && L && L->int64 &&
+                             !(e.indices.load(std::memory_order_relaxed) && !int64_args && work < (int64_t{1} << 31));
+  if (L && !trainium_blocks && !inspect_int64 && !run_inline(q, work))
     return launch_queued(op, stack, e, c, std::move(L), flat, q, work);
   if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
   drain_current(c.device);

@@ -33,8 +33,9 @@ PYBIND11_MODULE(_C, m) {
         "Set the dtype policy ('trainium' | 'host') and the fallback policy ('warn' | 'silent' | 'error') by name; "
         "ValueError for an unknown name.");
   m.def("_set_op_table", &set_op_table, py::arg("native"), py::arg("exact"), py::arg("host_tensors"),
+        py::arg("indices"),
         "The op table's classification, by base name: ops the device runs natively, exact data movement (keeps "
-        "fp64 bits), ops that take CPU index tensors alongside device ones.");
+        "fp64 bits), ops that take CPU index tensors alongside device ones, ops whose int64 results are indices.");
   m.def("_op_class", [](const std::string& name) {
     OpClass c = op_class(name);
     return py::dict(py::arg("base") = c.base, py::arg("native") = c.native, py::arg("exact") = c.exact,

@@ -301,6 +301,9 @@ struct OpEntry {
   std::atomic<bool> native{false};        // the device runs it (else a counted host fallback)
   std::atomic<bool> exact{false};         // pure data movement: keeps every bit under the trainium dtype policy
   std::atomic<bool> host_tensors{false};  // takes CPU index tensors alongside device ones
+  // Its int64 results are positions in its arguments (max_pool's, argmax's, sort's indices): the trainium int64
+  // rule need not look at their values when no argument is int64 and none holds 2^31 elements.
+  std::atomic<bool> indices{false};
   std::atomic<int64_t> executed{0}, fallback{0}, dtype_events{0};
   std::atomic<int64_t> queued{0}, waited{0};  // calls queued; calls that made the host wait for the stream
   std::atomic<bool> warned_fallback{false}, warned_fp64{false}, warned_int64{false};
@@ -317,9 +320,9 @@ struct OpEntry {
 // The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
 // underscore dropped; dunder names such as "__and__" kept).
 std::string base_name(const std::string& name);
-// native / exact / host_tensors: base names (no op list lives in C++).
+// native / exact / host_tensors / indices: base names (no op list lives in C++).
 void set_op_table(const std::vector<std::string>& native, const std::vector<std::string>& exact,
-                  const std::vector<std::string>& host_tensors);
+                  const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices);
 struct OpClass {
   std::string base;
   bool native, exact, host_tensors;

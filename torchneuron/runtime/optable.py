@@ -63,7 +63,9 @@ class Op:
     elementwise ops and the reductions/normalisations Inductor fuses well; never a random draw, a view, a copy, a
     matmul, indexing or anything data-dependent (those end a fused run); `one_kernel`: a list op (`_foreach_*`) the
     device runs as one kernel, as CUDA's multi-tensor kernels do: the C++ core routes it to the fallback, which runs
-    ATen's list op on the host aliases, instead of its composite launching one device op per tensor."""
+    ATen's list op on the host aliases, instead of its composite launching one device op per tensor; `indices`:
+    its int64 results are positions in its arguments (max_pool's, argmax's, sort's indices), so the trainium int64
+    rule need not look at their values while no argument is int64 or holds 2^31 elements (the op stays queued)."""
 
     name: str
     engine: str = "host"
@@ -80,6 +82,7 @@ class Op:
     device_checked: bool = False
     fuse: bool = False
     one_kernel: bool = False
+    indices: bool = False
 
 
 def _group(engine: str, names: str, **kw: Any) -> list[Op]:
@@ -214,7 +217,12 @@ def _merge(rows: list[Op]) -> dict[str, Op]:
     return table
 
 
-TABLE: dict[str, Op] = _merge(_TABLE)
+# Ops whose int64 results are indices into their arguments (`Op.indices`).
+_INDICES = ("max_pool2d_with_indices adaptive_max_pool2d argmax argmin max min sort topk argsort searchsorted "
+            "bucketize").split()
+TABLE: dict[str, Op] = {k: replace(o, indices=True) if k.split(".")[0] in _INDICES else o
+                        for k, o in _merge(_TABLE).items()}
+assert all(n in TABLE for n in _INDICES)
 # An op missing from the table: a counted host fallback, priced as a VectorE sweep (see the module docstring).
 DEFAULT = Op("", engine="host", native=False, rule=Rule.SWEEP)
 
