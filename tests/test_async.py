@@ -645,6 +645,21 @@ def test_an_out_argument_the_kernel_resizes_is_not_replayed_with_its_old_shape()
         torch.testing.assert_close((a.cpu(), b.cpu()), (x.cpu().abs(), v.cpu() * 2))
 
 
+
+@needs_async
+@pytest.mark.parametrize("make", [lambda: torch.arange(64, device=DEV), lambda: torch.linspace(0, 1, 100, device=DEV),
+                                  lambda: torch.arange(3, 99, 2, device=DEV)], ids=["arange", "linspace", "range"])
+def test_an_empty_out_argument_is_sized_at_the_launch(make):
+    """`torch.arange(T)` (position ids, every forward of a GPT) is an empty tensor an out= kernel sizes: the launch
+    sizes it from the first call's layout (nothing to copy, nobody to wait for) and the kernel is queued."""
+    ref = make().cpu()  # the first call: learns the layout on the host
+    x, w = on_device(*operands(0))
+    y = slow(x, w, 4)
+    out = make()
+    assert not torch.neuron.current_stream().query(), "the factory waited for the stream's work"
+    assert torch.equal(out.cpu(), ref) and out.shape == ref.shape
+    torch.testing.assert_close(y.cpu(), reference(0, 4))
+
 def test_an_out_argument_sized_by_float_arguments_is_keyed_by_their_values():
     """`arange(start, end, step)` on the device is `arange.out` into an empty tensor, which the kernel resizes to a
     length its float arguments decide: an empty range first must not make a later range (same tensor metadata,

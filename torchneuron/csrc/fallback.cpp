@@ -157,8 +157,14 @@ struct ResultSlot {
   caffe2::TypeMeta dtype;
   bool conj = false, neg = false;
 };
+struct Resize {  // an empty out= argument the kernel sized: the launch sizes it (fresh memory, nothing to copy)
+  int arg;  // flat index
+  std::vector<int64_t> sizes, strides;
+  size_t nbytes;
+};
 struct ResultLayout {
   std::vector<int> list_sizes;  // per return: -1 a single tensor, else the length of its tensor list
+  std::vector<Resize> resized;
   std::vector<ResultSlot> slots;
   std::vector<size_t> group_bytes;  // nbytes of each fresh storage
   std::vector<size_t> group_slot;   // the first slot over each fresh storage
@@ -312,19 +318,24 @@ std::shared_ptr<const ResultLayout> find_layout(OpEntry& e, const std::vector<in
   return L;
 }
 
-std::vector<int64_t> shapes_of(const FlatArgs& flat) {
-  std::vector<int64_t> v;
-  for (const at::Tensor& t : flat) {
-    v.insert(v.end(), t.sizes().begin(), t.sizes().end());
-    v.insert(v.end(), t.strides().begin(), t.strides().end());
-  }
+// Each argument's sizes and strides, and whether it held nothing (no elements, no bytes: a fresh `empty(0)` that an
+// out= kernel resizes, which the launch can then size itself).
+struct Shape {
+  std::vector<int64_t> sizes, strides;
+  bool empty;
+  bool operator==(const Shape& o) const { return sizes == o.sizes && strides == o.strides; }
+};
+std::vector<Shape> shapes_of(const FlatArgs& flat) {
+  std::vector<Shape> v;
+  for (const at::Tensor& t : flat)
+    v.push_back({t.sizes().vec(), t.strides().vec(), t.defined() && t.numel() == 0 && t.storage().nbytes() == 0});
   return v;
 }
 
 // After a run on the host thread: the layout of its results, or none when they cannot be predicted from the
 // signature (a written argument changed shape, a result is not a neuron tensor, an unknown return type).
 std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
-                                                  const FlatArgs& flat, const std::vector<int64_t>& before_sizes) {
+                                                  const FlatArgs& flat, const std::vector<Shape>& before) {
   auto L = std::make_shared<ResultLayout>();
   SmallMap<const c10::StorageImpl*, int> groups;
   auto add = [&](const at::Tensor& t) -> bool {
@@ -379,8 +390,14 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
       return nullptr;
     }
   }
-  // written arguments keep their shape (an out= argument the kernel resized would need its new shape predicted)
-  if (shapes_of(flat) != before_sizes) return nullptr;
+  // written arguments keep their shape, or were empty and sized by the kernel (an out= result: `torch.arange`'s);
+  // any other change would need its new shape predicted
+  std::vector<Shape> after = shapes_of(flat);
+  for (size_t j = 0; j < after.size(); ++j) {
+    if (after[j] == before[j]) continue;
+    if (!before[j].empty || !flat[j].is_contiguous()) return nullptr;
+    L->resized.push_back({static_cast<int>(j), after[j].sizes, after[j].strides, flat[j].storage().nbytes()});
+  }
   return L;
 }
 
@@ -555,14 +572,41 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntr
   note_int64(e, int64);
 }
 
+// The empty out= arguments the layout sizes at the launch are still empty: nothing to copy, no reader to wait for.
+bool sizable_now(const ResultLayout& L, const FlatArgs& flat) {
+  for (const Resize& r : L.resized) {
+    const at::Tensor& t = flat[r.arg];
+    if (t.numel() != 0 || t.storage().nbytes() != 0 || !t.storage().resizable()) return false;
+  }
+  return true;
+}
+
+// The trainium int64 rule for a queued kernel: the int64 values it wrote, looked at on the worker when it ran (the
+// warning is given on the user's thread at its next op or sync point).
+void check_int64(OpEntry& e, const std::vector<at::Tensor>& written) {
+  Int64Range all;  // one event per kernel, as on the host path
+  for (const at::Tensor& t : written) {
+    if (all.outside) break;
+    all = int64_range(t);
+  }
+  note_int64_queued(e, all);
+}
+
 // Queue the op on stream `q` with the results its layout predicts; the kernel runs later over host aliases and
-// copies each fresh result into the device memory handed out now.
+// copies each fresh result into the device memory handed out now. `inspect_int64`: the trainium int64 rule looks at
+// the int64 values it writes, when it has run.
 void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntry& e, Call& c,
-                   std::shared_ptr<const ResultLayout> layout, const FlatArgs& flat, StreamQueue& q, int64_t work) {
+                   std::shared_ptr<const ResultLayout> layout, const FlatArgs& flat, StreamQueue& q, int64_t work,
+                   bool inspect_int64) {
   const ResultLayout& L = *layout;
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - nargs);
+  for (const Resize& r : L.resized) {  // empty out= arguments (checked by sizable_now): sized here, as the kernel did
+    const at::Tensor& t = flat[r.arg];
+    resize_device_storage(*t.storage().unsafeGetStorageImpl(), r.nbytes);
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(r.sizes, r.strides);
+  }
   std::vector<c10::IValue> host(nargs);
   SmallMap<const c10::TensorImpl*, at::Tensor> same;  // one device tensor passed twice is one CPU tensor twice
   for (size_t i = 0; i < nargs; ++i)
@@ -602,6 +646,13 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
     bool pointed = (s.kind == ResultSlot::arg || s.kind == ResultSlot::view) && results.back().numel() > 0;
     expect.push_back(pointed ? results.back().data_ptr() : nullptr);
   }
+  std::vector<at::Tensor> int64s;  // host aliases of the int64 tensors it writes: its results and written arguments
+  if (inspect_int64) {
+    for (const at::Tensor& r : results)
+      if (r.defined() && r.scalar_type() == at::kLong) int64s.push_back(host_alias(r));
+    for (size_t i : e.writes)
+      for_each_tensor(host[i], [&](const at::Tensor& t) { if (t.scalar_type() == at::kLong) int64s.push_back(t); });
+  }
   c10::DeviceIndex device = c.device;
   const char* name = e.name.c_str();
   e.queued.fetch_add(1, std::memory_order_relaxed);
@@ -620,7 +671,8 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   }
   if (out_op) {
     for (const at::Tensor& r : results) host.push_back(host_alias(r));
-    q.push(name, [out = *out_op, host = std::move(host), layout = std::move(layout), device, &e]() mutable {
+    q.push(name, [out = *out_op, host = std::move(host), layout = std::move(layout), device, &e,
+                  int64s = std::move(int64s)]() mutable {
       std::vector<const void*> dst;
       for (size_t i = host.size() - out.schema().returns().size(); i < host.size(); ++i) dst.push_back(host[i].toTensor().data_ptr());
       torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
@@ -629,13 +681,14 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         const at::Tensor& r = st[i].toTensor();
         if (r.data_ptr() != dst[i] || r.sizes() != c10::IntArrayRef(layout->slots[i].sizes)) mispredicted(e, *layout, i, r);
       }
+      check_int64(e, int64s);
     }, false, std::move(fuse), work);
   } else
   q.push(name, [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device, &e,
-                expect = std::move(expect)]() mutable {
+                expect = std::move(expect), int64s = std::move(int64s)]() mutable {
     torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
     with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
-    if (mem.empty()) return;  // arguments and views only: written in place
+    if (mem.empty()) return check_int64(e, int64s);  // arguments and views only: written in place
     std::vector<at::Tensor> out;
     out.reserve(layout->slots.size());
     for (const auto& v : st) {
@@ -668,6 +721,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         dst.copy_(out[k]);
       }
     }
+    check_int64(e, int64s);
   }, false, std::move(fuse), work);
   // the results replace the arguments on the stack, as a kernel's would
   stack->erase(stack->end() - static_cast<std::ptrdiff_t>(nargs), stack->end());
@@ -688,6 +742,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
 }  // namespace
 
 void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  warn_deferred();  // int64 events queued kernels found (one relaxed load when there are none)
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   c10::IValue* args = stack->data() + (stack->size() - nargs);
@@ -710,6 +765,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (exec == OpEntry::Exec::host || blocking || (trainium && c.fp64)) {
     if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
     drain_current(c.device);
+    warn_deferred();  // what the kernels it waited for found
     return run_on_host(op, stack, e, c, trainium);
   }
   KeyBuffer buffer;
@@ -723,22 +779,23 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (trainium)
     for (size_t i : e.writes)
       for_each_tensor(args[i], [&](const at::Tensor& t) { writes_int64 |= t.scalar_type() == at::kLong; });
-  const bool trainium_blocks = trainium && writes_int64;
   int64_t work = L ? L->max_numel : 0;  // the largest tensor, argument or result (a reduction's input is its work)
   bool int64_args = false;
   for (const at::Tensor& t : flat) {
     work = std::max<int64_t>(work, t.defined() ? t.numel() : 0);
     int64_args |= t.defined() && t.scalar_type() == at::kLong;
   }
-  // int64 results the trainium rules must inspect: not an op's indices into arguments that cannot hold 2^31 values
-  const bool inspect_int64 = trainium && L && L->int64 &&
+  // int64 values the trainium rules look at (on the worker, once the kernel ran): not an op's indices into arguments
+  // that cannot hold 2^31 values, which fit int32 by construction
+  const bool inspect_int64 = trainium && ((L && L->int64) || writes_int64) &&
                              !(e.indices.load(std::memory_order_relaxed) && !int64_args && work < (int64_t{1} << 31));
-  if (L && !trainium_blocks && !inspect_int64 && !run_inline(q, work))
-    return launch_queued(op, stack, e, c, std::move(L), flat, q, work);
+  if (L && !run_inline(q, work) && sizable_now(*L, flat))
+    return launch_queued(op, stack, e, c, std::move(L), flat, q, work, inspect_int64);
   if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
   drain_current(c.device);
+  warn_deferred();
   if (L || !keyed) return run_on_host(op, stack, e, c, trainium);
-  std::vector<int64_t> before = shapes_of(flat);  // to see whether the kernel changed a device argument's shape
+  std::vector<Shape> before = shapes_of(flat);  // to see whether the kernel changed a device argument's shape
   run_on_host(op, stack, e, c, trainium);
   if (auto recorded = record_layout(schema, *stack, flat, before)) remember_layout(e, std::move(key), std::move(recorded));
 }

@@ -202,6 +202,7 @@ template <class Native, bool kDirect, const char* Name, const char* Overload, cl
 at::Tensor fast_kernel(Args... args) {
   static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(Name, Overload);
   static OpEntry& e = op_entry(op);
+  warn_deferred();  // int64 events queued kernels found (one relaxed load when there are none)
   Operands o;
   (o.add(args), ...);
   const bool trainium = trainium_rules();

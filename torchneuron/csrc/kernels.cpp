@@ -72,8 +72,11 @@ at::Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride, std::opti
 // In stream order, on the current stream of the device side (of the destination between devices), as CUDA's:
 // a copy to the host waits for the stream's work, except non_blocking into pinned memory, which is queued (the
 // values are there after a sync); a copy from the host reads the source at the call (a snapshot, unless
-// non_blocking from pinned memory: then it is read when the copy runs) and is queued.
+// non_blocking from pinned memory: then it is read when the copy runs) and is queued. Under the trainium dtype rules
+// int64 and float64 data entering the device is snapshotted in the device's dtype, checked (and rounded) at the
+// call, then queued: a batch of token ids copied every step does not wait for the device.
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  warn_deferred();  // int64 events queued kernels found: warned at the next op, a copy to the host included
   TORCH_CHECK(self.layout() == at::kStrided && dst.layout() == at::kStrided,
               "neuron: copies support only strided tensors, got ", self.layout(), " -> ", dst.layout());
   const bool to_device = is_neuron(dst), from_device = is_neuron(self);
@@ -83,20 +86,25 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   StreamQueue& q = current_queue(dev);
   const bool rules = to_device && !from_device && trainium_rules() && (is_fp64(dst) || dst.scalar_type() == at::kLong);
   const bool now = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed) ||
-                   rules || run_inline(q, dst.numel()) ||
-                   (!to_device && !(non_blocking && dst.is_pinned()));
+                   run_inline(q, dst.numel()) || (!to_device && !(non_blocking && dst.is_pinned()));
   HostAliases host;  // a copy within one storage shares its CPU storage: ATen's overlap check sees it
   at::Tensor d = to_device ? host(dst) : dst;
   at::Tensor src = from_device ? host(self) : self;
   if (now) {
     drain_current(dev);
+    warn_deferred();  // what the kernels it waited for found
     KernelEvent event("aten::copy_", dev, nullptr, {self});  // a DMA transfer
     d.copy_(src);
     event.end({dst});
     if (to_device && !from_device) note_host_to_device(d);
     return dst;
   }
-  if (!from_device && !(non_blocking && self.is_pinned())) src = src.clone();  // read now: the caller may change it
+  if (rules) {  // the trainium rules look at the values entering the device: a snapshot in the device's dtype, now
+    src = src.to(dst.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    note_host_to_device(src);
+  } else if (!from_device && !(non_blocking && self.is_pinned())) {
+    src = src.clone();  // read now: the caller may change it
+  }
   q.push("aten::copy_", [d, src]() mutable { d.copy_(src); }, false, nullptr, dst.numel());
   return dst;
 }

@@ -132,13 +132,41 @@ void note_fp64(OpEntry& e, Fp64Event event) {
   }
 }
 
-void note_int64(OpEntry& e, const Int64Range& r) {
-  if (!r.outside) return;
-  e.dtype_events.fetch_add(1, std::memory_order_relaxed);
-  if (e.warned_int64.exchange(true, std::memory_order_relaxed)) return;
+namespace {
+void warn_int64(const OpEntry& e, const Int64Range& r) {
   TORCH_WARN("neuron: ", e.name, " produced int64 values outside the int32 range [", r.lo, ", ", r.hi,
              "]; Trainium computes int64 as 32-bit, so real hardware would wrap them "
              "(values are kept exact here; TORCHNEURON_DTYPE_POLICY=host silences this)");
+}
+std::atomic<bool> g_deferred{false};
+std::mutex g_deferred_mu;
+std::vector<std::pair<const OpEntry*, Int64Range>> g_deferred_int64;
+}  // namespace
+
+void note_int64(OpEntry& e, const Int64Range& r) {
+  if (!r.outside) return;
+  e.dtype_events.fetch_add(1, std::memory_order_relaxed);
+  if (!e.warned_int64.exchange(true, std::memory_order_relaxed)) warn_int64(e, r);
+}
+
+void note_int64_queued(OpEntry& e, const Int64Range& r) {
+  if (!r.outside) return;
+  e.dtype_events.fetch_add(1, std::memory_order_relaxed);
+  if (e.warned_int64.exchange(true, std::memory_order_relaxed)) return;
+  std::lock_guard<std::mutex> g(g_deferred_mu);
+  g_deferred_int64.emplace_back(&e, r);
+  g_deferred.store(true, std::memory_order_release);
+}
+
+void warn_deferred() {
+  if (!g_deferred.load(std::memory_order_acquire)) return;
+  std::vector<std::pair<const OpEntry*, Int64Range>> due;
+  {
+    std::lock_guard<std::mutex> g(g_deferred_mu);
+    due.swap(g_deferred_int64);
+    g_deferred.store(false, std::memory_order_relaxed);
+  }
+  for (const auto& [e, r] : due) warn_int64(*e, r);
 }
 
 OpEntry& copy_in_entry() { return g_copy_in; }

@@ -336,6 +336,11 @@ void note_executed(const char* name);  // an explicit kernel ran on the device
 enum class Fp64Event { produced, received, copied };  // an op's result, host values entering an op, a copy in
 void note_fp64(OpEntry& e, Fp64Event event);        // counts the event; warns once per op
 void note_int64(OpEntry& e, const Int64Range& r);  // counts and warns once per op if `r` leaves int32
+// The same from a queued kernel on a stream worker: counted now, warned at the next op some thread launches (a copy to
+// the host, `.item()`, included): a warning belongs to the user's thread, inside an op's Python binding, where it
+// becomes a UserWarning.
+void note_int64_queued(OpEntry& e, const Int64Range& r);
+void warn_deferred();  // the warnings queued kernels left, on this thread
 OpEntry& copy_in_entry();                          // host -> device copies
 OpEntry& outside_entry(const std::string& name);   // device results computed outside the fallback
 // (name, count) pairs
