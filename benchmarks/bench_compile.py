@@ -94,11 +94,12 @@ def compiled_step(device: str, dropout: float) -> Callable[[], None]:
 
 
 def run(quick: bool = False) -> list[dict]:
-    t = paired(compiled_step, calls=3 if quick else 8, repeats=5 if quick else 9, dropout=GPTConfig.dropout)
+    timing = {"calls": 3, "repeats": 5, "min_turn": 0.1} if quick else {"calls": 8, "repeats": 9, "min_turn": 0.3}
+    t = paired(compiled_step, **timing, dropout=GPTConfig.dropout)
     rows = [row("small-GPT train step, compiled", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.05)]
     # Dropout draws its masks differently on each side (eager's generator on neuron, so results equal eager;
     # Inductor's own in-kernel RNG on the CPU): without it the row compares the compiled code alone.
-    t = paired(compiled_step, calls=3 if quick else 8, repeats=5 if quick else 9, dropout=0.0)
+    t = paired(compiled_step, **timing, dropout=0.0)
     rows.append(row("  same, dropout=0", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.05))
     c = {k: statistics.median(v) for k, v in compile_times(1 if quick else 3).items()}
     rows.append(row("small-GPT cold compile", c["neuron"], c["cpu"], "s", 1.2))

@@ -70,21 +70,22 @@ def fused_chain(device: str, p: float, shape: tuple[int, int, int]) -> Callable[
 
 
 def run(quick: bool = False) -> list[dict]:
-    reps = 5 if quick else 9
+    reps, turn = (5, 0.1) if quick else (9, 0.3)
     rows = []
-    t = paired(add, calls=2000 if quick else 5000, repeats=reps, n=16)
+    t = paired(add, calls=2000 if quick else 5000, repeats=reps, min_turn=turn, n=16)
     rows.append(row("add, 16 elements", t["neuron"] * 1e6, t["cpu"] * 1e6, "us", 1.2))
-    t = paired(matmul, calls=3 if quick else 10, repeats=reps, n=1024)
+    t = paired(matmul, calls=3 if quick else 10, repeats=reps, min_turn=turn, n=1024)
     rows.append(row("matmul 1024x1024", t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", 1.05))
     for p, target in ((0.1, 1 / 1.5), (0.0, None)):  # p=0: the same chain without the dropout mask's RNG
         # warm up past eager fusion's AFTER-th sighting: the group compiles (Inductor) outside the timed repeats
-        t = paired(fused_chain, calls=1 if quick else 2, repeats=reps, warmup=AFTER + 1, p=p, shape=(64, 512, 768))
+        t = paired(fused_chain, calls=1 if quick else 2, repeats=reps, min_turn=turn, warmup=AFTER + 1, p=p,
+                   shape=(64, 512, 768))
         name = "fused chain (bias+GELU+dropout+residual+layernorm)" if p else "fused chain, dropout p=0"
         rows.append(row(name, t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", target))
     for model, name, calls, target in (("mlp", "MLP training step", 30, 0.85),
                                        ("gpt", "small-GPT training step", 8, 0.9),
                                        ("gpt_sdpa", "small-GPT training step, SDPA attention", 8, None),
                                        ("cnn", "small-CNN training step", 8, None)):
-        t = paired(train_step, calls=calls // 3 if quick else calls, repeats=reps, model=model)
+        t = paired(train_step, calls=calls // 3 if quick else calls, repeats=reps, min_turn=turn, model=model)
         rows.append(row(name, t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", target))
     return rows

@@ -1,6 +1,7 @@
 """Timing helpers shared by the benchmarks: A/B runs taking turns (in two processes, or in one), medians of repeats."""
 from __future__ import annotations
 
+import math
 import multiprocessing
 import statistics
 import time
@@ -60,13 +61,18 @@ def _serve(conn, threads: int, build: Callable[..., Callable[[], object]], kwarg
 
 
 def paired(build: Callable[..., Callable[[], object]], calls: int, repeats: int = 9, warmup: int = 3,
-           **kwargs: object) -> dict[str, float]:
+           min_turn: float = 0.3, **kwargs: object) -> dict[str, float]:
     """Median seconds per call of `build(device=d, **kwargs)()` on "neuron" and on "cpu", each side in its own
     process at this process's thread count, taking turns as `interleaved` does (only one side runs at a time, so a
     noisy neighbour still hits both alike). Separate processes because one process is not neutral ground: the
     device's stream worker has an OpenMP team of its own, and with more OpenMP threads in a process than cores,
     libgomp makes every team sleep between parallel regions instead of spinning (measured: the CPU's MLP step at 2
-    threads took 4.9 ms beside a neuron worker's team, 2.1 ms in a process of its own)."""
+    threads took 4.9 ms beside a neuron worker's team, 2.1 ms in a process of its own).
+
+    A turn is at least `calls` calls and lasts at least `min_turn` seconds on the slower side (both sides make the
+    same number of calls): the first calls after the pause between turns run on cores that went idle (measured: an
+    MLP step took 4.5 ms right after the pause and ~2.4 ms from the tenth on, on both sides), and a short turn
+    would weigh that ramp rather than the steady state a training loop runs in."""
     ctx = multiprocessing.get_context("spawn")
     sides = {}
     for device in ("neuron", "cpu"):
@@ -83,6 +89,11 @@ def paired(build: Callable[..., Callable[[], object]], calls: int, repeats: int 
                 proc.join(60)
                 raise RuntimeError(f"the {device} side of the benchmark failed (exit code {proc.exitcode}); its "
                                    "traceback is above") from None
+        probe = []
+        for conn, _ in sides.values():  # one turn each at `calls`: the per-call time the turn length follows from
+            conn.send(calls)
+            probe.append(conn.recv())
+        calls = max(calls, math.ceil(min_turn / max(probe)))
         samples: dict[str, list[float]] = {d: [] for d in sides}
         names = list(sides)
         for r in range(repeats):

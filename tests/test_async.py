@@ -684,3 +684,77 @@ def test_a_result_without_memory_is_never_replayed():
         xn = x.to(DEV).requires_grad_()
         (g,) = torch.autograd.grad(xn.sgn().sum(), xn)
         torch.testing.assert_close(g.cpu(), torch.zeros(20, 20))
+
+
+def _structured_cases() -> dict[str, tuple[str, callable]]:
+    """op name: (the aten op it launches, a function of a device-agnostic input generator)."""
+    F = torch.nn.functional
+    return {
+        "mm": ("aten::mm", lambda t: t(64, 96) @ t(96, 80)),
+        "addmm": ("aten::addmm", lambda t: torch.addmm(t(80), t(64, 96), t(96, 80))),
+        "bmm": ("aten::bmm", lambda t: torch.bmm(t(4, 16, 24), t(4, 24, 8))),
+        "baddbmm": ("aten::baddbmm", lambda t: torch.baddbmm(t(4, 16, 8), t(4, 16, 24), t(4, 24, 8))),
+        "log_softmax": ("aten::_log_softmax", lambda t: F.log_softmax(t(32, 100), -1)),
+        "softmax": ("aten::_softmax", lambda t: F.softmax(t(8, 5, 70), 1)),
+        "sum": ("aten::sum", lambda t: t(64, 300).sum(1)),
+        "mean": ("aten::mean", lambda t: t(64, 300).mean(0, keepdim=True)),
+        "amax": ("aten::amax", lambda t: t(30, 70).amax(1)),
+        "cumsum": ("aten::cumsum", lambda t: t(40, 60).cumsum(1)),
+        "nll_loss": ("aten::nll_loss_forward",
+                     lambda t: F.nll_loss(t(64, 10), (t(64).abs() * 3).long(), reduction="sum")),
+        "max_pool": ("aten::max_pool2d_with_indices",
+                     lambda t: F.max_pool2d(t(2, 3, 16, 16), 2, return_indices=True)),
+        "avg_pool": ("aten::avg_pool2d", lambda t: F.avg_pool2d(t(2, 3, 16, 16), 3, 2)),
+        "gather": ("aten::gather", lambda t: t(20, 30).gather(1, (t(20, 7).abs() * 9).long())),
+        "topk": ("aten::topk", lambda t: t(20, 30).topk(5, 1)),
+    }
+
+
+@needs_async
+@pytest.mark.parametrize("case", list(_structured_cases()))
+def test_a_structured_op_writes_its_queued_results_in_place_with_the_cpus_bits(case):
+    """A structured op (ATen's functional and out= forms run one kernel: matmuls, softmax, reductions, losses,
+    pooling, gather, topk) queued on a busy stream runs its out= form into the device memory handed out at the
+    launch: no result made elsewhere and copied (`_C._copied_ops`), and the bits are the CPU's. At one thread,
+    so that the CPU's reductions split their work as the device's kernel does."""
+    name, fn = _structured_cases()[case]
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def inputs(device):
+            g = torch.Generator().manual_seed(0)
+            return lambda *shape: torch.randn(*shape, generator=g).to(device)
+        expect = fn(inputs("cpu"))
+        xd, wd = on_device(*operands())
+        for _ in range(2):  # each op's first calls behind work: on the host thread, learning their results' layouts
+            busy = slow(xd, wd, 1)
+            fn(inputs(DEV))
+        busy = slow(xd, wd, 2)
+        torchneuron.clear_op_tracking()
+        got = fn(inputs(DEV))
+        assert torchneuron._C._queued_ops().get(name, 0) == 1
+        torch.neuron.synchronize()
+        assert name not in torchneuron._C._copied_ops()
+        del busy
+        for g, e in zip(*(r if isinstance(r, tuple) else (r,) for r in (got, expect)), strict=True):
+            assert g.device.type == DEV and g.stride() == e.stride()
+            assert torch.equal(g.cpu(), e), case
+    finally:
+        torch.set_num_threads(n)
+
+
+@needs_async
+def test_an_op_without_a_structured_out_form_copies_its_queued_results():
+    """The counter's other side: layer norm's kernel makes its three results in memory of its own, and a queued call
+    copies them into the device's (counted once per call)."""
+    x = torch.randn(16, 64)
+    F = torch.nn.functional
+    F.layer_norm(x.to(DEV), (64,))
+    xd, wd = on_device(*operands())
+    busy = slow(xd, wd, 1)
+    torchneuron.clear_op_tracking()
+    got = F.layer_norm(x.to(DEV), (64,))
+    torch.neuron.synchronize()
+    assert torchneuron._C._copied_ops().get("aten::native_layer_norm", 0) == 1
+    del busy
+    torch.testing.assert_close(got.cpu(), F.layer_norm(x, (64,)))

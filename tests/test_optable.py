@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from op_consistency import disagreements
 import torchneuron
 from torchneuron import _C
 from torchneuron.costmodel.ops import op_cost
-from torchneuron.runtime.optable import DEFAULT, TABLE, Rule, base_name, device_checked, op_info
+from torchneuron.runtime.optable import DEFAULT, TABLE, Rule, base_name, device_checked, op_info, structured
 
 
 def _aten_names() -> list[str]:
@@ -93,3 +94,17 @@ def test_the_cpp_core_reads_the_table_and_names_ops_like_python():
         assert dict(_C._op_class(name)) == {"base": base_name(name), "native": info.native, "exact": info.exact,
                                             "host_tensors": info.host_tensors}, name
     assert torchneuron  # the device loaded the table at import
+
+
+def test_structured_rows_are_structured_kernels_in_atens_own_definitions():
+    """A queued call of a `structured` overload runs its out= form (no result copy), which is only the same kernel
+    when ATen defines the overload as a structured delegate: checked against the native_functions.yaml shipped
+    with torch (torchgen's copy). A base row names its default overload; other overloads keep their own rows."""
+    import torchgen
+    import yaml
+
+    path = Path(torchgen.__file__).parent / "packaged/ATen/native/native_functions.yaml"
+    delegates = {f["func"].split("(")[0] for f in yaml.safe_load(path.read_text()) if f.get("structured_delegate")}
+    assert structured() and set(structured()) <= delegates, set(structured()) - delegates
+    assert TABLE["mm"].structured and op_info("aten::sum.dim_IntList").structured
+    assert not op_info("aten::sum.default").structured and not op_info("aten::native_layer_norm").structured

@@ -430,9 +430,11 @@ const c10::OperatorHandle* out_variant(const c10::OperatorHandle& op, OpEntry& e
   });
   const auto& f = op.schema();
   const c10::OperatorHandle* found = nullptr;
-  // pointwise ops only: their functional and out= kernels are one TensorIterator loop; other out= kernels may use
-  // the out as scratch (a reduced loss resized to its unreduced shape) or differ otherwise
-  if (!f.returns().empty() && e.writes.empty() && op.hasTag(at::Tag::pointwise)) {
+  // pointwise ops (their functional and out= kernels are one TensorIterator loop) and the op table's structured
+  // overloads (one meta and impl for both forms); other out= kernels may use the out as scratch (a reduced loss
+  // resized to its unreduced shape) or differ otherwise
+  if (!f.returns().empty() && e.writes.empty() &&
+      (op.hasTag(at::Tag::pointwise) || e.structured.load(std::memory_order_relaxed))) {
     auto it = by_name.find(f.name());
     for (const auto& n : it == by_name.end() ? std::vector<c10::OperatorName>{} : it->second) {
       auto h = c10::Dispatcher::singleton().findOp(n);
@@ -707,6 +709,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
       if (s.kind == ResultSlot::arg && out[k].defined() && out[k].sizes() != c10::IntArrayRef(s.sizes))
         mispredicted(e, *layout, k, out[k]);  // the kernel resized an out= argument its launch did not
     }
+    e.copied.fetch_add(1, std::memory_order_relaxed);
     for (size_t g = 0; g < mem.size(); ++g) {
       const at::Tensor& r = out[layout->group_slot[g]];
       if (r.storage().nbytes() == layout->group_bytes[g]) {  // the kernel's storage, whole: every view of it

@@ -33,9 +33,10 @@ PYBIND11_MODULE(_C, m) {
         "Set the dtype policy ('trainium' | 'host') and the fallback policy ('warn' | 'silent' | 'error') by name; "
         "ValueError for an unknown name.");
   m.def("_set_op_table", &set_op_table, py::arg("native"), py::arg("exact"), py::arg("host_tensors"),
-        py::arg("indices"),
+        py::arg("indices"), py::arg("structured"),
         "The op table's classification, by base name: ops the device runs natively, exact data movement (keeps "
-        "fp64 bits), ops that take CPU index tensors alongside device ones, ops whose int64 results are indices.");
+        "fp64 bits), ops that take CPU index tensors alongside device ones, ops whose int64 results are indices; "
+        "and by 'name.overload': the overloads ATen implements as structured kernels.");
   m.def("_op_class", [](const std::string& name) {
     OpClass c = op_class(name);
     return py::dict(py::arg("base") = c.base, py::arg("native") = c.native, py::arg("exact") = c.exact,
@@ -49,6 +50,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_waiting_ops", [] { return as_dict(waiting_ops()); },
         "Calls that made the host wait for their stream's queued work (data-dependent results, a first-met "
         "signature, the trainium rules), per op.");
+  m.def("_copied_ops", [] { return as_dict(copied_ops()); },
+        "Queued calls whose kernel made its results in memory of its own, copied into the device's afterwards "
+        "(ops with neither a pointwise nor a structured out= form), per op.");
   m.def("_clear_op_tracking", &clear_op_tracking);
   m.def("_default_generator", [](int index) {
     return py::reinterpret_steal<py::object>(

@@ -15,6 +15,7 @@ namespace {
 std::mutex g_mu;
 std::unordered_map<const c10::FunctionSchema*, OpEntry> g_ops;
 std::unordered_set<std::string> g_native, g_exact, g_host_tensors, g_indices;  // base names, e.g. "add", "mm"
+std::unordered_set<std::string> g_structured;                                  // "mm", "sum.dim_IntList"
 std::unordered_map<std::string, int64_t> g_explicit;                // ops run by explicit kernels
 std::unordered_map<std::string, OpEntry> g_outside;  // device results computed outside the fallback (collectives)
 // Entries are never erased: op calls hold references to them without the lock.
@@ -26,6 +27,7 @@ void classify(OpEntry& e) {  // g_mu held
   e.exact.store(g_exact.count(b) > 0, std::memory_order_relaxed);
   e.host_tensors.store(g_host_tensors.count(b) > 0, std::memory_order_relaxed);
   e.indices.store(g_indices.count(b) > 0, std::memory_order_relaxed);
+  e.structured.store(g_structured.count(e.overload.empty() ? b : b + "." + e.overload) > 0, std::memory_order_relaxed);
 }
 
 bool is_type(const c10::TypePtr& t, c10::TypeKind k) {
@@ -42,7 +44,7 @@ void add_counts(std::unordered_map<std::string, int64_t>& agg, const Entries& en
 }
 
 void reset(OpEntry& e) {
-  e.executed = e.fallback = e.dtype_events = e.queued = e.waited = 0;
+  e.executed = e.fallback = e.dtype_events = e.queued = e.waited = e.copied = 0;
   e.warned_fallback = e.warned_fp64 = e.warned_int64 = false;
 }
 
@@ -57,12 +59,14 @@ std::string base_name(const std::string& name) {
 }
 
 void set_op_table(const std::vector<std::string>& native, const std::vector<std::string>& exact,
-                  const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices) {
+                  const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices,
+                  const std::vector<std::string>& structured) {
   std::lock_guard<std::mutex> g(g_mu);
   g_native = {native.begin(), native.end()};
   g_exact = {exact.begin(), exact.end()};
   g_host_tensors = {host_tensors.begin(), host_tensors.end()};
   g_indices = {indices.begin(), indices.end()};
+  g_structured = {structured.begin(), structured.end()};
   for (auto& [schema, e] : g_ops) classify(e);
 }
 
@@ -78,7 +82,7 @@ OpEntry& op_entry(const c10::OperatorHandle& op) {
   thread_local std::unordered_map<const c10::FunctionSchema*, OpEntry*> seen;  // no lock on the op path
   if (auto it = seen.find(&schema); it != seen.end()) return *it->second;
   std::lock_guard<std::mutex> g(g_mu);
-  auto [it, fresh] = g_ops.try_emplace(&schema, schema.name());
+  auto [it, fresh] = g_ops.try_emplace(&schema, schema.name(), schema.overload_name());
   OpEntry& e = it->second;
   seen.emplace(&schema, &e);
   if (!fresh) return e;
@@ -195,6 +199,7 @@ std::vector<std::pair<std::string, int64_t>> op_counts(std::atomic<int64_t> OpEn
 
 std::vector<std::pair<std::string, int64_t>> queued_ops() { return op_counts(&OpEntry::queued); }
 std::vector<std::pair<std::string, int64_t>> waiting_ops() { return op_counts(&OpEntry::waited); }
+std::vector<std::pair<std::string, int64_t>> copied_ops() { return op_counts(&OpEntry::copied); }
 std::vector<std::pair<std::string, int64_t>> fallback_ops() { return op_counts(&OpEntry::fallback); }
 
 std::vector<std::pair<std::string, int64_t>> dtype_events() {

@@ -294,8 +294,10 @@ void note_device_result(const std::string& name, const at::Tensor& device_tensor
 // One per operator schema (overloads of one name aggregate in the reports). Counters and flags are atomics: op
 // calls on any thread (autograd workers, DataLoader threads) update them with no lock held.
 struct OpEntry {
-  explicit OpEntry(std::string op_name) : name(std::move(op_name)) {}
+  explicit OpEntry(std::string op_name, std::string overload_name = "")
+      : name(std::move(op_name)), overload(std::move(overload_name)) {}
   const std::string name;                           // "aten::add_" (overload dropped)
+  const std::string overload;                       // "dim_IntList" ("" for the default overload)
   std::vector<size_t> generators, writes, scalars;  // argument positions (scalars: `Scalar` values); fixed
   // The op table's classification of the base name; _set_op_table may change it while ops run.
   std::atomic<bool> native{false};        // the device runs it (else a counted host fallback)
@@ -304,8 +306,12 @@ struct OpEntry {
   // Its int64 results are positions in its arguments (max_pool's, argmax's, sort's indices): the trainium int64
   // rule need not look at their values when no argument is int64 and none holds 2^31 elements.
   std::atomic<bool> indices{false};
+  // This overload is a structured kernel in ATen (its functional and out= forms run one meta and impl): a queued
+  // call runs the out= form into the memory its launch handed out (fallback.cpp's out_variant).
+  std::atomic<bool> structured{false};
   std::atomic<int64_t> executed{0}, fallback{0}, dtype_events{0};
   std::atomic<int64_t> queued{0}, waited{0};  // calls queued; calls that made the host wait for the stream
+  std::atomic<int64_t> copied{0};  // queued calls whose kernel made its results elsewhere: copied into device memory
   std::atomic<bool> warned_fallback{false}, warned_fp64{false}, warned_int64{false};
   // How the fallback runs it (fallback.cpp, decided at the first call): `now` on the calling thread (views:
   // metadata only), `host` on the calling thread after the stream's queued work (its results depend on data),
@@ -320,9 +326,11 @@ struct OpEntry {
 // The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
 // underscore dropped; dunder names such as "__and__" kept).
 std::string base_name(const std::string& name);
-// native / exact / host_tensors / indices: base names (no op list lives in C++).
+// native / exact / host_tensors / indices: base names; structured: "name.overload" ("name" for the default
+// overload). No op list lives in C++.
 void set_op_table(const std::vector<std::string>& native, const std::vector<std::string>& exact,
-                  const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices);
+                  const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices,
+                  const std::vector<std::string>& structured);
 struct OpClass {
   std::string base;
   bool native, exact, host_tensors;
@@ -349,6 +357,7 @@ std::vector<std::pair<std::string, int64_t>> fallback_ops();
 std::vector<std::pair<std::string, int64_t>> dtype_events();
 std::vector<std::pair<std::string, int64_t>> queued_ops();
 std::vector<std::pair<std::string, int64_t>> waiting_ops();
+std::vector<std::pair<std::string, int64_t>> copied_ops();
 void clear_op_tracking();  // also re-arms the warnings
 
 // ---- fusion.cpp: adaptive eager fusion (compiler/eager_fusion.py compiles a group; the stream worker runs it) ----

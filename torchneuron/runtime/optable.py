@@ -65,7 +65,10 @@ class Op:
     device runs as one kernel, as CUDA's multi-tensor kernels do: the C++ core routes it to the fallback, which runs
     ATen's list op on the host aliases, instead of its composite launching one device op per tensor; `indices`:
     its int64 results are positions in its arguments (max_pool's, argmax's, sort's indices), so the trainium int64
-    rule need not look at their values while no argument is int64 or holds 2^31 elements (the op stays queued)."""
+    rule need not look at their values while no argument is int64 or holds 2^31 elements (the op stays queued);
+    `structured` (an overload row): ATen implements it as a structured kernel (native_functions.yaml's
+    `structured_delegate`), so its functional and out= forms run one meta and one impl: a queued call runs the
+    out= form straight into the memory its launch handed out, instead of copying a fresh result there."""
 
     name: str
     engine: str = "host"
@@ -83,6 +86,7 @@ class Op:
     fuse: bool = False
     one_kernel: bool = False
     indices: bool = False
+    structured: bool = False
 
 
 def _group(engine: str, names: str, **kw: Any) -> list[Op]:
@@ -220,8 +224,15 @@ def _merge(rows: list[Op]) -> dict[str, Op]:
 # Ops whose int64 results are indices into their arguments (`Op.indices`).
 _INDICES = ("max_pool2d_with_indices adaptive_max_pool2d argmax argmin max min sort topk argsort searchsorted "
             "bucketize").split()
+# Functional overloads ATen implements as structured kernels (`Op.structured`): the queued ops whose results are
+# not pointwise and large enough for the copy to show (matmuls, softmax, reductions, losses, pooling, indexing).
+_STRUCTURED = ("mm bmm addmm baddbmm addmv _softmax _log_softmax _softmax_backward_data _log_softmax_backward_data "
+               "sum.dim_IntList mean.dim amax amin prod.dim_int linalg_vector_norm nll_loss_forward nll_loss_backward "
+               "cumsum avg_pool2d avg_pool2d_backward max_pool2d_with_indices max_pool2d_with_indices_backward "
+               "upsample_nearest2d gather scatter_add argmax argmin topk").split()
 TABLE: dict[str, Op] = {k: replace(o, indices=True) if k.split(".")[0] in _INDICES else o
                         for k, o in _merge(_TABLE).items()}
+TABLE |= {n: replace(TABLE[n] if n in TABLE else TABLE[n.split(".")[0]], name=n, structured=True) for n in _STRUCTURED}
 assert all(n in TABLE for n in _INDICES)
 # An op missing from the table: a counted host fallback, priced as a VectorE sweep (see the module docstring).
 DEFAULT = Op("", engine="host", native=False, rule=Rule.SWEEP)
@@ -244,6 +255,11 @@ def op_info(op: Any) -> Op:
 def device_checked() -> list[str]:
     """The `name.overload`s the C++ core routes to the fallback because ATen's composite refuses the device."""
     return sorted(k for k, o in TABLE.items() if o.device_checked)
+
+
+def structured() -> list[str]:
+    """The `name.overload`s (`name` for the default overload) ATen implements as structured kernels."""
+    return sorted(k for k, o in TABLE.items() if o.structured)
 
 
 def names(field: str) -> list[str]:

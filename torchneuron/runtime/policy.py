@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .. import _C
 from ..hardware import config
-from .optable import names
+from .optable import names, structured
 
 
 def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = None) -> None:
@@ -17,4 +17,4 @@ def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = 
 
 def install_op_tables() -> None:
     """Hand the op table's per-base-name facts to the C++ core (runtime/optable.py)."""
-    _C._set_op_table(names("native"), names("exact"), names("host_tensors"), names("indices"))
+    _C._set_op_table(names("native"), names("exact"), names("host_tensors"), names("indices"), structured())
