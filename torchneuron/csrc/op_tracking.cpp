@@ -15,7 +15,7 @@ namespace {
 std::mutex g_mu;
 std::unordered_map<const c10::FunctionSchema*, OpEntry> g_ops;
 std::unordered_set<std::string> g_native, g_exact, g_host_tensors, g_indices;  // base names, e.g. "add", "mm"
-std::unordered_set<std::string> g_structured;                                  // "mm", "sum.dim_IntList"
+std::unordered_set<std::string> g_structured;                                  // "mm.default", "sum.dim_IntList"
 std::unordered_map<std::string, int64_t> g_explicit;                // ops run by explicit kernels
 std::unordered_map<std::string, OpEntry> g_outside;  // device results computed outside the fallback (collectives)
 // Entries are never erased: op calls hold references to them without the lock.
@@ -27,7 +27,8 @@ void classify(OpEntry& e) {  // g_mu held
   e.exact.store(g_exact.count(b) > 0, std::memory_order_relaxed);
   e.host_tensors.store(g_host_tensors.count(b) > 0, std::memory_order_relaxed);
   e.indices.store(g_indices.count(b) > 0, std::memory_order_relaxed);
-  e.structured.store(g_structured.count(e.overload.empty() ? b : b + "." + e.overload) > 0, std::memory_order_relaxed);
+  e.structured.store(g_structured.count(b + "." + (e.overload.empty() ? "default" : e.overload)) > 0,
+                     std::memory_order_relaxed);
 }
 
 bool is_type(const c10::TypePtr& t, c10::TypeKind k) {

@@ -326,8 +326,8 @@ struct OpEntry {
 // The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
 // underscore dropped; dunder names such as "__and__" kept).
 std::string base_name(const std::string& name);
-// native / exact / host_tensors / indices: base names; structured: "name.overload" ("name" for the default
-// overload). No op list lives in C++.
+// native / exact / host_tensors / indices: base names; structured: "name.overload" ("mm.default"). No op list
+// lives in C++.
 void set_op_table(const std::vector<std::string>& native, const std::vector<std::string>& exact,
                   const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices,
                   const std::vector<std::string>& structured);

@@ -226,13 +226,14 @@ _INDICES = ("max_pool2d_with_indices adaptive_max_pool2d argmax argmin max min s
             "bucketize").split()
 # Functional overloads ATen implements as structured kernels (`Op.structured`): the queued ops whose results are
 # not pointwise and large enough for the copy to show (matmuls, softmax, reductions, losses, pooling, indexing).
-_STRUCTURED = ("mm bmm addmm baddbmm addmv _softmax _log_softmax _softmax_backward_data _log_softmax_backward_data "
-               "sum.dim_IntList mean.dim amax amin prod.dim_int linalg_vector_norm nll_loss_forward nll_loss_backward "
-               "cumsum avg_pool2d avg_pool2d_backward max_pool2d_with_indices max_pool2d_with_indices_backward "
-               "upsample_nearest2d gather scatter_add argmax argmin topk").split()
+_STRUCTURED = [n if "." in n else f"{n}.default" for n in (
+    "mm bmm addmm baddbmm addmv _softmax _log_softmax _softmax_backward_data _log_softmax_backward_data "
+    "sum.dim_IntList mean.dim amax amin prod.dim_int linalg_vector_norm nll_loss_forward nll_loss_backward cumsum "
+    "avg_pool2d avg_pool2d_backward max_pool2d_with_indices max_pool2d_with_indices_backward upsample_nearest2d "
+    "gather scatter_add argmax argmin topk").split()]
 TABLE: dict[str, Op] = {k: replace(o, indices=True) if k.split(".")[0] in _INDICES else o
                         for k, o in _merge(_TABLE).items()}
-TABLE |= {n: replace(TABLE[n] if n in TABLE else TABLE[n.split(".")[0]], name=n, structured=True) for n in _STRUCTURED}
+TABLE |= {n: replace(TABLE[n.split(".")[0]], name=n, structured=True) for n in _STRUCTURED}
 assert all(n in TABLE for n in _INDICES)
 # An op missing from the table: a counted host fallback, priced as a VectorE sweep (see the module docstring).
 DEFAULT = Op("", engine="host", native=False, rule=Rule.SWEEP)
@@ -258,7 +259,7 @@ def device_checked() -> list[str]:
 
 
 def structured() -> list[str]:
-    """The `name.overload`s (`name` for the default overload) ATen implements as structured kernels."""
+    """The `name.overload`s (`mm.default`) ATen implements as structured kernels."""
     return sorted(k for k, o in TABLE.items() if o.structured)
 
 
