@@ -81,3 +81,27 @@ def test_a_list_op_over_tensors_on_two_devices_raises_like_cuda():
     a = [torch.ones(3, device="neuron"), torch.ones(3)]
     with pytest.raises(RuntimeError, match="same device|devices"):
         torch._foreach_add_(a, 1.0)
+
+
+@pytest.mark.needs_async
+@pytest.mark.parametrize("op", ["sqrt", "exp", "neg", "reciprocal", "abs"])
+def test_a_unary_list_op_queued_writes_its_new_tensors_in_place(op):
+    """A unary list op returning new tensors (Adam's `_foreach_sqrt` every step), queued behind work: each tensor's
+    pointwise out= kernel (the CPU list kernel's own, per tensor) writes into the results' device memory, nothing is
+    made elsewhere and copied in (`_C._copied_ops`), and the bits are the CPU's."""
+    fn = getattr(torch, f"_foreach_{op}")
+    cpu = [t * 3 - 1 for t in tensors(0)] + [torch.randn(300, 200, generator=torch.Generator().manual_seed(1))]
+    dev = [t.to("neuron") for t in cpu]
+    w = torch.randn(1024, 1024, device="neuron") / 32
+    for _ in range(3):  # the first calls behind work learn the results' layout; the last is queued
+        busy = w
+        for _ in range(4):
+            busy = torch.tanh(busy @ w)
+        torchneuron.clear_op_tracking()
+        out = fn(dev)
+    assert torchneuron._C._queued_ops().get(f"aten::_foreach_{op}") == 1
+    torch.neuron.synchronize()
+    assert f"aten::_foreach_{op}" not in torchneuron._C._copied_ops()
+    for d, c in zip(out, fn(cpu), strict=True):  # (sqrt of the negatives: NaN on both)
+        assert d.device.type == "neuron" and d.stride() == c.stride()
+        torch.testing.assert_close(d.cpu(), c, rtol=0, atol=0, equal_nan=True)

@@ -461,6 +461,33 @@ const c10::OperatorHandle* out_variant(const c10::OperatorHandle& op, OpEntry& e
   return found;
 }
 
+// A unary list op returning new tensors (`_foreach_sqrt(Tensor[] self) -> Tensor[]`, Adam's every step): the
+// CPU's list kernel is the per-tensor functional op in a loop, so the pointwise out= form per tensor (`sqrt.out`)
+// is the same kernel, and it writes into the results' device memory instead of fresh memory copied there.
+const c10::OperatorHandle* per_tensor_out(const c10::OperatorHandle& op) {
+  thread_local std::unordered_map<const c10::FunctionSchema*, const c10::OperatorHandle*> memo;  // no lock
+  const auto& f = op.schema();
+  if (auto it = memo.find(&f); it != memo.end()) return it->second;
+  const c10::OperatorHandle* found = nullptr;
+  const std::string prefix = "aten::_foreach_";
+  auto is_list = [](const c10::TypePtr& t) {
+    auto l = t->cast<c10::ListType>();
+    return l && l->getElementType()->kind() == c10::TypeKind::TensorType;
+  };
+  if (f.name().rfind(prefix, 0) == 0 && f.arguments().size() == 1 && f.returns().size() == 1 &&
+      is_list(f.arguments()[0].type()) && !f.arguments()[0].alias_info() && is_list(f.returns()[0].type())) {
+    auto h = c10::Dispatcher::singleton().findOp({"aten::" + f.name().substr(prefix.size()), "out"});
+    if (h && h->hasTag(at::Tag::pointwise) && h->hasKernelForDispatchKey(c10::DispatchKey::CPU)) {
+      const auto& a = h->schema().arguments();
+      if (a.size() == 2 && a[0].type()->kind() == c10::TypeKind::TensorType && a[1].kwarg_only() &&
+          a[1].alias_info() && a[1].alias_info()->isWrite() && h->schema().returns().size() == 1)
+        found = new c10::OperatorHandle(*h);  // kept for the process
+    }
+  }
+  memo.emplace(&f, found);
+  return found;
+}
+
 at::Tensor tensor_over(const c10::Storage& storage, const ResultSlot& s) {
   auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
                                                     c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), s.dtype);
@@ -671,7 +698,23 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
     }
     for (const at::Tensor& r : results) fuse->outs.push_back(host_alias(r));
   }
-  if (out_op) {
+  const c10::OperatorHandle* each_op = outable && !out_op && !fuse ? per_tensor_out(op) : nullptr;
+  if (each_op) {
+    std::vector<at::Tensor> outs;
+    for (const at::Tensor& r : results) outs.push_back(host_alias(r));
+    q.push(name, [each = *each_op, selfs = host[0].toTensorList(), outs = std::move(outs), layout = std::move(layout),
+                  device, &e, int64s = std::move(int64s)]() mutable {
+      TORCH_INTERNAL_ASSERT(selfs.size() == outs.size(), "neuron: ", e.name, ": a list of another length");
+      for (size_t i = 0; i < outs.size(); ++i) {
+        torch::jit::Stack st{c10::IValue(selfs.get(i)), c10::IValue(outs[i])};
+        with_device_oom(device, [&] { each.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
+        const at::Tensor& r = st[0].toTensor();
+        if (r.data_ptr() != outs[i].data_ptr() || r.sizes() != c10::IntArrayRef(layout->slots[i].sizes))
+          mispredicted(e, *layout, i, r);
+      }
+      check_int64(e, int64s);
+    }, false, nullptr, work);
+  } else if (out_op) {
     for (const at::Tensor& r : results) host.push_back(host_alias(r));
     q.push(name, [out = *out_op, host = std::move(host), layout = std::move(layout), device, &e,
                   int64s = std::move(int64s)]() mutable {
