@@ -181,12 +181,17 @@ def test_the_off_switches(monkeypatch):
 
 def test_fusable_follows_the_op_table():
     for op in ("aten::add.Tensor", "aten::gelu", "aten::native_layer_norm", "aten::where.self", "aten::sum.dim_IntList",
-               "aten::_softmax", "aten::var.correction", "aten::clamp", "aten::pow.Tensor_Scalar", "aten::sigmoid"):
+               "aten::_softmax", "aten::var.correction", "aten::clamp", "aten::pow.Tensor_Scalar", "aten::sigmoid",
+               "aten::add_.Tensor", "aten::relu_", "aten::addcdiv_",  # in place on self: run functional, stored back
+               "aten::_foreach_mul_.Scalar", "aten::_foreach_addcdiv_.ScalarList", "aten::_foreach_sqrt",
+               "aten::_foreach_lerp_.Scalar", "aten::_foreach_add.List"):  # list ops: their per-tensor ops
         assert fusable(op), op
     for op in ("aten::native_dropout", "aten::bernoulli.p", "aten::rand", "aten::uniform",  # the generator's draws
+               "aten::bernoulli_.float", "aten::_foreach_norm.Scalar", "aten::_foreach_pow.ScalarAndTensor",
                "aten::view", "aten::expand", "aten::transpose.int", "aten::mm", "aten::addmm", "aten::index.Tensor",
-               "aten::nonzero", "aten::clone", "aten::_to_copy", "aten::embedding",
-               "aten::add_.Tensor", "aten::add.out", "aten::relu_",  # write memory the group does not own
+               "aten::nonzero", "aten::clone", "aten::_to_copy", "aten::embedding", "aten::copy_", "aten::zero_",
+               "aten::add.out", "aten::sqrt.out", "aten::_foreach_sqrt.out",  # write memory their caller chose
+               "aten::_foreach_addcdiv_.Tensor",  # a tensor of scalars: no per-tensor op
                "aten::not_an_op", "aten::linalg_qr"):
         assert not fusable(op), op
     for name, record in TABLE.items():
@@ -196,6 +201,9 @@ def test_fusable_follows_the_op_table():
         fused = [o for o in packet.overloads() if fusable(f"aten::{name}" + ("" if o == "default" else f".{o}"))]
         assert bool(fused) == record.fuse, name  # every fusing row names a real op with a functional overload
         assert not any(getattr(packet, o)._schema.is_mutable for o in fused), name
+        if name.startswith("_foreach_"):  # and every fusing list op a per-tensor op of a fusing row
+            assert all(TABLE[ef.per_tensor(f"aten::{name}.{o}").op.split("::")[1].split(".")[0]].fuse
+                       for o in fused), name
 
 
 def test_a_group_runs_on_device_memory_through_host_views():

@@ -53,12 +53,14 @@ class Value:
 
 @dataclass(frozen=True)
 class Node:
-    """One queued op: `op` is its qualified name with overload ("aten::add.Tensor", "aten::relu"); `args` and
-    `kwargs` hold Input, Value or constants (int, float, bool, None, torch.dtype, lists/tuples of these)."""
+    """One functional op: `op` is its qualified name with overload ("aten::add.Tensor", "aten::relu"); `args` and
+    `kwargs` hold Input, Value or constants (int, float, bool, None, torch.dtype, lists/tuples of these). `cast`:
+    the dtype of the tensor an in-place op (`add_`, run as `add`) writes, which its result is rounded to."""
 
     op: str
     args: tuple
     kwargs: tuple[tuple[str, object], ...] = ()
+    cast: torch.dtype | None = None
 
 
 @dataclass
@@ -116,11 +118,85 @@ def _overload(op: str) -> torch._ops.OpOverload | None:
 @cache
 def fusable(op: str) -> bool:
     """May `op` ("aten::add.Tensor") join a fused group: the op table says it fuses, and this overload is a
-    functional, deterministic op (in-place and out= variants write memory the group does not own; random draws
-    keep the device generator's numbers)."""
+    deterministic op (random draws keep the device generator's numbers) that is functional, in place on `self`
+    (`add_`: the group computes `add` and stores it back), or a list op made of such per-tensor ops (`_foreach_*`,
+    see `per_tensor`). An out= form writes memory its caller chose: never."""
     overload = _overload(op)
-    return (overload is not None and op_info(op).fuse and not overload._schema.is_mutable
-            and torch.Tag.nondeterministic_seeded not in overload.tags)
+    if overload is None or not op_info(op).fuse or torch.Tag.nondeterministic_seeded in overload.tags:
+        return False
+    if overload._schema.name.startswith("aten::_foreach_"):
+        return per_tensor(op) is not None
+    return not overload._schema.is_mutable or _functional(overload) is not None
+
+
+def _functional(overload: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The functional form of an in-place overload (`add_.Tensor` -> `add.Tensor`): only `self` is written."""
+    schema = overload._schema
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if not schema.name.endswith("_") or len(written) != 1 or written[0] is not schema.arguments[0]:
+        return None
+    func = _overload(f"{schema.name[:-1]}.{schema.overload_name}" if schema.overload_name else schema.name[:-1])
+    return func if func is not None and not func._schema.is_mutable else None
+
+
+@dataclass(frozen=True)
+class PerTensor:
+    """How a list op runs as one per-tensor op for each tensor `i` (what ATen's CPU list kernels do): `op` is that
+    op's qualified name, and `kinds` says for each of the list op's arguments whether it is sliced ("each": a
+    list, element `i`), lifted ("lift": a list op's `scalar`/`scalars` operand, element `i` for a list; it becomes
+    a 0-dim kernel input rather than a constant baked into the code, because optimizers pass values that change
+    every step there: Adam's bias corrections, a scheduled learning rate) or passed whole ("same"). `kwargs`: the
+    per-tensor op's name for an argument it takes by keyword only. `fold`: addcmul/addcdiv take their scalar as a
+    Scalar, so a lifted one multiplies tensor1 first (ATen computes `self + value * tensor1 op tensor2` in that
+    order). `inplace`: the list op writes its `self` list."""
+
+    op: str
+    kinds: tuple[str, ...]
+    kwargs: tuple[str | None, ...]
+    fold: bool
+    inplace: bool
+
+
+_FOLD = ("addcmul", "addcdiv")  # per-tensor ops whose scalar operand is `value`, a Scalar (see PerTensor.fold)
+
+
+@cache
+def per_tensor(op: str) -> PerTensor | None:
+    """The per-tensor form of a list op ("aten::_foreach_mul_.Scalar" -> `mul.Tensor` with the scalar lifted), or
+    None when there is none (a list of scalars as a tensor, a Scalar `self`)."""
+    overload = _overload(op)
+    if overload is None:
+        return None
+    schema = overload._schema
+    inplace = schema.is_mutable
+    if inplace and _functional(overload) is None:
+        return None
+    base = schema.name.removeprefix("aten::_foreach_").removesuffix("_")
+    args = schema.arguments
+    if not args or str(args[0].type) != "List[Tensor]":
+        return None
+    kinds, types = [], []
+    for a in args:
+        t = str(a.type)
+        kind = ("each" if t.startswith("List[Tensor") else "lift" if t == "List[number]" or
+                (t == "number" and a.name in ("scalar", "scalars")) else "same")
+        if t.startswith("List[") and kind != "each" and t != "List[number]":
+            return None
+        kinds.append(kind)
+        types.append("Tensor" if kind in ("each", "lift") else t)
+    fold = base in _FOLD and kinds[-1] == "lift"
+    want = types[:-1] if fold else types
+    packet = getattr(torch.ops.aten, base, None)
+    for name in packet.overloads() if packet is not None else ():
+        cand = getattr(packet, name)
+        cargs = cand._schema.arguments
+        if cand._schema.is_mutable or len(cargs) < len(want) or any(
+                str(c.type) != w for c, w in zip(cargs, want, strict=False)) or any(
+                not c.has_default_value() for c in cargs[len(want):]):
+            continue
+        kw = tuple(c.name if c.kwarg_only else None for c in cargs[:len(want)]) + ((None,) if fold else ())
+        return PerTensor(f"aten::{base}" + ("" if name == "default" else f".{name}"), tuple(kinds), kw, fold, inplace)
+    return None
 
 
 class FusedKernel:
@@ -152,25 +228,28 @@ def _typed(a: Any) -> Any:
     return a
 
 
-def _key(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value, ...]) -> tuple:
+def _key(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value, ...],
+         mutations: tuple[tuple[int, Value], ...] = ()) -> tuple:
     """The group's signature, and the thread count Inductor's CPU code generator splits its loops for. Plain
     tuples (hashed in C): a group is looked up at every launch."""
-    return (tuple((n.op, _typed(n.args), _typed(n.kwargs)) for n in nodes),
+    return (tuple((n.op, _typed(n.args), _typed(n.kwargs), n.cast) for n in nodes),
             tuple((tuple(s.sizes), tuple(s.strides), s.dtype) for s in inputs),
-            tuple((v.node, v.index) for v in outputs), torch.get_num_threads())
+            tuple((v.node, v.index) for v in outputs), tuple((k, v.node, v.index) for k, v in mutations),
+            torch.get_num_threads())
 
 
-def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value, ...], *,
-                  after: int = 1) -> Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None:
+def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value, ...],
+                  mutations: tuple[tuple[int, Value], ...] = (), *, after: int = 1) -> FusedKernel | None:
     """The fused kernel of a group (cached by signature), or None when fusion is off, the group cannot be
     compiled, or its signature has been seen fewer than `after` times (each counted; the caller runs the ops
-    unfused). `after` > 1 spends a compile (seconds) only on groups that recur, as a training step's do. Never
+    unfused). `mutations`: (input, value) pairs, the kernel stores that value into that input's memory (what the
+    group's in-place ops left there). `after` > 1 spends a compile (seconds) only on groups that recur, as a training step's do. Never
     raises."""
     if not enabled():
         _STATS.disabled += 1
         return None
     try:
-        key = _key(nodes, inputs, outputs)
+        key = _key(nodes, inputs, outputs, mutations)
         hash(key)
     except TypeError as e:
         return _failed(None, f"unsupported constant ({e})")
@@ -191,7 +270,7 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
             return None
         try:
             _SIGHTINGS.pop(key)
-            kernel = _compile(tuple(Spec(*s) for s in key[1]), tuple(Value(*v) for v in key[2]), nodes)
+            kernel = _compile(tuple(Spec(*s) for s in key[1]), tuple(Value(*v) for v in key[2]), nodes, mutations)
         except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
             return _failed(key, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         finally:
@@ -224,108 +303,254 @@ def _overlaps(a: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
     return a[0] < a[1] and any(a[0] < b[1] and b[0] < a[1] for b in spans)
 
 
-def run_queued(ops: list[QueuedOp]) -> int:
+class Plan(NamedTuple):
+    """How a fused run maps onto the queued ops' arguments, for the stream worker to replay it without building
+    the group again (csrc/fusion.cpp keeps it under the run's signature: ops, tensor addresses and layouts).
+    Leaves number the tensors and numbers of the queued ops' arguments and then results, depth first, in order.
+    `args`: the leaf of each kernel argument (inputs, then outputs); `lifts`: per input, the dtype of the 0-dim
+    tensor a lifted scalar leaf becomes (None: a tensor leaf); `baked`: number leaves compiled into the code,
+    with their values (a replay with another value is no replay)."""
+
+    kernel: FusedKernel
+    ops: int
+    args: tuple[int, ...]
+    lifts: tuple[torch.dtype | None, ...]
+    baked: tuple[tuple[int, object], ...]
+
+
+def run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
     """The stream worker's entry (csrc/queue.cpp): fuse the longest leading run of `ops` into one kernel and run it.
-    Returns how many ops it ran (0: none; the worker runs the rest one by one). Never raises.
+    Returns how many ops it ran (0: none; the worker runs the rest one by one) and its Plan. Never raises.
 
     A result whose memory a later op of the run was handed (Python freed it, the allocator gave its block again) is
     read only inside the run (every reader was launched before the free), so it lives in registers and is not
-    stored; every other result is. A run ends before an op that reads a view of an earlier result (only whole
-    results flow through a group) or whose results share memory with the run's inputs or other results. The group
-    compiles at its AFTER-th sighting."""
+    stored; every other result is, and so is every tensor an in-place op wrote. A run ends before an op that reads
+    a view of an earlier result or of a written tensor (only whole values flow through a group), whose results
+    share memory with the run's inputs or other results, or that writes a tensor overlapping another input. The
+    group compiles at its AFTER-th sighting."""
     try:
         return _run_queued(ops)
     except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
         _failed(None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
-        return 0
+        return 0, None
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Result:
     value: Value
     out: torch.Tensor
     span: tuple[int, int]
+    leaf: int
     stored: bool = True
+
+
+class _Refused(Exception):
+    """The op cannot join the group (the group stays as it was)."""
+
+
+def _is_number(a: Any) -> bool:
+    return type(a) is float or type(a) is int or type(a) is bool
 
 
 class _Group:
     """A run of queued ops being turned into Nodes: group inputs are deduplicated by (address, sizes, strides,
-    dtype); an argument equal to an earlier op's result becomes its Value."""
+    dtype); an argument equal to an earlier op's result, or to a tensor an earlier op wrote, becomes its Value."""
 
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self.inputs: list[torch.Tensor] = []
+        self.input_leaf: list[int] = []
+        self.lifts: list[torch.dtype | None] = []
         self.input_ids: dict[tuple, int] = {}
         self.in_spans: list[tuple[int, int]] = []
         self.produced: dict[tuple, Value] = {}
         self.results: list[_Result] = []
+        self.mutations: dict[int, Value] = {}  # input -> the value its memory ends with
+        self.written: list[tuple[int, int]] = []  # extents of the inputs written
+        self.baked: list[tuple[int, object]] = []
+        self.leaves = 0
+        self.ops = 0
+
+    def state(self) -> tuple:
+        return (len(self.nodes), len(self.inputs), dict(self.input_ids), len(self.in_spans), dict(self.produced),
+                list(self.results), dict(self.mutations), len(self.written), len(self.baked), self.leaves)
+
+    def restore(self, st: tuple) -> None:
+        n, i, self.input_ids, sp, self.produced, self.results, self.mutations, w, bk, self.leaves = st
+        del self.nodes[n:], self.inputs[i:], self.input_leaf[i:], self.lifts[i:], self.in_spans[sp:]
+        del self.written[w:], self.baked[bk:]
 
     @staticmethod
     def meta(t: torch.Tensor) -> tuple:
         return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
     def add(self, q: QueuedOp, overload: torch._ops.OpOverload) -> bool:
-        """Append `q` as the next node, or leave the group as it was and say no."""
-        new_inputs: dict[tuple, torch.Tensor] = {}
-        out_spans = [r.span for r in self.results]
-        clash = False
-
-        def arg(a: Any) -> Any:
-            nonlocal clash
-            if isinstance(a, (list, tuple)):
-                return type(a)(arg(x) for x in a)
-            if not isinstance(a, torch.Tensor):
-                return a
-            m = self.meta(a)
-            if m in self.produced:
-                return self.produced[m]
-            clash |= _overlaps(_extent(a), out_spans)  # a view of an earlier result
-            if m in self.input_ids:
-                return Input(self.input_ids[m])
-            new_inputs.setdefault(m, a)
-            return Input(len(self.inputs) + list(new_inputs).index(m))
-
-        schema = overload._schema.arguments
-        args = tuple(arg(v) for a, v in zip(schema, q.args, strict=False) if not a.kwarg_only)
-        kwargs = tuple((a.name, arg(v)) for a, v in zip(schema, q.args, strict=False) if a.kwarg_only)
-        spans = [_extent(o) for o in q.outs]
-        in_spans = self.in_spans + [_extent(t) for t in new_inputs.values()]
-        if clash or any(_overlaps(sp, in_spans + spans[:j]) for j, sp in enumerate(spans)):
+        """Append `q` as the next node(s), or leave the group as it was and say no."""
+        st = self.state()
+        try:
+            (self._add_list if overload._schema.name.startswith("aten::_foreach_") else self._add_one)(q, overload)
+        except _Refused:
+            self.restore(st)
             return False
-        for r in self.results:
-            r.stored &= not any(_overlaps(sp, [r.span]) for sp in spans)  # its block was handed out again
-        for m, t in new_inputs.items():
-            self.input_ids[m] = len(self.inputs)
-            self.inputs.append(t)
-        self.in_spans = in_spans
-        for j, (o, sp) in enumerate(zip(q.outs, spans, strict=True)):
-            self.produced[self.meta(o)] = Value(len(self.nodes), j)
-            self.results.append(_Result(Value(len(self.nodes), j), o, sp))
-        self.nodes.append(Node(q.op, args, kwargs))
+        self.ops += 1
         return True
 
+    def _leaves(self, a: Any) -> Any:
+        """`a` with each tensor and number replaced by (its leaf number, itself), lists kept."""
+        if isinstance(a, (list, tuple)):
+            return [self._leaves(x) for x in a]
+        if isinstance(a, torch.Tensor) or _is_number(a):
+            self.leaves += 1
+            return (self.leaves - 1, a)
+        return a
 
-def _run_queued(ops: list[QueuedOp]) -> int:
+    def _arg(self, a: Any) -> Any:
+        """An argument (from `_leaves`) as the node sees it: Input, Value or constant."""
+        if isinstance(a, list):
+            return [self._arg(x) for x in a]
+        if not isinstance(a, tuple):
+            return a
+        leaf, v = a
+        if not isinstance(v, torch.Tensor):
+            self.baked.append((leaf, v))
+            return v
+        m = self.meta(v)
+        if m in self.produced:
+            return self.produced[m]
+        span = _extent(v)
+        if _overlaps(span, [r.span for r in self.results] + self.written):
+            raise _Refused  # a view of an earlier result or of a written tensor
+        if m not in self.input_ids:
+            self._input(v, leaf, None, span)
+        return Input(self.input_ids[m])
+
+    def _input(self, t: torch.Tensor, leaf: int, lift: torch.dtype | None, span: tuple[int, int]) -> Input:
+        k = len(self.inputs)
+        if lift is None:
+            self.input_ids[self.meta(t)] = k
+        self.in_spans.append(span)
+        self.inputs.append(t)
+        self.input_leaf.append(leaf)
+        self.lifts.append(lift)
+        return Input(k)
+
+    def _lift(self, a: tuple, like: torch.Tensor) -> Input:
+        """A list op's scalar as a 0-dim input of the dtype ATen computes `like`'s values in."""
+        leaf, v = a
+        if not like.is_floating_point() or not _is_number(v):
+            raise _Refused  # an integer list's scalar promotes as a wrapped number: baked ops only
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        return self._input(torch.tensor(v, dtype=dtype), leaf, dtype, (0, 0))
+
+    def _node(self, op: str, args: list, kwargs: list[tuple[str, Any]], cast: torch.dtype | None = None) -> int:
+        self.nodes.append(Node(op, tuple(args), tuple(kwargs), cast))
+        return len(self.nodes) - 1
+
+    def _result(self, out: tuple, value: Value, taken: list[tuple[int, int]]) -> None:
+        """`out` (leaf, the CPU view of a launched result) holds `value`."""
+        leaf, o = out
+        span = _extent(o)
+        if _overlaps(span, self.in_spans + self.written + taken):
+            raise _Refused
+        taken.append(span)
+        self.produced[self.meta(o)] = value
+        self.results.append(_Result(value, o, span, leaf))
+
+    def _write(self, t: torch.Tensor, value: Value) -> None:
+        """An in-place op left `value` in `t`'s memory."""
+        m = self.meta(t)
+        for j, r in reversed(list(enumerate(self.results))):  # the newest result over that memory
+            if self.meta(r.out) == m:
+                self.results[j] = replace(r, value=value)
+                break
+        else:
+            k = self.input_ids.get(m)
+            span = _extent(t)
+            if k is None or _overlaps(span, self.in_spans[:k] + self.in_spans[k + 1:]):
+                raise _Refused  # memory another input reads too
+            self.mutations[k] = value
+            self.written.append(span)
+        self.produced[m] = value
+
+    def _stores_freed(self, spans: list[tuple[int, int]]) -> None:
+        for j, r in enumerate(self.results):
+            if r.stored and _overlaps(r.span, spans):  # its block was handed out again
+                self.results[j] = replace(r, stored=False)
+
+    def _add_one(self, q: QueuedOp, overload: torch._ops.OpOverload) -> None:
+        func = _functional(overload) if overload._schema.is_mutable else overload
+        schema = overload._schema.arguments
+        leaves = [self._leaves(v) for v in q.args]
+        outs = [self._leaves(o) for o in q.outs]
+        args = [self._arg(v) for a, v in zip(schema, leaves, strict=False) if not a.kwarg_only]
+        kwargs = [(a.name, self._arg(v)) for a, v in zip(schema, leaves, strict=False) if a.kwarg_only]
+        if func is overload:
+            spans: list[tuple[int, int]] = []
+            self._stores_freed([_extent(o) for _, o in outs])
+            n = self._node(q.op, args, kwargs)
+            for j, o in enumerate(outs):
+                self._result(o, Value(n, j), spans)
+        else:
+            name = func._schema.name + (f".{func._schema.overload_name}" if func._schema.overload_name else "")
+            self._write(q.args[0], Value(self._node(name, args, kwargs, q.args[0].dtype)))
+
+    def _add_list(self, q: QueuedOp, overload: torch._ops.OpOverload) -> None:
+        how = per_tensor(q.op)
+        if how is None:
+            raise _Refused
+        leaves = [self._leaves(v) for v in q.args]
+        outs = [self._leaves(o) for o in q.outs]
+        selfs = leaves[0]
+        if how.inplace:
+            outs = []
+        elif len(outs) != len(selfs):
+            raise _Refused
+        self._stores_freed([_extent(o) for _, o in outs])
+        spans: list[tuple[int, int]] = []
+        for i, (_, t) in enumerate(selfs):
+            args: list = []
+            kwargs: list = []
+            for kind, name, v in zip(how.kinds, how.kwargs, leaves, strict=True):
+                if kind == "lift":
+                    v = self._lift(v[i] if isinstance(v, list) else v, t)
+                else:
+                    if kind == "each":
+                        if len(v) != len(selfs):
+                            raise _Refused
+                        v = v[i]
+                    v = self._arg(v)
+                (kwargs.append((name, v)) if name else args.append(v))
+            if how.fold:  # value * tensor1 first, as ATen's kernel does
+                args[1] = Value(self._node("aten::mul.Tensor", [args[1], args.pop()], []))
+            n = self._node(how.op, args, kwargs, t.dtype if how.inplace else None)
+            if how.inplace:
+                self._write(t, Value(n))
+            else:
+                self._result(outs[i], Value(n), spans)
+
+
+def _run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
     if not enabled():
         _STATS.disabled += 1
-        return 0
+        return 0, None
     group = _Group()
     for q in ops:
         overload = _overload(q.op)
         if overload is None or not fusable(q.op) or not group.add(q, overload):
             break
-    if len(group.nodes) < 2:
-        return 0
+    if group.ops < 2:
+        return 0, None
     wanted = [r for r in group.results if r.stored]
     kernel = compile_group(tuple(group.nodes), tuple(Spec(tuple(t.shape), t.stride(), t.dtype) for t in group.inputs),
-                           tuple(r.value for r in wanted), after=AFTER)
+                           tuple(r.value for r in wanted), tuple(sorted(group.mutations.items())), after=AFTER)
     if kernel is None:
-        return 0
+        return 0, None
     outs = [r.out for r in wanted]
     if any(s != Spec(tuple(o.shape), o.stride(), o.dtype) for s, o in zip(kernel.out_specs, outs, strict=True)):
-        return _failed(None, "the fused results' layout differs from the launched ones") or 0
+        return _failed(None, "the fused results' layout differs from the launched ones") or (0, None)
     kernel(group.inputs, outs)
-    return len(group.nodes)
+    return group.ops, Plan(kernel, group.ops, (*group.input_leaf, *(r.leaf for r in wanted)), tuple(group.lifts),
+                           tuple(group.baked))
 
 
 def _dynamo_compile_lock() -> threading.RLock:
@@ -361,27 +586,33 @@ def _interpret(nodes: tuple[Node, ...], ops: list, args: tuple) -> list[tuple]:
     results: list[tuple] = []
     for node, op in zip(nodes, ops, strict=True):
         r = op(*value(tuple(node.args)), **{k: value(v) for k, v in node.kwargs})
-        results.append(tuple(r) if isinstance(r, (tuple, list)) else (r,))
+        r = tuple(r) if isinstance(r, (tuple, list)) else (r,)
+        if node.cast is not None:
+            r = tuple(x if x.dtype == node.cast else x.to(node.cast) for x in r)
+        results.append(r)
     return results
 
 
-def _compile(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[Node, ...]) -> FusedKernel:
+def _compile(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[Node, ...],
+             mutations: tuple[tuple[int, Value], ...] = ()) -> FusedKernel:
     from torch._inductor import config as inductor_config
 
     # Eager rounds every op's bfloat16/float16 result: the trace marks each op's result, Inductor rounds it.
     with inductor_config.patch(emulate_precision_casts=True):
-        return _build(*_trace(inputs, outputs, nodes), inputs)
+        return _build(*_trace(inputs, outputs, nodes, mutations), inputs)
 
 
-def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[Node, ...]) -> tuple:
-    """The group as an aten graph over (inputs..., out buffers...) ending in a copy_ into each buffer, the fake
+def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[Node, ...],
+           mutations: tuple[tuple[int, Value], ...] = ()) -> tuple:
+    """The group as an aten graph over (inputs..., out buffers...) ending in a copy_ into each buffer and into each
+    input an in-place op wrote (Inductor orders the reads of that input's old values before the store), the fake
     example arguments, and the specs of the results (what the unfused ops would return)."""
     from torch._subclasses import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from .passes import decompositions
 
-    if not nodes or not outputs:
+    if not nodes or not (outputs or mutations):
         raise ValueError("an empty group")
     for node in nodes:
         if not fusable(node.op):
@@ -396,6 +627,8 @@ def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[No
         results = _interpret(nodes, ops, args[:n_in])
         for out, v in zip(args[n_in:], outputs, strict=True):
             torch.ops.aten.copy_.default(out, results[v.node][v.index])
+        for k, v in mutations:
+            torch.ops.aten.copy_.default(args[k], results[v.node][v.index])
         return ()
 
     with FakeTensorMode():

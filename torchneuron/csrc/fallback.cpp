@@ -689,14 +689,21 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   bool outable = !L.slots.empty() && L.group_bytes.size() == L.slots.size();
   for (size_t k = 0; k < L.slots.size() && outable; ++k) outable = L.slots[k].kind == ResultSlot::fresh && L.slots[k].offset == 0;
   const c10::OperatorHandle* out_op = outable ? out_variant(op, e) : nullptr;
+  // eager fusion takes functional ops with fresh results and ops in place on `self` (`add_`, `_foreach_mul_`); a
+  // list op's size is its whole list's (Adam's runs over every parameter)
+  const bool in_place = e.writes.size() == 1 && e.writes[0] == 0 && !schema.arguments()[0].kwarg_only();
+  int64_t elements = L.max_numel;
+  if (host[0].isTensorList())
+    for (const at::Tensor& t : host[0].toTensorList()) elements += t.numel();
   std::shared_ptr<FusableOp> fuse;
-  if (outable && fusion_wanted(op, e, L.max_numel)) {
+  if ((outable || in_place) && int64s.empty() && fusion_wanted(op, e, std::max(elements, work))) {
     fuse = std::make_shared<FusableOp>(FusableOp{op, {}, {}});
     for (const c10::IValue& v : host) {  // a wrapped number enters the group as the number it is
       bool number = v.isTensor() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number();
       fuse->args.push_back(number ? c10::IValue(v.toTensor().item()) : v);
     }
-    for (const at::Tensor& r : results) fuse->outs.push_back(host_alias(r));
+    if (outable)
+      for (const at::Tensor& r : results) fuse->outs.push_back(host_alias(r));
   }
   const c10::OperatorHandle* each_op = outable && !out_op && !fuse ? per_tensor_out(op) : nullptr;
   if (each_op) {

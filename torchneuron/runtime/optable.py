@@ -133,9 +133,9 @@ _TABLE: list[Op] = [
             "_thnn_fused_lstm_cell_backward_impl _thnn_fused_gru_cell_backward"),
     *_group("vector", "addcmul addcdiv lerp", passes=3, fuse=True),
     *_group("vector", "_foreach_add _foreach_mul _foreach_div _foreach_sub _foreach_addcmul _foreach_addcdiv "
-            "_foreach_lerp _foreach_sqrt _foreach_norm _foreach_maximum _foreach_minimum _foreach_neg _foreach_abs "
-            "_foreach_exp _foreach_pow _foreach_reciprocal _foreach_sign _foreach_clamp_min _foreach_clamp_max "
-            "_foreach_zero", one_kernel=True),
+            "_foreach_lerp _foreach_sqrt _foreach_maximum _foreach_minimum _foreach_neg _foreach_abs _foreach_exp "
+            "_foreach_reciprocal _foreach_sign _foreach_clamp_min _foreach_clamp_max", one_kernel=True, fuse=True),
+    *_group("vector", "_foreach_norm _foreach_pow _foreach_zero", one_kernel=True),
     *_group("vector", "_softmax _log_softmax logsumexp native_layer_norm native_group_norm", passes=3, fuse=True),
     *_group("vector", "native_batch_norm _native_batch_norm_legit", passes=3),  # update running stats in place
     *_group("vector", "_softmax_backward_data _log_softmax_backward_data _fused_rms_norm var std var_mean std_mean",
