@@ -243,8 +243,8 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
     """The fused kernel of a group (cached by signature), or None when fusion is off, the group cannot be
     compiled, or its signature has been seen fewer than `after` times (each counted; the caller runs the ops
     unfused). `mutations`: (input, value) pairs, the kernel stores that value into that input's memory (what the
-    group's in-place ops left there). `after` > 1 spends a compile (seconds) only on groups that recur, as a training step's do. Never
-    raises."""
+    group's in-place ops left there). `after` > 1 spends a compile (seconds) only on groups that recur, as a
+    training step's do. Never raises."""
     if not enabled():
         _STATS.disabled += 1
         return None
