@@ -339,6 +339,90 @@ def test_printing_deterministic_mode_and_views_end_a_fused_run(capsys):
     torch.testing.assert_close(z.cpu(), (cpu[0] + 1)[:, ::2] * 2 + 1)
 
 
+def test_an_optimizer_step_becomes_one_kernel_and_tracks_the_cpus_optimizer():
+    """AdamW's multi-tensor step (8 list ops over every parameter) queued behind work fuses once it recurs. Its
+    bias corrections and step sizes change every step: they enter the kernel as lifted scalars, so one kernel
+    serves every step, replayed by the worker without building the group again (no compile_group lookup). Every
+    step's parameters and moments stay within tolerance of the CPU's foreach AdamW (the first sightings, unfused,
+    bit for bit)."""
+    g = torch.Generator().manual_seed(2)
+    cpu = [torch.randn(512, 256, generator=g), torch.randn(512, generator=g), torch.randn(256, 512, generator=g)]
+    dev = [p.to("neuron") for p in cpu]
+    opts = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True) for ps in (cpu, dev)]
+    before = fused_counts()
+    for step in range(ef.AFTER + 4):
+        grads = [torch.randn(p.shape, generator=g) for p in cpu]
+        for p, q, grad in zip(cpu, dev, grads, strict=True):
+            q.grad = None  # freed first, as zero_grad does: a steady loop's tensors come back at the same addresses
+            p.grad, q.grad = grad, grad.to("neuron")
+        if step == ef.AFTER + 1:
+            lookups = stats().cache_hits + stats().cold + stats().compiled
+        busy_stream()
+        for opt in opts:
+            opt.step()
+        for p, q in zip(cpu, dev, strict=True):
+            exact = step < ef.AFTER - 1
+            torch.testing.assert_close(q.cpu(), p, rtol=0 if exact else None, atol=0 if exact else None)
+            for k in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opts[1].state[q][k].cpu(), opts[0].state[p][k])
+    kernels, ops = fused_counts()
+    assert kernels - before[0] >= 4 and ops - before[1] >= 4 * 8, "the last steps: one kernel for the 8 list ops"
+    assert stats().cache_hits + stats().cold + stats().compiled == lookups, "replayed, not rebuilt in Python"
+
+
+def test_in_place_ops_fuse_and_a_run_stops_where_their_memory_is_read_another_way():
+    """`a.mul_(2).add_(b).relu_()` fuses, its value stored back into `a` (and a bfloat16 tensor's in-place op with
+    a float operand rounds as the op does); a view of a written tensor read in the same run, or a write to a tensor
+    whose view the run read, ends the run there: the values stay the CPU's."""
+    cpu, dev = device_inputs()
+    half = [cpu[0].bfloat16(), dev[0].bfloat16()]
+    before = fused_counts()
+    for _ in range(ef.AFTER + 2):
+        busy_stream()
+        got = []
+        for x, b, r, h in ((*dev, half[1]), (*cpu, half[0])):
+            a = x.clone()
+            a.mul_(2).add_(b).relu_()
+            hh = h.clone()
+            hh.mul_(r).add_(1.5)
+            c = r.clone()
+            c.mul_(3)
+            v = c[:, ::2] + 1  # a view of the tensor just written
+            e = r.clone()
+            w = e[:, 1:] * 2  # a view read, then its base written
+            e.add_(1)
+            got.append([t.cpu() for t in (a, hh, c, v, e, w)])
+        for mine, ref in zip(*got, strict=True):
+            torch.testing.assert_close(mine, ref)
+    assert fused_counts()[0] > before[0]
+
+
+def test_list_ops_take_new_scalars_every_call_and_refuse_what_they_cannot_lift():
+    """A list op's scalar operands change from call to call (lifted: one kernel serves them all); a number compiled
+    into the kernel (`alpha`) that changes is not replayed with its old value; an integer list's scalar is not
+    lifted (it would promote differently): those ops run unfused. Every call matches the CPU's."""
+    g = torch.Generator().manual_seed(3)
+    cpu = [torch.randn(BIG, generator=g), torch.randn(BIG[1], BIG[0], generator=g)]
+    other = [torch.randn(t.shape, generator=g) for t in cpu]
+    ints = [torch.randint(0, 9, BIG, generator=g), torch.randint(0, 9, (BIG[1], BIG[0]), generator=g)]
+    dev, dev_other, dev_ints = ([t.to("neuron") for t in ts] for ts in (cpu, other, ints))
+    for i in range(ef.AFTER + 3):
+        busy_stream()
+        outs = []
+        for xs, ys, ns in ((dev, dev_other, dev_ints), (cpu, other, ints)):
+            xs = [x.clone() for x in xs]
+            ns = [n.clone() for n in ns]
+            torch._foreach_mul_(xs, 1.0 + i / 7)
+            torch._foreach_add_(xs, [0.5 * i, -0.25 * i])
+            torch._foreach_add_(xs, ys, alpha=0.5 if i < ef.AFTER + 1 else -2.0)
+            sq = torch._foreach_sqrt(torch._foreach_abs(xs))
+            torch._foreach_add_(ns, i)
+            torch._foreach_mul_(ns, 2)
+            outs.append([t.cpu() for t in (*xs, *sq, *ns)])
+        for mine, ref in zip(*outs, strict=True):
+            torch.testing.assert_close(mine, ref)
+
+
 def test_the_porting_report_counts_fused_kernels():
     from torchneuron.integrations import porting_report
 

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <algorithm>
 #include <cstring>
 #include <unordered_map>
 
@@ -72,41 +73,80 @@ struct FusedPlan {
 auto& g_plans = *new std::unordered_map<uint64_t, FusedPlan>();
 constexpr size_t kMaxPlans = 256;
 
-// The run's signature up to each op (what a plan is valid for: ops, every tensor's address, layout and storage
-// extent, every constant that is not a number, the kinds of the numbers) and its leaves.
+// The run's signature up to each op: what a plan is valid for. The ops, every constant that is not a number, the
+// kinds of the numbers, each tensor's dtype, sizes and strides, and where tensors share memory: eager fusion's
+// decisions (one input for one tensor passed twice, a run that ends at a view of a written tensor, a result not
+// stored because its block was handed out again) depend on which tensors overlap, not on where memory is. So a
+// tensor's addresses enter relative to the memory it overlaps (its storage and the storages overlapping it, taken
+// in the order the run first touches them): a training loop's tensors need not come back at the same addresses.
 struct Signature {
-  std::vector<int64_t> key;
-  std::vector<size_t> ends;  // key length after each op
+  struct Memory {
+    int64_t begin, end, data;  // its storage's bytes; its first element
+    size_t slot;               // where its 3 key entries go
+  };
+  std::vector<int64_t> tokens;
+  std::vector<size_t> ends, memory_ends;  // tokens and tensors after each op
+  std::vector<Memory> memory;
   std::vector<c10::IValue> leaves;
   void add(const c10::IValue& v) {
     if (v.isTensor()) {
       const at::Tensor& t = v.toTensor();
-      if (!t.defined()) return key.push_back(-1);  // None to Python: no leaf
+      if (!t.defined()) return tokens.push_back(-1);  // None to Python: no leaf
       leaves.push_back(v);
-      key.insert(key.end(), {1, reinterpret_cast<int64_t>(t.data_ptr()), reinterpret_cast<int64_t>(t.storage().data()),
-                             static_cast<int64_t>(t.storage().nbytes()), static_cast<int64_t>(t.scalar_type()), t.dim()});
-      key.insert(key.end(), t.sizes().begin(), t.sizes().end());
-      key.insert(key.end(), t.strides().begin(), t.strides().end());
+      const auto begin = reinterpret_cast<int64_t>(t.storage().data());
+      memory.push_back({begin, begin + static_cast<int64_t>(t.storage().nbytes()),
+                        reinterpret_cast<int64_t>(t.data_ptr()), tokens.size()});
+      tokens.insert(tokens.end(), {1, 0, 0, 0, static_cast<int64_t>(t.scalar_type()), t.dim()});
+      tokens.insert(tokens.end(), t.sizes().begin(), t.sizes().end());
+      tokens.insert(tokens.end(), t.strides().begin(), t.strides().end());
     } else if (v.isDouble() || v.isInt() || v.isBool()) {
       leaves.push_back(v);
-      key.push_back(v.isDouble() ? 2 : v.isInt() ? 3 : 4);
+      tokens.push_back(v.isDouble() ? 2 : v.isInt() ? 3 : 4);
     } else if (v.isList()) {
       auto l = v.toListRef();
-      key.insert(key.end(), {5, static_cast<int64_t>(l.size())});
+      tokens.insert(tokens.end(), {5, static_cast<int64_t>(l.size())});
       for (const c10::IValue& x : l) add(x);
     } else if (v.isString()) {
-      key.insert(key.end(), {6, static_cast<int64_t>(std::hash<std::string_view>{}(v.toStringView()))});
+      tokens.insert(tokens.end(), {6, static_cast<int64_t>(std::hash<std::string_view>{}(v.toStringView()))});
     } else if (v.isNone()) {
-      key.push_back(7);
+      tokens.push_back(7);
     } else {
-      key.insert(key.end(), {8, static_cast<int64_t>(v.tagKind().size())});  // a device, a generator: never fused
+      tokens.insert(tokens.end(), {8, static_cast<int64_t>(v.tagKind().size())});  // a device, a generator: never fused
     }
+  }
+  void end_op() { ends.push_back(tokens.size()), memory_ends.push_back(memory.size()); }
+  // The key of the first n ops: each tensor's memory as (region, storage start and first element relative to the
+  // region), regions being the overlapping storages, numbered in the order the run first touches them.
+  std::vector<int64_t> key(size_t n) const {
+    std::vector<int64_t> k(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(ends[n - 1]));
+    const size_t m = memory_ends[n - 1];
+    std::vector<size_t> order(m), region(m);
+    for (size_t i = 0; i < m; ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return memory[a].begin < memory[b].begin; });
+    std::vector<int64_t> start;  // of each region
+    int64_t reach = 0;
+    for (size_t j = 0; j < m; ++j) {
+      const Memory& x = memory[order[j]];
+      if (start.empty() || x.begin >= reach) start.push_back(x.begin), reach = x.end;
+      else reach = std::max(reach, x.end);
+      region[order[j]] = start.size() - 1;
+    }
+    std::vector<int64_t> number(start.size(), -1);
+    int64_t next = 0;
+    for (size_t i = 0; i < m; ++i) {
+      const Memory& x = memory[i];
+      int64_t& id = number[region[i]];
+      if (id < 0) id = next++;
+      const int64_t base = start[region[i]];
+      k[x.slot + 1] = id, k[x.slot + 2] = x.begin - base, k[x.slot + 3] = x.data - base;
+    }
+    return k;
   }
 };
 
-uint64_t hash_of(const std::vector<int64_t>& key, size_t n) {
+uint64_t hash_of(const std::vector<int64_t>& key) {
   uint64_t h = 1469598103934665603ull;
-  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<uint64_t>(key[i])) * 1099511628211ull;
+  for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
   return h;
 }
 
@@ -143,7 +183,7 @@ void keep(const Signature& s, pybind11::handle plan) {
   p.kernel = plan.attr("kernel");
   p.ops = plan.attr("ops").cast<size_t>();
   if (p.ops < 2 || p.ops > s.ends.size()) return;
-  p.key.assign(s.key.begin(), s.key.begin() + static_cast<std::ptrdiff_t>(s.ends[p.ops - 1]));
+  p.key = s.key(p.ops);
   p.args = plan.attr("args").cast<std::vector<int>>();
   for (pybind11::handle d : plan.attr("lifts"))
     p.lifts.push_back(d.is_none() ? -1 : static_cast<int>(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type));
@@ -157,7 +197,7 @@ void keep(const Signature& s, pybind11::handle plan) {
   for (int a : p.args)
     if (a < 0 || static_cast<size_t>(a) >= s.leaves.size()) return;
   if (g_plans.size() >= kMaxPlans) g_plans.clear();
-  uint64_t h = hash_of(p.key, p.key.size());
+  uint64_t h = hash_of(p.key);
   g_plans[h] = std::move(p);
 }
 
@@ -169,20 +209,18 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops) {
   size_t ran = 0;
   try {
     Signature s;
-    s.key.push_back(at::get_num_threads());  // Inductor splits a kernel's loops for this many threads
+    s.tokens.push_back(at::get_num_threads());  // Inductor splits a kernel's loops for this many threads
     for (const FusableOp* f : ops) {
-      s.key.insert(s.key.end(), {9, reinterpret_cast<int64_t>(&f->op.schema())});
+      s.tokens.insert(s.tokens.end(), {9, reinterpret_cast<int64_t>(&f->op.schema())});
       for (const c10::IValue& v : f->args) s.add(v);
       for (const at::Tensor& o : f->outs) s.add(c10::IValue(o));
-      s.ends.push_back(s.key.size());
+      s.end_op();
     }
     if (!at::globalContext().deterministicAlgorithms())  // fusion is off then: eager_fusion says so and counts it
       for (size_t n = ops.size(); n >= 2 && !ran; --n) {
-        auto it = g_plans.find(hash_of(s.key, s.ends[n - 1]));
-        if (it == g_plans.end() || it->second.ops != n || it->second.key.size() != s.ends[n - 1] ||
-            !std::equal(it->second.key.begin(), it->second.key.end(), s.key.begin()))
-          continue;
-        if (replay(it->second, s)) ran = n;
+        std::vector<int64_t> key = s.key(n);
+        auto it = g_plans.find(hash_of(key));
+        if (it != g_plans.end() && it->second.ops == n && it->second.key == key && replay(it->second, s)) ran = n;
       }
     if (!ran) {
       pybind11::list group;
