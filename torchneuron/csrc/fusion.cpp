@@ -1,4 +1,4 @@
-// Adaptive eager fusion, the device's half: a queued launch of a large functional op that fuses (the op table's
+// Adaptive eager fusion, the device's half: a queued launch of a large functional or in-place op that fuses (the op table's
 // `fuse`, asked of compiler/eager_fusion.py once per op) carries a FusableOp; a stream worker that finds several
 // of them queued back to back (the host ran ahead) hands the run to eager_fusion.run_queued, which fuses its
 // leading ops into one Inductor CPU kernel (compiled once a group recurs) and runs it, or declines. Declined ops run
