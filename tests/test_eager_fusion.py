@@ -397,15 +397,17 @@ def test_in_place_ops_fuse_and_a_run_stops_where_their_memory_is_read_another_wa
     assert fused_counts()[0] > before[0]
 
 
-def test_list_ops_take_new_scalars_every_call_and_refuse_what_they_cannot_lift():
-    """A list op's scalar operands change from call to call (lifted: one kernel serves them all); a number compiled
-    into the kernel (`alpha`) that changes is not replayed with its old value; an integer list's scalar is not
-    lifted (it would promote differently): those ops run unfused. Every call matches the CPU's."""
+def test_list_ops_take_new_numbers_every_call_and_a_changed_constant_is_not_replayed():
+    """A list op's numbers (scalars, `alpha`) change from call to call: lifted, one kernel serves them all. A
+    number compiled into a kernel (a plain op's `alpha`) that changes is not replayed with its old value. An
+    integer list's scalar is not lifted (it would promote differently): that op runs unfused. Every call matches
+    the CPU's."""
     g = torch.Generator().manual_seed(3)
     cpu = [torch.randn(BIG, generator=g), torch.randn(BIG[1], BIG[0], generator=g)]
     other = [torch.randn(t.shape, generator=g) for t in cpu]
     ints = [torch.randint(0, 9, BIG, generator=g), torch.randint(0, 9, (BIG[1], BIG[0]), generator=g)]
     dev, dev_other, dev_ints = ([t.to("neuron") for t in ts] for ts in (cpu, other, ints))
+    before = fused_counts()
     for i in range(ef.AFTER + 3):
         busy_stream()
         outs = []
@@ -414,13 +416,16 @@ def test_list_ops_take_new_scalars_every_call_and_refuse_what_they_cannot_lift()
             ns = [n.clone() for n in ns]
             torch._foreach_mul_(xs, 1.0 + i / 7)
             torch._foreach_add_(xs, [0.5 * i, -0.25 * i])
-            torch._foreach_add_(xs, ys, alpha=0.5 if i < ef.AFTER + 1 else -2.0)
+            torch._foreach_add_(xs, ys, alpha=0.5 - i)
             sq = torch._foreach_sqrt(torch._foreach_abs(xs))
             torch._foreach_add_(ns, i)
             torch._foreach_mul_(ns, 2)
-            outs.append([t.cpu() for t in (*xs, *sq, *ns)])
+            a = xs[0] * 2
+            a.add_(ys[0], alpha=0.5 if i < ef.AFTER + 1 else -2.0)  # compiled in: changed once the run is hot
+            outs.append([t.cpu() for t in (*xs, *sq, *ns, a)])
         for mine, ref in zip(*outs, strict=True):
             torch.testing.assert_close(mine, ref)
+    assert fused_counts()[0] - before[0] >= 2
 
 
 def test_the_porting_report_counts_fused_kernels():

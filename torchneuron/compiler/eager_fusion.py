@@ -143,12 +143,13 @@ def _functional(overload: torch._ops.OpOverload) -> torch._ops.OpOverload | None
 class PerTensor:
     """How a list op runs as one per-tensor op for each tensor `i` (what ATen's CPU list kernels do): `op` is that
     op's qualified name, and `kinds` says for each of the list op's arguments whether it is sliced ("each": a
-    list, element `i`), lifted ("lift": a list op's `scalar`/`scalars` operand, element `i` for a list; it becomes
-    a 0-dim kernel input rather than a constant baked into the code, because optimizers pass values that change
-    every step there: Adam's bias corrections, a scheduled learning rate) or passed whole ("same"). `kwargs`: the
-    per-tensor op's name for an argument it takes by keyword only. `fold`: addcmul/addcdiv take their scalar as a
-    Scalar, so a lifted one multiplies tensor1 first (ATen computes `self + value * tensor1 op tensor2` in that
-    order). `inplace`: the list op writes its `self` list."""
+    list, element `i`), lifted ("lift": a number, element `i` of a list of numbers; it becomes a 0-dim kernel input
+    rather than a constant compiled into the code, because optimizers pass values that change every step there:
+    Adam's bias corrections and step sizes, a scheduled learning rate as SGD's `alpha`) or passed whole ("same").
+    `kwargs`: the per-tensor op's name for an argument it takes by keyword only. `fold`: the per-tensor op takes
+    the last (lifted) number as a Scalar multiplier of its argument 1 (add/sub's `alpha`, addcmul/addcdiv's
+    `value`), so it multiplies that argument first: ATen computes `self + alpha * other` and
+    `self + value * tensor1 op tensor2` in that order. `inplace`: the list op writes its `self` list."""
 
     op: str
     kinds: tuple[str, ...]
@@ -157,7 +158,7 @@ class PerTensor:
     inplace: bool
 
 
-_FOLD = ("addcmul", "addcdiv")  # per-tensor ops whose scalar operand is `value`, a Scalar (see PerTensor.fold)
+_FOLD = ("add", "sub", "addcmul", "addcdiv")  # their last Scalar multiplies argument 1 (see PerTensor.fold)
 
 
 @cache
@@ -178,24 +179,23 @@ def per_tensor(op: str) -> PerTensor | None:
     kinds, types = [], []
     for a in args:
         t = str(a.type)
-        kind = ("each" if t.startswith("List[Tensor") else "lift" if t == "List[number]" or
-                (t == "number" and a.name in ("scalar", "scalars")) else "same")
+        kind = "each" if t.startswith("List[Tensor") else "lift" if t in ("number", "List[number]") else "same"
         if t.startswith("List[") and kind != "each" and t != "List[number]":
             return None
         kinds.append(kind)
         types.append("Tensor" if kind in ("each", "lift") else t)
-    fold = base in _FOLD and kinds[-1] == "lift"
-    want = types[:-1] if fold else types
     packet = getattr(torch.ops.aten, base, None)
-    for name in packet.overloads() if packet is not None else ():
-        cand = getattr(packet, name)
-        cargs = cand._schema.arguments
-        if cand._schema.is_mutable or len(cargs) < len(want) or any(
-                str(c.type) != w for c, w in zip(cargs, want, strict=False)) or any(
-                not c.has_default_value() for c in cargs[len(want):]):
-            continue
-        kw = tuple(c.name if c.kwarg_only else None for c in cargs[:len(want)]) + ((None,) if fold else ())
-        return PerTensor(f"aten::{base}" + ("" if name == "default" else f".{name}"), tuple(kinds), kw, fold, inplace)
+    tries = [(types, False)] + ([(types[:-1], True)] if base in _FOLD and kinds[-1] == "lift" else [])
+    for want, fold in tries:
+        for name in packet.overloads() if packet is not None else ():
+            cargs = getattr(packet, name)._schema.arguments
+            if getattr(packet, name)._schema.is_mutable or len(cargs) < len(want) or any(
+                    str(c.type) != w for c, w in zip(cargs, want, strict=False)) or any(
+                    not c.has_default_value() for c in cargs[len(want):]):
+                continue
+            kw = tuple(c.name if c.kwarg_only else None for c in cargs[:len(want)]) + ((None,) if fold else ())
+            return PerTensor(f"aten::{base}" + ("" if name == "default" else f".{name}"), tuple(kinds), kw, fold,
+                             inplace)
     return None
 
 
