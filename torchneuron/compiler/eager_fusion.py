@@ -1,9 +1,10 @@
 """Adaptive eager fusion: a run of queued elementwise and reduction ops on one stream becomes one host kernel.
 
 The device's stream worker collects a run of queued ops whose names `fusable()` accepts (the op table's `fuse`
-field) into a group: `Node`s whose arguments are group inputs (`Input`), results of earlier nodes (`Value`) or
-constants. `compile_group` traces the nodes on fake tensors, decomposes them with the compiler's table and has
-Inductor's CPU code generator compile them, each requested result stored straight into a preallocated buffer by a
+field; functional, in-place on `self`, or list ops taken apart into their per-tensor ops) into a group: `Node`s
+whose arguments are group inputs (`Input`), results of earlier nodes (`Value`) or constants. `compile_group`
+traces the nodes on fake tensors, decomposes them with the compiler's table and has Inductor's CPU code generator
+compile them, each requested result stored straight into a preallocated buffer by a
 final `copy_` (Inductor lowers it as a store of the fused loop; no extra copy). Compiled groups are cached in memory
 by their whole signature (ops, constants with their types, input specs, requested outputs) and their generated code
 on disk in the compile cache (compiler/cache.py), so the same group always runs the same code. A group that cannot
@@ -286,7 +287,7 @@ AFTER = 3  # sightings of a group's signature before the stream worker compiles 
 class QueuedOp(NamedTuple):
     """One queued kernel as the stream worker hands it over: its qualified name with overload, its arguments
     (CPU views of device memory, Python numbers for wrapped scalars, constants) and the CPU views of the results
-    its launch handed out."""
+    its launch handed out (none for an in-place op: it writes its `self`)."""
 
     op: str
     args: list
