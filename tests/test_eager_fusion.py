@@ -428,6 +428,26 @@ def test_list_ops_take_new_numbers_every_call_and_a_changed_constant_is_not_repl
     assert fused_counts()[0] - before[0] >= 2
 
 
+def test_a_long_list_op_does_not_fuse():
+    """A list op over more than MAX_LIST tensors stays unfused (its kernel would take minutes to build on the
+    stream worker); its values are the CPU's."""
+    g = torch.Generator().manual_seed(4)
+    cpu = [torch.randn(256, 128, generator=g) for _ in range(ef.MAX_LIST + 1)]
+    dev = [t.to("neuron") for t in cpu]
+    before = fused_counts()
+    for _ in range(ef.AFTER + 1):
+        busy_stream()
+        outs = []
+        for xs in (dev, cpu):
+            xs = [x.clone() for x in xs]
+            torch._foreach_mul_(xs, 3.0)
+            torch._foreach_add_(xs, 1.0)
+            outs.append([x.cpu() for x in xs])
+        for mine, ref in zip(*outs, strict=True):
+            assert torch.equal(mine, ref)
+    assert fused_counts() == before
+
+
 def test_the_porting_report_counts_fused_kernels():
     from torchneuron.integrations import porting_report
 
