@@ -94,7 +94,7 @@ def install() -> None:
 
     cfg = config.current_or_none()
     if cfg is not None and cfg.eager_fusion:
-        _C._set_eager_fusion(fusable, lambda ops: run_queued([QueuedOp(*q) for q in ops]))
+        _C._set_eager_fusion(fusable, lambda ops: run_queued([QueuedOp(*q) for q in ops]), MAX_LIST)
 
 
 def stats() -> Stats:

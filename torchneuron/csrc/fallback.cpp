@@ -692,11 +692,16 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   // eager fusion takes functional ops with fresh results and ops in place on `self` (`add_`, `_foreach_mul_`); a
   // list op's size is its whole list's (Adam's runs over every parameter)
   const bool in_place = e.writes.size() == 1 && e.writes[0] == 0 && !schema.arguments()[0].kwarg_only();
-  int64_t elements = L.max_numel;
-  if (host[0].isTensorList())
-    for (const at::Tensor& t : host[0].toTensorList()) elements += t.numel();
+  int64_t elements = work;
+  size_t list = 0;
+  if (host[0].isTensorList()) {
+    auto selfs = host[0].toTensorList();
+    list = selfs.size(), elements = 0;
+    for (const at::Tensor& t : selfs) elements += t.numel();
+    elements = std::max(elements, work);
+  }
   std::shared_ptr<FusableOp> fuse;
-  if ((outable || in_place) && int64s.empty() && fusion_wanted(op, e, std::max(elements, work))) {
+  if ((outable || in_place) && int64s.empty() && fusion_wanted(op, e, elements, list)) {
     fuse = std::make_shared<FusableOp>(FusableOp{op, {}, {}});
     for (const c10::IValue& v : host) {  // a wrapped number enters the group as the number it is
       bool number = v.isTensor() && v.toTensor().unsafeGetTensorImpl()->is_wrapped_number();
@@ -705,7 +710,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
     if (outable)
       for (const at::Tensor& r : results) fuse->outs.push_back(host_alias(r));
   }
-  const c10::OperatorHandle* each_op = outable && !out_op && !fuse ? per_tensor_out(op) : nullptr;
+  const c10::OperatorHandle* each_op = outable && !out_op ? per_tensor_out(op) : nullptr;
   if (each_op) {
     std::vector<at::Tensor> outs;
     for (const at::Tensor& r : results) outs.push_back(host_alias(r));
@@ -720,7 +725,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
           mispredicted(e, *layout, i, r);
       }
       check_int64(e, int64s);
-    }, false, nullptr, work);
+    }, false, std::move(fuse), work);
   } else if (out_op) {
     for (const at::Tensor& r : results) host.push_back(host_alias(r));
     q.push(name, [out = *out_op, host = std::move(host), layout = std::move(layout), device, &e,

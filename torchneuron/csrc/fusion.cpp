@@ -1,5 +1,5 @@
-// Adaptive eager fusion, the device's half: a queued launch of a large functional or in-place op that fuses (the op table's
-// `fuse`, asked of compiler/eager_fusion.py once per op) carries a FusableOp; a stream worker that finds several
+// Adaptive eager fusion, the device's half: a queued launch of a large functional or in-place op that fuses (the op
+// table's `fuse`, asked of compiler/eager_fusion.py once per op) carries a FusableOp; a stream worker that finds several
 // of them queued back to back (the host ran ahead) hands the run to eager_fusion.run_queued, which fuses its
 // leading ops into one Inductor CPU kernel (compiled once a group recurs) and runs it, or declines. Declined ops run
 // one by one as they were queued, so fusion changes speed only. Python is entered holding the GIL, on the worker.
@@ -21,6 +21,7 @@ namespace {
 PyObject* g_fusable = nullptr;  // eager_fusion.fusable, kept for the process
 PyObject* g_run = nullptr;      // eager_fusion.run_queued
 std::atomic<bool> g_installed{false};
+size_t g_max_list = 0;  // eager_fusion.MAX_LIST, set before g_installed
 std::atomic<int64_t> g_kernels{0}, g_ops{0};
 
 bool python_usable() { return Py_IsInitialized() && !_Py_IsFinalizing(); }
@@ -32,15 +33,15 @@ std::string qualified_name(const c10::OperatorHandle& op) {
 
 }  // namespace
 
-void set_eager_fusion(PyObject* fusable, PyObject* run) {
+void set_eager_fusion(PyObject* fusable, PyObject* run, size_t max_list) {
   Py_XINCREF(fusable);
   Py_XINCREF(run);
-  g_fusable = fusable, g_run = run;
+  g_fusable = fusable, g_run = run, g_max_list = max_list;
   g_installed.store(fusable && run);
 }
 
-bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements) {
-  if (elements < kFuseElements || !g_installed.load(std::memory_order_relaxed)) return false;
+bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements, size_t list) {
+  if (elements < kFuseElements || list > g_max_list || !g_installed.load(std::memory_order_relaxed)) return false;
   uint8_t known = e.fuses.load(std::memory_order_relaxed);
   if (known) return known == 2;
   if (!python_usable()) return false;

@@ -77,9 +77,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("_drain_all", [] { synchronize_device(-1, /*raise=*/false); },
         "Wait for every stream of every device, raising nothing (at exit: no kernel may run while the process "
         "tears down).");
-  m.def("_set_eager_fusion", [](py::object fusable, py::object run) { set_eager_fusion(fusable.ptr(), run.ptr()); },
-        py::arg("fusable"), py::arg("run"),
-        "Install adaptive eager fusion: fusable(op name) -> bool, run(list of queued ops) -> ops it ran fused.");
+  m.def("_set_eager_fusion", [](py::object fusable, py::object run, size_t max_list) {
+          set_eager_fusion(fusable.ptr(), run.ptr(), max_list);
+        }, py::arg("fusable"), py::arg("run"), py::arg("max_list"),
+        "Install adaptive eager fusion: fusable(op name) -> bool, run(list of queued ops) -> (ops it ran fused, plan), "
+        "and the longest list of a list op that joins a group.");
   m.def("_fusion_counts", [] {
     FusionCounts c = fusion_counts();
     return py::dict(py::arg("kernels") = c.kernels, py::arg("ops") = c.ops);

@@ -371,13 +371,14 @@ struct FusableOp {
 // Ops smaller than this are not worth a fused kernel: the group's hand-over to Python costs tens of microseconds.
 constexpr int64_t kFuseElements = 1 << 18;
 constexpr size_t kMaxFusedOps = 16;
-// Should this queued launch carry a FusableOp: fusion is installed, the op fuses (the op table, asked once per op)
-// and it is large enough.
-bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements);
+// Should this queued launch carry a FusableOp: fusion is installed, the op fuses (the op table, asked once per op),
+// it is large enough, and a list op's list is no longer than eager fusion takes (`list`: its length, 0 for others).
+bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements, size_t list);
 // On a stream worker: run the leading ops of `ops` that eager fusion fuses as one kernel; how many it ran (0: none).
 size_t run_fused(c10::ArrayRef<const FusableOp*> ops);
-// torchneuron's import installs the Python side: fusable(name) -> bool, run(list of ops) -> int.
-void set_eager_fusion(PyObject* fusable, PyObject* run);
+// torchneuron's import installs the Python side: fusable(name) -> bool, run(list of ops) -> (int, plan), and the
+// longest list of a list op that may join a group.
+void set_eager_fusion(PyObject* fusable, PyObject* run, size_t max_list);
 struct FusionCounts {
   int64_t kernels = 0, ops = 0;  // fused kernels run, the ops they replaced
 };
