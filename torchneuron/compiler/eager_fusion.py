@@ -367,7 +367,7 @@ class _Group:
         self.input_leaf: list[int] = []
         self.lifts: list[torch.dtype | None] = []
         self.input_ids: dict[tuple, int] = {}
-        self.in_spans: list[tuple[int, int]] = []
+        self.in_spans: list[tuple[int, int]] = []  # per input, its memory ((0, 0) for a lifted scalar)
         self.produced: dict[tuple, Value] = {}
         self.results: list[_Result] = []
         self.mutations: dict[int, Value] = {}  # input -> the value its memory ends with
@@ -377,12 +377,12 @@ class _Group:
         self.ops = 0
 
     def state(self) -> tuple:
-        return (len(self.nodes), len(self.inputs), dict(self.input_ids), len(self.in_spans), dict(self.produced),
-                list(self.results), dict(self.mutations), len(self.written), len(self.baked), self.leaves)
+        return (len(self.nodes), len(self.inputs), dict(self.input_ids), dict(self.produced), list(self.results),
+                dict(self.mutations), len(self.written), len(self.baked), self.leaves)
 
     def restore(self, st: tuple) -> None:
-        n, i, self.input_ids, sp, self.produced, self.results, self.mutations, w, bk, self.leaves = st
-        del self.nodes[n:], self.inputs[i:], self.input_leaf[i:], self.lifts[i:], self.in_spans[sp:]
+        n, i, self.input_ids, self.produced, self.results, self.mutations, w, bk, self.leaves = st
+        del self.nodes[n:], self.inputs[i:], self.input_leaf[i:], self.lifts[i:], self.in_spans[i:]
         del self.written[w:], self.baked[bk:]
 
     @staticmethod
