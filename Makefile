@@ -26,9 +26,16 @@ build: venv
 demo: venv
 	$(VPY) -m torchneuron.demo
 
+# The asynchronous device's semantics, run again in two more legs: every kernel at its launch
+# (TORCHNEURON_LAUNCH_BLOCKING=1: errors at the op itself), and every kernel queued with each replayed fusion plan
+# rebuilt and compared (--queue-everything --verify-replay).
+ASYNC_LEGS := tests/test_async_errors.py tests/test_eager_fusion.py tests/test_foreach.py tests/test_training.py
+
 test: venv
 	$(VPY) -m ruff check torchneuron torch_neuronx tests benchmarks
 	$(VPY) -m pytest -q -rs $(PYTEST_ARGS)
+	TORCHNEURON_LAUNCH_BLOCKING=1 $(VPY) -m pytest -q -m "not needs_async" $(ASYNC_LEGS)
+	$(VPY) -m pytest -q -rs --queue-everything --verify-replay $(ASYNC_LEGS)
 
 test-fast: venv
 	$(VPY) -m pytest -q -x -m "not slow" $(PYTEST_ARGS)

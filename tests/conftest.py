@@ -58,14 +58,22 @@ def _device_state():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the session when any op the suite ran or compiled is classified differently by two layers."""
+    """Fail the session when any op the suite ran or compiled is classified differently by two layers, or (with
+    --verify-replay) when a replayed fusion plan differs from the one the group builder makes."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if session.config.getoption("--verify-replay"):
+        checks = torchneuron._C._replay_checks()
+        line = f"replay verification: {checks['verified']} replayed plans rebuilt, {checks['mismatched']} differed"
+        if reporter:
+            reporter.write_line(line + (f" (last: {checks['last']})" if checks["mismatched"] else ""))
+        if checks["mismatched"]:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
     if not (_RAN["executed"] or _RAN["fallback"] or _COMPILED):
         return
     from op_consistency import disagreements
 
     names = dict.fromkeys(_RAN["executed"] | _RAN["fallback"]) | _COMPILED
     bad = disagreements(names, _RAN["executed"], _RAN["fallback"])
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if not bad and reporter:
         reporter.write_line(f"op table consistency: the {len(names)} ops this session ran agree across layers")
     if bad:
@@ -89,8 +97,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--queue-everything", action="store_true",
                      help="queue every kernel (small ones on an idle stream too; first layouts from meta kernels) so "
                           "that the suite checks the queued path, which small test inputs would otherwise skip")
+    parser.addoption("--verify-replay", action="store_true",
+                     help="rebuild every replayed eager-fusion plan with the Python group builder and fail the session "
+                          "when one differs (the C++ signature must capture everything the builder decides on)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--queue-everything"):
         torchneuron._C._set_queue_everything(True)
+    if config.getoption("--verify-replay"):
+        torchneuron._C._set_verify_replay(True)

@@ -94,7 +94,8 @@ def install() -> None:
 
     cfg = config.current_or_none()
     if cfg is not None and cfg.eager_fusion:
-        _C._set_eager_fusion(fusable, lambda ops: run_queued([QueuedOp(*q) for q in ops]), MAX_LIST)
+        _C._set_eager_fusion(fusable, lambda ops, verify=False: (plan_of if verify else run_queued)(
+            [QueuedOp(*q) for q in ops]), MAX_LIST)
 
 
 def stats() -> Stats:
@@ -325,7 +326,8 @@ class Plan(NamedTuple):
 
 def run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
     """The stream worker's entry (csrc/queue.cpp): fuse the longest leading run of `ops` into one kernel and run it.
-    Returns how many ops it ran (0: none; the worker runs the rest one by one) and its Plan. Never raises.
+    Returns how many ops it ran (0: none; the worker runs the rest one by one) and its Plan; when the fused kernel
+    itself raised, minus the ops it covered and the error's text (they fail: none runs again). Never raises.
 
     A result whose memory a later op of the run was handed (Python freed it, the allocator gave its block again) is
     read only inside the run (every reader was launched before the free), so it lives in registers and is not
@@ -335,6 +337,8 @@ def run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
     group compiles at its AFTER-th sighting."""
     try:
         return _run_queued(ops)
+    except _KernelRaised as e:  # it may have stored results: its ops fail with its error (never run twice)
+        return -e.ops, f"{type(e.__cause__).__name__}: {e.__cause__}"
     except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
         _failed(None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
         return 0, None
@@ -351,6 +355,20 @@ class _Result:
 
 class _Refused(Exception):
     """The op cannot join the group (the group stays as it was)."""
+
+
+class _KernelRaised(Exception):
+    """The fused kernel raised while running `ops` ops (its error is the cause)."""
+
+    def __init__(self, ops: int) -> None:
+        super().__init__(ops)
+        self.ops = ops
+
+
+def _integral(args: list) -> bool:
+    """Any tensor (or list element) among `args` of an integer or bool dtype."""
+    return any(_integral(a) if isinstance(a, (list, tuple)) else
+               isinstance(a, torch.Tensor) and not (a.is_floating_point() or a.is_complex()) for a in args)
 
 
 def _is_number(a: Any) -> bool:
@@ -393,6 +411,8 @@ class _Group:
         """Append `q` as the next node(s), or leave the group as it was and say no."""
         st = self.state()
         try:
+            if op_info(q.op).int_errors and _integral(q.args):
+                raise _Refused  # may raise on a value: run unfused, so an error leaves memory as the op alone would
             (self._add_list if overload._schema.name.startswith("aten::_foreach_") else self._add_one)(q, overload)
             if len(self.nodes) > MAX_NODES:
                 raise _Refused
@@ -538,28 +558,56 @@ class _Group:
                 self._result(outs[i], Value(n), spans)
 
 
-def _run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
-    if not enabled():
-        _STATS.disabled += 1
+def plan_of(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
+    """Replay verification (tests: `_C._set_verify_replay`): the plan the group builder makes for `ops` now, without
+    running it, for the worker to compare with the plan it just replayed under the run's C++ signature. Never
+    raises."""
+    try:
+        built = _build(ops)
+    except Exception:  # noqa: BLE001
         return 0, None
+    if built is None:
+        return 0, None
+    group, kernel, wanted = built
+    return group.ops, _plan(group, kernel, wanted)
+
+
+def _plan(group: _Group, kernel: FusedKernel, wanted: list[_Result]) -> Plan:
+    return Plan(kernel, group.ops, (*group.input_leaf, *(r.leaf for r in wanted)), tuple(group.lifts),
+                tuple(group.baked))
+
+
+def _build(ops: list[QueuedOp]) -> tuple[_Group, FusedKernel, list[_Result]] | None:
+    """The group of the leading ops that fuse, and its compiled kernel (None: no group, or not compiled yet)."""
     group = _Group()
     for q in ops:
         overload = _overload(q.op)
         if overload is None or not fusable(q.op) or not group.add(q, overload):
             break
     if group.ops < 2:
-        return 0, None
+        return None
     wanted = [r for r in group.results if r.stored]
     kernel = compile_group(tuple(group.nodes), tuple(Spec(tuple(t.shape), t.stride(), t.dtype) for t in group.inputs),
                            tuple(r.value for r in wanted), tuple(sorted(group.mutations.items())), after=AFTER)
-    if kernel is None:
+    return None if kernel is None else (group, kernel, wanted)
+
+
+def _run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
+    if not enabled():
+        _STATS.disabled += 1
         return 0, None
+    built = _build(ops)
+    if built is None:
+        return 0, None
+    group, kernel, wanted = built
     outs = [r.out for r in wanted]
     if any(s != Spec(tuple(o.shape), o.stride(), o.dtype) for s, o in zip(kernel.out_specs, outs, strict=True)):
         return _failed(None, "the fused results' layout differs from the launched ones") or (0, None)
-    kernel(group.inputs, outs)
-    return group.ops, Plan(kernel, group.ops, (*group.input_leaf, *(r.leaf for r in wanted)), tuple(group.lifts),
-                           tuple(group.baked))
+    try:
+        kernel(group.inputs, outs)
+    except Exception as e:
+        raise _KernelRaised(group.ops) from e
+    return group.ops, _plan(group, kernel, wanted)
 
 
 def _dynamo_compile_lock() -> threading.RLock:

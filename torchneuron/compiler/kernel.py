@@ -294,7 +294,8 @@ class Kernel:
         host = [*roots, *results]
         _C._host_args(host, [i for i, t in enumerate(host) if t is not None], wait=False)
         _C._queue_kernel(device.index, self.name, functools.partial(
-            _replay, self.call, self.name, layout, args, host[:len(roots)], host[len(roots):]), FULL_THREADS)
+            _replay, self.call, self.name, layout, args, host[:len(roots)], host[len(roots):]), FULL_THREADS,
+            inputs, [*roots, *(r for r in results if r is not None)])
         return results
 
 

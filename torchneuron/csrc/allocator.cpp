@@ -402,11 +402,13 @@ NeuronAllocator g_allocator;
 
 void delete_block(void* ptr) {
   trace_memory_deallocation(ptr);
+  forget_poison(ptr);  // the memory will hold another tensor's values
   if (ptr) g_allocator.release(header_of(ptr));
 }
 
 void delete_adopted(void* ptr) {
   trace_memory_deallocation(ptr);
+  forget_poison(ptr);
   Block* b = g_allocator.find(ptr, /*interior=*/false);
   TORCH_INTERNAL_ASSERT(b, "neuron: freeing unknown pointer");
   g_allocator.release(b);

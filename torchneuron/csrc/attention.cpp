@@ -173,7 +173,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
     auto P = at::softmax(S, -1).mul_(keep);
     o.copy_(at::matmul(P, v.to(at::kFloat)));
   };
-  launch(dev, "aten::_scaled_dot_product_efficient_attention", B * H * L * S, std::move(kernel));
+  launch(dev, "aten::_scaled_dot_product_efficient_attention", B * H * L * S,
+         access({query, key, value, bias.value_or(at::Tensor())}, {out, lse}), std::move(kernel));
   return {out, lse, scalar_long(draw.seed), scalar_long(draw.offset)};
 }
 
@@ -236,7 +237,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention_b
       if (dst[i].defined()) dst[i].copy_(res[i]);
   };
   launch(dev, "aten::_scaled_dot_product_efficient_attention_backward",
-         q.size(0) * q.size(1) * q.size(2) * k.size(2), std::move(kernel));
+         q.size(0) * q.size(1) * q.size(2) * k.size(2),
+         access({grad_out, query, key, value, bias, out, lse}, {gq, gk, gv, gb}), std::move(kernel));
   return {gq, gk, gv, gb};
 }
 

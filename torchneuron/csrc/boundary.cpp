@@ -21,6 +21,9 @@ const void* base_ptr(const at::Tensor& t) { return t.numel() ? t.storage().data(
 // kernel's views are made at its launch, without waiting.
 void host_args(py::list args, const std::vector<int64_t>& device_inputs, bool wait) {
   if (wait && !device_inputs.empty()) drain_current(py::cast<at::Tensor>(args[device_inputs[0]]).device().index());
+  Access reads;
+  for (int64_t i : device_inputs) reads.push_back(touch(py::cast<at::Tensor>(args[i]), true, false));
+  raise_if_poisoned(reads, "a compiled kernel");  // its inputs were never computed: raised at the call
   HostAliases host;
   for (int64_t i : device_inputs) args[i] = py::cast(host(py::cast<at::Tensor>(args[i])));
 }
@@ -97,7 +100,11 @@ at::Tensor tensor_over(const at::Tensor& base, at::ScalarType dtype, const std::
 
 // Queue `run()` (a compiled kernel's call over host views) on the current stream of `device`. The stream worker
 // runs it holding the GIL: the kernel's generated code is Python, and the loops it calls release the GIL.
-void queue_kernel(c10::DeviceIndex device, const std::string& name, py::object run, int64_t work) {
+void queue_kernel(c10::DeviceIndex device, const std::string& name, py::object run, int64_t work,
+                  const std::vector<at::Tensor>& reads, const std::vector<at::Tensor>& writes) {
+  Access acc;
+  for (const at::Tensor& t : reads) acc.push_back(touch(t, true, false));
+  for (const at::Tensor& t : writes) acc.push_back(touch(t, false, true));
   static std::mutex mu;
   static auto* names = new std::unordered_set<std::string>;  // a task's name lives as long as the process
   const char* label;
@@ -122,7 +129,7 @@ void queue_kernel(c10::DeviceIndex device, const std::string& name, py::object r
     } catch (py::error_already_set& e) {  // reported at the stream's next sync point, with the op's name
       throw std::runtime_error(e.what());
     }
-  }, false, nullptr, work);
+  }, false, nullptr, work, std::move(acc));
 }
 
 }  // namespace
@@ -134,7 +141,10 @@ void bind_boundary(py::module_& m) {
   m.def("_tensor_over", &tensor_over, py::arg("base"), py::arg("dtype"), py::arg("sizes"), py::arg("strides"),
         py::arg("offset"), "A neuron tensor (not a view) with this metadata over base's storage.");
   m.def("_queue_kernel", &queue_kernel, py::arg("device"), py::arg("name"), py::arg("run"), py::arg("work"),
-        "Queue run() on the current stream of a neuron device; the stream's worker calls it holding the GIL.");
+        py::arg("reads"), py::arg("writes"),
+        "Queue run() on the current stream of a neuron device; the stream's worker calls it holding the GIL. "
+        "`reads`/`writes`: the neuron tensors it reads and writes (skipped, and its writes poisoned, when a read "
+        "was never computed).");
   m.def("_device_results", &device_results, py::arg("outs"), py::arg("devices"), py::arg("inputs"),
         "A compiled kernel's CPU results as neuron tensors: views of `inputs` where they alias them, else adopted "
         "(no copy unless something besides the results holds the memory).");

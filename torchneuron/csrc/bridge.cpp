@@ -72,7 +72,10 @@ void resize_device_storage(c10::StorageImpl& storage, size_t nbytes, std::option
   } else {
     TORCH_CHECK(storage.resizable(), "Trying to resize storage that is not resizable");
     c10::DeviceGuard g(storage.device());
-    if (storage.nbytes() > 0) drain_current(storage.device().index());  // the old bytes are copied on this thread
+    if (storage.nbytes() > 0) {  // the old bytes are copied on this thread (not a sync point: no error raised)
+      StreamQueue& q = current_queue(storage.device().index());
+      q.wait_quiet(q.enqueued());
+    }
     c10::DataPtr fresh = neuron_allocator()->allocate(nbytes);
     if (size_t keep = std::min(nbytes, storage.nbytes())) std::memcpy(fresh.get(), storage.data(), keep);
     storage.set_data_ptr_noswap(std::move(fresh));

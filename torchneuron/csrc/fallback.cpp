@@ -66,6 +66,20 @@ c10::IValue map_tensors(const c10::IValue& v, F&& f) {
 
 bool is_neuron(const at::Tensor& t) { return t.defined() && t.device().type() == kNeuron; }
 
+// The device storages a call reads and writes: every device argument is read, except an out= argument (written
+// only); written arguments are the schema's mutable ones.
+Access access_of(const OpEntry& e, const c10::FunctionSchema& schema, const c10::IValue* args, size_t nargs) {
+  Access a;
+  for (size_t i = 0; i < nargs; ++i) {
+    const bool write = std::find(e.writes.begin(), e.writes.end(), i) != e.writes.end();
+    const bool read = !(write && schema.arguments()[i].kwarg_only());
+    for_each_tensor(args[i], [&](const at::Tensor& t) {
+      if (is_neuron(t)) a.push_back(touch(t, read, write));
+    });
+  }
+  return a;
+}
+
 // A few entries per op call: a linear scan over inline storage beats hashing and allocates nothing.
 template <class K, class V>
 struct SmallMap {
@@ -488,6 +502,9 @@ const c10::OperatorHandle* per_tensor_out(const c10::OperatorHandle& op) {
   return found;
 }
 
+// Slot k is the first over fresh storage `group` (one Touch per storage).
+bool group_slot_is(const ResultLayout& L, int group, size_t k) { return L.group_slot[group] == k; }
+
 at::Tensor tensor_over(const c10::Storage& storage, const ResultSlot& s) {
   auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage),
                                                     c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), s.dtype);
@@ -626,7 +643,7 @@ void check_int64(OpEntry& e, const std::vector<at::Tensor>& written) {
 // the int64 values it writes, when it has run.
 void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntry& e, Call& c,
                    std::shared_ptr<const ResultLayout> layout, const FlatArgs& flat, StreamQueue& q, int64_t work,
-                   bool inspect_int64) {
+                   bool inspect_int64, Access access) {
   const ResultLayout& L = *layout;
   const auto& schema = op.schema();
   const size_t nargs = schema.arguments().size();
@@ -674,6 +691,8 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
     }
     bool pointed = (s.kind == ResultSlot::arg || s.kind == ResultSlot::view) && results.back().numel() > 0;
     expect.push_back(pointed ? results.back().data_ptr() : nullptr);
+    if (s.kind == ResultSlot::fresh && s.source >= 0 && group_slot_is(L, s.source, k))
+      access.push_back(touch(results.back(), false, true));
   }
   std::vector<at::Tensor> int64s;  // host aliases of the int64 tensors it writes: its results and written arguments
   if (inspect_int64) {
@@ -725,7 +744,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
           mispredicted(e, *layout, i, r);
       }
       check_int64(e, int64s);
-    }, false, std::move(fuse), work);
+    }, false, std::move(fuse), work, std::move(access));
   } else if (out_op) {
     for (const at::Tensor& r : results) host.push_back(host_alias(r));
     q.push(name, [out = *out_op, host = std::move(host), layout = std::move(layout), device, &e,
@@ -739,7 +758,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         if (r.data_ptr() != dst[i] || r.sizes() != c10::IntArrayRef(layout->slots[i].sizes)) mispredicted(e, *layout, i, r);
       }
       check_int64(e, int64s);
-    }, false, std::move(fuse), work);
+    }, false, std::move(fuse), work, std::move(access));
   } else
   q.push(name, [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device, &e,
                 expect = std::move(expect), int64s = std::move(int64s)]() mutable {
@@ -780,14 +799,18 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
       }
     }
     check_int64(e, int64s);
-  }, false, std::move(fuse), work);
+  }, false, std::move(fuse), work, std::move(access));
   // the results replace the arguments on the stack, as a kernel's would
   stack->erase(stack->end() - static_cast<std::ptrdiff_t>(nargs), stack->end());
   size_t k = 0;
-  for (int n : L.list_sizes) {
+  for (size_t r = 0; r < L.list_sizes.size(); ++r) {
+    const int n = L.list_sizes[r];
     if (n < 0) {
+      // an undefined result is what the schema returns for it: None for `Tensor?`, an undefined tensor for
+      // `Tensor` (layer norm's missing bias gradient), which autograd expects as a tensor
       at::Tensor t = std::move(results[k++]);
-      stack->emplace_back(t.defined() ? c10::IValue(std::move(t)) : c10::IValue());
+      const bool optional = schema.returns()[r].type()->kind() == c10::TypeKind::OptionalType;
+      stack->emplace_back(t.defined() || !optional ? c10::IValue(std::move(t)) : c10::IValue());
     } else {
       c10::List<at::Tensor> l;
       l.reserve(n);
@@ -817,14 +840,24 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 
   auto exec = static_cast<OpEntry::Exec>(e.exec.load(std::memory_order_relaxed));
   if (exec == OpEntry::Exec::unknown) e.exec.store(static_cast<uint8_t>(exec = classify_exec(op, e)));
-  if (exec == OpEntry::Exec::now) return run_on_host(op, stack, e, c, trainium);
+  if (exec == OpEntry::Exec::now) return run_on_host(op, stack, e, c, trainium);  // views: no data read
+  Access access = access_of(e, schema, args, nargs);
+  // after the host thread ran it (no queued kernel: its error was raised at the call), what it wrote whole is computed
+  auto on_host_now = [&] {
+    run_on_host(op, stack, e, c, trainium);
+    clear_poison(access);
+  };
   StreamQueue& q = current_queue(c.device);
+  // what it reads was never computed: raised at the launch (with work pending, a queued write may still make it
+  // computed: the worker decides when the kernel's turn comes)
+  if (q.idle()) raise_if_poisoned(access, e.name.c_str());
   bool blocking = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed);
   if (exec == OpEntry::Exec::host || blocking || (trainium && c.fp64)) {
     if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
     drain_current(c.device);
     warn_deferred();  // what the kernels it waited for found
-    return run_on_host(op, stack, e, c, trainium);
+    raise_if_poisoned(access, e.name.c_str());  // poisoned by the work it waited for
+    return on_host_now();
   }
   KeyBuffer buffer;
   std::vector<int64_t>& key = buffer.key;
@@ -848,13 +881,14 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const bool inspect_int64 = trainium && ((L && L->int64) || writes_int64) &&
                              !(e.indices.load(std::memory_order_relaxed) && !int64_args && work < (int64_t{1} << 31));
   if (L && !run_inline(q, work) && sizable_now(*L, flat))
-    return launch_queued(op, stack, e, c, std::move(L), flat, q, work, inspect_int64);
-  if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
-  drain_current(c.device);
+    return launch_queued(op, stack, e, c, std::move(L), flat, q, work, inspect_int64, std::move(access));
+  // not a sync point: the stream's pending error waits for one (an unrelated op goes on)
+  if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed), q.wait_quiet(q.enqueued());
   warn_deferred();
-  if (L || !keyed) return run_on_host(op, stack, e, c, trainium);
+  raise_if_poisoned(access, e.name.c_str());
+  if (L || !keyed) return on_host_now();
   std::vector<Shape> before = shapes_of(flat);  // to see whether the kernel changed a device argument's shape
-  run_on_host(op, stack, e, c, trainium);
+  on_host_now();
   if (auto recorded = record_layout(schema, *stack, flat, before)) remember_layout(e, std::move(key), std::move(recorded));
 }
 

@@ -208,13 +208,12 @@ at::Tensor fast_kernel(Args... args) {
   const bool trainium = trainium_rules();
   if (o.plain && o.device >= 0 && !(trainium && o.fp64) && !g_tracing_device.load(std::memory_order_relaxed) &&
       !g_launch_blocking.load(std::memory_order_relaxed) && !g_queue_everything.load(std::memory_order_relaxed) &&
-      o.elements() < kInlineElements) {
+      o.elements() < kInlineElements && !poisoned_storages()) {  // poisoned memory: the fallback checks the reads
     std::optional<c10::DeviceGuard> guard;  // the result is allocated on the current device
     if (current_device() != o.device) guard.emplace(c10::Device(kNeuron, o.device));
     StreamQueue& q = current_queue(o.device);
     if (q.idle()) {
-      count_call(e);
-      q.raise_error();  // the stream's pending kernel error comes first, as at any host use of the device
+      count_call(e);  // not a sync point: a pending kernel error waits for one
       if (kDirect && TORCHNEURON_DIRECT_STUBS && o.direct && at::isFloatingType(*o.dtype)) {
         Direct<Native> k;
         if (with_device_oom(o.device, [&] {

@@ -19,7 +19,11 @@ namespace torchneuron {
 namespace {
 
 PyObject* g_fusable = nullptr;  // eager_fusion.fusable, kept for the process
-PyObject* g_run = nullptr;      // eager_fusion.run_queued
+PyObject* g_run = nullptr;      // eager_fusion.run_queued (verify=True: eager_fusion.plan_of)
+std::atomic<bool> g_verify{false};  // replay verification (tests): rebuild each replayed plan in Python and compare
+std::atomic<int64_t> g_verified{0}, g_mismatched{0};
+std::mutex g_mismatch_mu;
+std::string g_last_mismatch;
 std::atomic<bool> g_installed{false};
 size_t g_max_list = 0;  // eager_fusion.MAX_LIST, set before g_installed
 std::atomic<int64_t> g_kernels{0}, g_ops{0};
@@ -179,6 +183,43 @@ bool replay(const FusedPlan& p, const Signature& s) {
   return true;
 }
 
+// The queued ops as eager_fusion sees them: (qualified name, args, outs) each.
+pybind11::list python_group(c10::ArrayRef<const FusableOp*> ops) {
+  pybind11::list group;
+  for (const FusableOp* f : ops) {
+    pybind11::list args, outs;
+    for (const c10::IValue& v : f->args) args.append(torch::jit::toPyObject(v));
+    for (const at::Tensor& o : f->outs) outs.append(torch::jit::toPyObject(o));
+    group.append(pybind11::make_tuple(qualified_name(f->op), args, outs));
+  }
+  return group;
+}
+
+// Replay verification: the plan the group builder makes for `ops` now must be the replayed one (the C++ signature
+// must capture everything the builder decides on). A difference is counted and described, never raised.
+void verify_replay(c10::ArrayRef<const FusableOp*> ops, const FusedPlan& p) {
+  auto r = pybind11::reinterpret_borrow<pybind11::object>(g_run)(python_group(ops), true).cast<pybind11::tuple>();
+  std::string why;
+  const auto n = r[0].cast<int64_t>();
+  if (n != static_cast<int64_t>(p.ops) || r[1].is_none()) {
+    why = "the builder fuses " + std::to_string(n) + " ops, the replayed plan " + std::to_string(p.ops);
+  } else {
+    pybind11::handle plan = r[1];
+    std::vector<int> lifts;
+    for (pybind11::handle d : plan.attr("lifts"))
+      lifts.push_back(d.is_none() ? -1 : static_cast<int>(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type));
+    if (plan.attr("kernel").ptr() != p.kernel.ptr()) why = "another kernel";
+    else if (plan.attr("args").cast<std::vector<int>>() != p.args) why = "other argument leaves";
+    else if (lifts != p.lifts) why = "other lifted scalars";
+    else if (pybind11::len(plan.attr("baked")) != p.baked.size()) why = "other baked numbers";
+  }
+  g_verified.fetch_add(1);
+  if (why.empty()) return;
+  g_mismatched.fetch_add(1);
+  std::lock_guard<std::mutex> g(g_mismatch_mu);
+  g_last_mismatch = why;
+}
+
 void keep(const Signature& s, pybind11::handle plan) {
   FusedPlan p;
   p.kernel = plan.attr("kernel");
@@ -204,10 +245,17 @@ void keep(const Signature& s, pybind11::handle plan) {
 
 }  // namespace
 
-size_t run_fused(c10::ArrayRef<const FusableOp*> ops) {
+size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error) {
   if (!g_installed.load(std::memory_order_relaxed) || !python_usable()) return 0;
   pybind11::gil_scoped_acquire gil;
   size_t ran = 0;
+  // The fused kernel itself raised: it may have stored some results already, so its ops must not run again (an
+  // in-place op would apply twice): they all fail with its error.
+  auto kernel_raised = [&](size_t n, const std::string& what) {
+    error = std::make_exception_ptr(std::runtime_error("neuron: a fused kernel of " + std::to_string(n) +
+                                                       " ops raised: " + what));
+    return n;
+  };
   try {
     Signature s;
     s.tokens.push_back(at::get_num_threads());  // Inductor splits a kernel's loops for this many threads
@@ -221,18 +269,19 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops) {
       for (size_t n = ops.size(); n >= 2 && !ran; --n) {
         std::vector<int64_t> key = s.key(n);
         auto it = g_plans.find(hash_of(key));
-        if (it != g_plans.end() && it->second.ops == n && it->second.key == key && replay(it->second, s)) ran = n;
+        if (it == g_plans.end() || it->second.ops != n || it->second.key != key) continue;
+        try {
+          if (replay(it->second, s)) ran = n;
+        } catch (pybind11::error_already_set& e) {
+          return kernel_raised(n, e.what());
+        }
+        if (ran && g_verify.load(std::memory_order_relaxed)) verify_replay(ops, it->second);
       }
     if (!ran) {
-      pybind11::list group;
-      for (const FusableOp* f : ops) {
-        pybind11::list args, outs;
-        for (const c10::IValue& v : f->args) args.append(torch::jit::toPyObject(v));
-        for (const at::Tensor& o : f->outs) outs.append(torch::jit::toPyObject(o));
-        group.append(pybind11::make_tuple(qualified_name(f->op), args, outs));
-      }
-      auto r = pybind11::reinterpret_borrow<pybind11::object>(g_run)(group).cast<pybind11::tuple>();
-      ran = r[0].cast<size_t>();
+      auto r = pybind11::reinterpret_borrow<pybind11::object>(g_run)(python_group(ops)).cast<pybind11::tuple>();
+      const auto n = r[0].cast<int64_t>();
+      if (n < 0) return kernel_raised(static_cast<size_t>(-n), r[1].cast<std::string>());
+      ran = static_cast<size_t>(n);
       if (ran > 1 && !r[1].is_none()) keep(s, r[1]);
     }
   } catch (const std::exception&) {  // run_queued never raises; a conversion that fails means: unfused
@@ -241,6 +290,13 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops) {
   }
   if (ran > 1) g_kernels.fetch_add(1, std::memory_order_relaxed), g_ops.fetch_add(ran, std::memory_order_relaxed);
   return ran > 1 ? std::min(ran, ops.size()) : 0;
+}
+
+void set_verify_replay(bool on) { g_verify.store(on); }
+
+ReplayChecks replay_checks() {
+  std::lock_guard<std::mutex> g(g_mismatch_mu);
+  return {g_verified.load(), g_mismatched.load(), g_last_mismatch};
 }
 
 FusionCounts fusion_counts() { return {g_kernels.load(), g_ops.load()}; }

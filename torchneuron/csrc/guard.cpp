@@ -124,7 +124,10 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (!e || e->done()) return;
     StreamQueue& q = queue_of(stream.device_index(), stream.id());
     if (&q == e->queue) return;  // in order already
-    q.push("event wait", [src = e->queue, t = e->ticket] { src->wait_quiet(t); }, /*control=*/true);
+    q.push("event wait", [src = e->queue, t = e->ticket, &q] {
+      src->wait_quiet(t);
+      if (FailurePtr f = src->unreported_failure(t)) q.take_failure(std::move(f));  // surfaces on this stream too
+    }, /*control=*/true);
   }
   bool queryEvent(void* event) const override { return !event || static_cast<Event*>(event)->done(); }
   void destroyEvent(void* event, const DeviceIndex) const noexcept override {

@@ -3,6 +3,7 @@
 // implementations), convolution (ATen routes non-CPU/CUDA devices to the *_overrideable ops), and dropout
 // (the CPU kernel would draw from the CPU generator instead of the device's).
 #include <ATen/EmptyTensor.h>
+#include <ATen/TensorIterator.h>
 #include <ATen/native/Resize.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/_to_copy_native.h>
@@ -90,13 +91,29 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   HostAliases host;  // a copy within one storage shares its CPU storage: ATen's overlap check sees it
   at::Tensor d = to_device ? host(dst) : dst;
   at::Tensor src = from_device ? host(self) : self;
+  // The copy's own checks (broadcasting, overlap, self-copy), at the call as on the CPU: building copy_'s iterator
+  // over the host aliases runs them without moving data (a queued copy would raise them at a later sync point).
+  const bool same = d.is_alias_of(src) && d.storage_offset() == src.storage_offset() && d.sizes().equals(src.sizes()) &&
+                    d.strides().equals(src.strides()) && d.scalar_type() == src.scalar_type() &&
+                    d.is_conj() == src.is_conj() && d.is_neg() == src.is_neg();
+  if (same) return dst;  // as ATen's copy_: nothing to do
+  if (!now) at::TensorIteratorConfig().add_output(d).add_const_input(src).resize_outputs(false)
+      .check_all_same_dtype(false).check_all_same_device(false).build();
+  Access acc;
+  if (from_device) acc.push_back(touch(self, true, false));
+  if (to_device) acc.push_back(touch(dst, false, true));
+  if (q.idle()) raise_if_poisoned(acc, "aten::copy_");  // else the worker decides (a queued write may clear it)
   if (now) {
-    drain_current(dev);
+    // a copy to the host is a sync point (the stream's pending error is raised); one to the device is not
+    if (to_device) q.wait_quiet(q.enqueued());
+    else drain_current(dev);
     warn_deferred();  // what the kernels it waited for found
+    raise_if_poisoned(acc, "aten::copy_");  // poisoned by the work it waited for: the host never reads such bytes
     KernelEvent event("aten::copy_", dev, nullptr, {self});  // a DMA transfer
     d.copy_(src);
     event.end({dst});
     if (to_device && !from_device) note_host_to_device(d);
+    clear_poison(acc);
     return dst;
   }
   if (rules) {  // the trainium rules look at the values entering the device: a snapshot in the device's dtype, now
@@ -105,7 +122,7 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   } else if (!from_device && !(non_blocking && self.is_pinned())) {
     src = src.clone();  // read now: the caller may change it
   }
-  q.push("aten::copy_", [d, src]() mutable { d.copy_(src); }, false, nullptr, dst.numel());
+  q.push("aten::copy_", [d, src]() mutable { d.copy_(src); }, false, nullptr, dst.numel(), std::move(acc));
   return dst;
 }
 
@@ -176,8 +193,13 @@ std::vector<at::Tensor> explicit_kernel(const char* name, c10::DeviceIndex dev, 
   note_executed(name);
   at::AutoDispatchBelowADInplaceOrView below;
   auto it = seen.find({name, key});
+  Access acc;
+  for (const c10::IValue& v : inputs)
+    if (v.isTensor() && v.toTensor().defined() && is_neuron(v.toTensor())) acc.push_back(touch(v.toTensor(), true, false));
+  if (current_queue(dev).idle()) raise_if_poisoned(acc, name);  // else the worker decides
   if (it == seen.end() || g_tracing_device.load(std::memory_order_relaxed)) {
-    drain_current(dev);
+    current_queue(dev).wait_quiet(current_queue(dev).enqueued());  // not a sync point: a pending error waits for one
+    raise_if_poisoned(acc, name);
     KernelEvent event(name, dev, nullptr, inputs);
     std::vector<at::Tensor> res;
     {
@@ -203,8 +225,9 @@ std::vector<at::Tensor> explicit_kernel(const char* name, c10::DeviceIndex dev, 
     res.push_back(r.defined ? at::empty_strided(r.sizes, r.strides, at::TensorOptions(r.dtype).device(kNeuron, dev))
                             : at::Tensor());
     dst.push_back(on_host(res.back()));
+    if (res.back().defined()) acc.push_back(touch(res.back(), false, true));
   }
-  launch(dev, name, elements, [dev, compute = std::move(compute), dst = std::move(dst)] {
+  launch(dev, name, elements, std::move(acc), [dev, compute = std::move(compute), dst = std::move(dst)] {
     std::vector<at::Tensor> out = with_device_oom(dev, compute);
     for (size_t i = 0; i < dst.size(); ++i)
       if (dst[i].defined()) dst[i].copy_(out[i]);

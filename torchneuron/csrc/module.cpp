@@ -61,6 +61,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("_host_alias", [](const at::Tensor& t) {
     TORCH_CHECK(t.device().type() == kNeuron, "_host_alias expects a neuron tensor, got one on ", t.device());
     drain_current(t.device().index());
+    raise_if_poisoned(Access{touch(t, true, false)}, "a host view");  // never hand out bytes that were not computed
     return host_alias(t);
   }, "A CPU tensor over the same memory as a neuron tensor (zero-copy; keep the neuron tensor alive while using it), "
      "after the current stream's queued work: what the host reads and writes through it happens now.");
@@ -82,6 +83,12 @@ PYBIND11_MODULE(_C, m) {
         }, py::arg("fusable"), py::arg("run"), py::arg("max_list"),
         "Install adaptive eager fusion: fusable(op name) -> bool, run(list of queued ops) -> (ops it ran fused, plan), "
         "and the longest list of a list op that joins a group.");
+  m.def("_set_verify_replay", &set_verify_replay, py::arg("on"),
+        "Tests: rebuild every replayed fusion plan with the Python group builder and compare it with the replayed one.");
+  m.def("_replay_checks", [] {
+    ReplayChecks c = replay_checks();
+    return py::dict(py::arg("verified") = c.verified, py::arg("mismatched") = c.mismatched, py::arg("last") = c.last);
+  }, "Replay verification: plans compared, how many differed, and what differed last.");
   m.def("_fusion_counts", [] {
     FusionCounts c = fusion_counts();
     return py::dict(py::arg("kernels") = c.kernels, py::arg("ops") = c.ops);

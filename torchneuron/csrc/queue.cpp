@@ -1,9 +1,10 @@
 // Stream-ordered execution: each neuron stream is an in-order queue of kernels run by its own worker thread, as a
 // NeuronCore (or a GPU) runs a stream's work while the host runs ahead. A launch returns once the kernel is queued;
 // sync points wait for exactly the work they need (one stream up to a ticket, or a whole device). A kernel that
-// throws poisons nothing else: its error is kept with the op's name and the Python stack that launched it, the
-// stream's later kernels are skipped (their results would be garbage), and the error is raised at the stream's next
-// sync point. TORCHNEURON_LAUNCH_BLOCKING=1 runs every kernel at its launch instead.
+// throws keeps its error with the op's name and the Python stack that launched it, to be raised once at the stream's
+// next sync point (and at those of the streams that waited for it); what it writes is poisoned (poison.cpp), so a later
+// kernel reading that memory is skipped and poisons what it writes in turn, while independent work goes on.
+// TORCHNEURON_LAUNCH_BLOCKING=1 runs every kernel at its launch instead.
 #include <ATen/Parallel.h>
 #include <Python.h>
 #include <pthread.h>
@@ -62,7 +63,10 @@ void set_this_thread_threads(int n) {
 }
 
 int kernel_threads(int threads, int64_t work) {
-  return threads > 1 && threads >= kCores && work < kFullThreadsWork ? threads - 1 : threads;
+  // torch.use_deterministic_algorithms(True): every kernel with the thread count the CPU's would use, so that a
+  // reduction splits as on the CPU and results equal the CPU's bit for bit at any core count
+  return threads > 1 && threads >= kCores && work < kFullThreadsWork && !at::globalContext().deterministicAlgorithms()
+             ? threads - 1 : threads;
 }
 
 KernelThreadsGuard::KernelThreadsGuard(int64_t work) {
@@ -75,8 +79,9 @@ KernelThreadsGuard::~KernelThreadsGuard() {
 }
 
 uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool control,
-                           std::shared_ptr<const FusableOp> fuse, int64_t work) {
-  Task t{std::move(run), name, nullptr, kernel_threads(at::get_num_threads(), work), control, std::move(fuse)};
+                           std::shared_ptr<const FusableOp> fuse, int64_t work, Access access) {
+  Task t{std::move(run), name, nullptr, kernel_threads(at::get_num_threads(), work), control, std::move(fuse),
+         std::move(access)};
   if (!control && g_launch_stacks.load(std::memory_order_relaxed) && Py_IsInitialized())  // bindings release the GIL: gathering takes it
     t.stack = gather_launch_stack();
   uint64_t ticket;
@@ -117,7 +122,7 @@ void StreamQueue::loop() {
       tasks_.pop_front();
       ++popped_;
       // eager fusion: the fusable ops queued right behind this one (the host ran ahead) may become one kernel
-      while (t.fuse && !failed_.load(std::memory_order_relaxed) && group.size() + 1 < kMaxFusedOps &&
+      while (t.fuse && !poisoned_storages() && group.size() + 1 < kMaxFusedOps &&
              !tasks_.empty() && tasks_.front().fuse && tasks_.front().threads == t.threads) {
         group.push_back(std::move(tasks_.front()));
         tasks_.pop_front();
@@ -134,25 +139,32 @@ void StreamQueue::loop() {
     std::vector<const FusableOp*> ops;
     for (const Task& g : group) ops.push_back(g.fuse.get());
     for (size_t k = 0; k < group.size();) {
-      size_t fused = group.size() - k > 1 && !failed_.load(std::memory_order_relaxed)
-                         ? run_fused(c10::ArrayRef<const FusableOp*>(ops).slice(k)) : 0;
-      for (size_t end = k + std::max<size_t>(fused, 1); k < end; ++k) finish(group[k], fused > 0);
+      std::exception_ptr error;
+      size_t fused = group.size() - k > 1 && !poisoned_storages()
+                         ? run_fused(c10::ArrayRef<const FusableOp*>(ops).slice(k), error) : 0;
+      for (size_t end = k + std::max<size_t>(fused, 1); k < end; ++k) {
+        if (error) fail(group[k], error);  // the fused kernel raised: none of its ops runs again
+        finish(group[k], fused > 0);
+      }
     }
     group.clear();
   }
 }
 
 void StreamQueue::finish(Task& t, bool ran) {
-  if (!ran && (t.control || !failed_.load(std::memory_order_relaxed))) {
-    try {
-      // Kernels compute below autograd, on host aliases: an alias of an inference tensor (made under the launching
-      // thread's torch.inference_mode) may be written here, where inference mode is not on.
-      at::AutoDispatchBelowADInplaceOrView below;
-      t.run();
-    } catch (...) {
-      std::lock_guard<std::mutex> g(mu_);
-      if (!error_) error_ = Failure{std::current_exception(), t.name, std::move(t.stack)};
-      failed_.store(true, std::memory_order_relaxed);
+  if (!ran) {
+    if (FailurePtr f = t.control ? nullptr : poisoned(t.access)) {
+      poison_writes(t.access, f);  // skipped: it reads what a failed kernel did not compute
+    } else {
+      try {
+        // Kernels compute below autograd, on host aliases: an alias of an inference tensor (made under the launching
+        // thread's torch.inference_mode) may be written here, where inference mode is not on.
+        at::AutoDispatchBelowADInplaceOrView below;
+        t.run();
+        clear_poison(t.access);
+      } catch (...) {
+        fail(t, std::current_exception());
+      }
     }
   }
   t.run = nullptr;  // the kernel's captured state goes before it counts as complete
@@ -190,28 +202,38 @@ void StreamQueue::wait(uint64_t ticket) {
   raise_error();
 }
 
+void StreamQueue::fail(Task& t, std::exception_ptr error) {
+  auto f = std::make_shared<Failure>(Failure{std::move(error), t.name, std::move(t.stack), device_, id_,
+                                             completed_.load() + 1});
+  poison_writes(t.access, f);
+  std::lock_guard<std::mutex> g(mu_);
+  if (!error_) error_ = std::move(f), failed_.store(true, std::memory_order_relaxed);
+}
+
+FailurePtr StreamQueue::unreported_failure(uint64_t ticket) {
+  if (!failed_.load(std::memory_order_relaxed)) return nullptr;
+  std::lock_guard<std::mutex> g(mu_);
+  return error_ && error_->ticket <= ticket ? error_ : nullptr;
+}
+
+void StreamQueue::take_failure(FailurePtr f) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (!error_) error_ = std::move(f), failed_.store(true, std::memory_order_relaxed);
+}
+
+// The first failure since the last report, raised once; the memory it left uncomputed stays poisoned.
 void StreamQueue::raise_error() {
   if (!failed_.load(std::memory_order_relaxed)) return;
-  Failure f;
+  FailurePtr f;
   {
     std::lock_guard<std::mutex> g(mu_);
     if (!error_) return;
-    f = std::move(*error_);
+    f = std::move(error_);
     error_.reset();
     failed_.store(false, std::memory_order_relaxed);
   }
-  std::string where = c10::str("neuron: the error above was raised by ", f.name, ", run asynchronously on neuron:",
-                               static_cast<int>(device_), " stream ", id_, " and reported at this sync point.");
-  if (f.stack) where += describe_launch_stack(*f.stack);
-  where += "\n(Set TORCHNEURON_LAUNCH_BLOCKING=1 to raise errors at the launching op.)";
-  try {
-    std::rethrow_exception(f.error);
-  } catch (c10::Error& e) {
-    e.add_context(where);
-    throw;
-  } catch (const std::exception& e) {
-    TORCH_CHECK(false, e.what(), "\n", where);
-  }
+  rethrow_failure(*f, c10::str(" and reported at this sync point",
+                               f->stream == id_ ? "." : c10::str(" of stream ", id_, ", which waited for it.")));
 }
 
 namespace {

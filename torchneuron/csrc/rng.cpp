@@ -144,7 +144,7 @@ at::Tensor& fill_random(at::Tensor& self, const at::Tensor& over, const std::opt
   auto slice = reserve_philox(gen, dev, static_cast<uint64_t>(over.numel()));
   note_executed(name);
   at::Tensor dst = host_alias(target(self));
-  launch(dev, name, over.numel(), [dst, slice, want, sizes = over.sizes().vec(), values]() mutable {
+  launch(dev, name, over.numel(), access({}, {self}), [dst, slice, want, sizes = over.sizes().vec(), values]() mutable {
     dst.copy_(values(draw(slice, sizes, want)));
   });
   return self;
@@ -214,7 +214,7 @@ at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Genera
     auto s = reserve_philox(gen, dev, static_cast<uint64_t>(n));
     note_executed("aten::bernoulli_");
     at::Tensor dst = host_alias(self);
-    launch(dev, "aten::bernoulli_", n, [dst, s, below = BelowP(p), n]() mutable {
+    launch(dev, "aten::bernoulli_", n, access({}, {self}), [dst, s, below = BelowP(p), n]() mutable {
       AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kBool, dst.scalar_type(), "bernoulli_", [&] {
         scalar_t* out = dst.data_ptr<scalar_t>();
         at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {

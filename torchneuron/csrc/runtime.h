@@ -38,6 +38,39 @@ void check_device_index(c10::DeviceIndex index);  // throws torch.AcceleratorErr
 // ---- guard.cpp ----
 c10::StreamId current_stream_id(c10::DeviceIndex device);  // this thread's current stream on `device`
 
+// ---- poison.cpp: memory that was never computed (a failed kernel's results, and those of the kernels skipped
+// because they read them) ----
+// A failed kernel's error, with the op's name, where it ran and the Python stack that launched it.
+struct Failure {
+  std::exception_ptr error;
+  const char* name = "";
+  std::shared_ptr<c10::GatheredContext> stack;
+  c10::DeviceIndex device = 0;
+  c10::StreamId stream = 0;
+  uint64_t ticket = 0;  // its place in its stream
+};
+using FailurePtr = std::shared_ptr<const Failure>;
+// One device storage a queued kernel reads and/or writes, by its data pointer (the host aliases' too). `whole`: the
+// write covers every byte of the storage, so a kernel that writes it without reading it makes it computed again.
+struct Touch {
+  const void* base = nullptr;
+  bool read = false, write = false, whole = false;
+};
+using Access = c10::SmallVector<Touch, 6>;
+Touch touch(const at::Tensor& t, bool read, bool write);
+// An explicit kernel's: the neuron tensors it reads and those it writes (others are ignored).
+Access access(std::initializer_list<at::Tensor> reads, std::initializer_list<at::Tensor> writes);
+void poison_writes(const Access& access, const FailurePtr& failure);  // what a failed or skipped kernel writes
+void clear_poison(const Access& access);   // a kernel ran: the storages it wrote whole without reading are computed
+void forget_poison(const void* base);      // the allocator freed the storage
+FailurePtr poisoned(const Access& access);  // the failure behind the first poisoned storage it reads, or null
+FailurePtr poisoned(const at::Tensor& t);
+size_t poisoned_storages();
+// Raise `f`'s error again, as its own type (IndexError stays IndexError), with where it ran, then `context`.
+[[noreturn]] void rethrow_failure(const Failure& f, const std::string& context);
+// A launch (or a host read) of `op` that reads poisoned memory raises the failure behind it, at the call.
+void raise_if_poisoned(const Access& access, const char* op);
+
 // ---- queue.cpp: stream-ordered execution (each stream an in-order queue run by its own worker thread) ----
 extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: kernels run at their launch
 // Tests only: queue every kernel with a known layout, also small ones on an idle stream (so that conformance suites
@@ -53,14 +86,20 @@ class StreamQueue {
   // the stream failed, kernels are then skipped until the error is reported.
   // `fuse`: the op as the worker may hand it to eager fusion with the queued ops that follow it (fusion.cpp).
   // `work`: the kernel's size in elements (its largest tensor, or an estimate of its work): sets its threads (below).
+  // `access`: the device storages it reads and writes. A kernel reading memory that a failed (or skipped) kernel
+  // should have written is skipped, and what it writes is poisoned with that failure (poison.cpp).
   uint64_t push(const char* name, std::function<void()> run, bool control = false,
-                std::shared_ptr<const FusableOp> fuse = nullptr, int64_t work = 0);
+                std::shared_ptr<const FusableOp> fuse = nullptr, int64_t work = 0, Access access = {});
   uint64_t enqueued() const { return enqueued_.load(std::memory_order_acquire); }
   bool reached(uint64_t ticket) const;
   bool idle() const { return reached(enqueued()); }
   void wait(uint64_t ticket);        // a sync point: waits, then raises the stream's pending error
   void wait_quiet(uint64_t ticket);  // ordering only (a worker waiting on another stream, the allocator)
   void raise_error();                // the pending error of a failed kernel, with where it was launched
+  // A stream waiting (an event, wait_stream) for this one's work up to `ticket` takes on a failure it has not
+  // reported yet: the error surfaces on every stream that depends on the failed work.
+  FailurePtr unreported_failure(uint64_t ticket);
+  void take_failure(FailurePtr f);
   c10::DeviceIndex device() const { return device_; }
   c10::StreamId id() const { return id_; }
   void reset_after_fork();
@@ -73,13 +112,10 @@ class StreamQueue {
     int threads = 1;  // the intra-op threads it runs with: kernel_threads() of the launching thread's
     bool control = false;
     std::shared_ptr<const FusableOp> fuse;
+    Access access;
   };
   void finish(Task& t, bool ran);  // run `t` (unless `ran`: a fused kernel did its work) and count it complete
-  struct Failure {
-    std::exception_ptr error;
-    const char* name = "";
-    std::shared_ptr<c10::GatheredContext> stack;
-  };
+  void fail(Task& t, std::exception_ptr error);  // `t` threw: poison what it writes, keep the error to report
   void loop();
   uint64_t pending() const { return enqueued_.load(std::memory_order_acquire) - popped_; }
   const c10::DeviceIndex device_;
@@ -91,8 +127,8 @@ class StreamQueue {
   uint64_t popped_ = 0;  // the worker's
   static constexpr uint64_t kNoWaiter = ~uint64_t{0};
   std::atomic<uint64_t> wake_at_{kNoWaiter};  // the lowest ticket a sleeping waiter waits for
-  std::atomic<bool> failed_{false};
-  std::optional<Failure> error_;
+  std::atomic<bool> failed_{false};  // error_ is set: a failure not yet reported at a sync point
+  FailurePtr error_;
   bool started_ = false, sleeping_ = false;
 };
 StreamQueue& queue_of(c10::DeviceIndex device, c10::StreamId id);
@@ -116,7 +152,8 @@ constexpr int64_t kInlineElements = 1 << 15;
 // smaller than kFullThreadsWork runs with one thread fewer: the host thread keeps running ahead on that core (with
 // every core busy, a parallel kernel whose thread the host preempts waits at its barrier). A rule of the launch
 // alone, never of timing, so a kernel's result (a reduction's split follows the thread count) is the same every
-// run. Kernels below kInlineElements in every tensor split no work across threads: they may run inline.
+// run; off under torch.use_deterministic_algorithms(True), where results equal the CPU's bit for bit. Kernels
+// below kInlineElements in every tensor split no work across threads: they may run inline.
 constexpr int64_t kFullThreadsWork = 1 << 20;
 int kernel_threads(int threads, int64_t work);
 // A kernel run on the host thread (a signature's first call, a data-dependent op) computes with the threads its
@@ -136,13 +173,14 @@ inline bool run_inline(const StreamQueue& q, int64_t elements) {
          (elements < kInlineElements && !g_queue_everything.load(std::memory_order_relaxed) && q.idle());
 }
 template <class F>
-void launch(c10::DeviceIndex device, const char* name, int64_t elements, F&& kernel) {
+void launch(c10::DeviceIndex device, const char* name, int64_t elements, Access access, F&& kernel) {
   StreamQueue& q = current_queue(device);
+  if (q.idle()) raise_if_poisoned(access, name);  // else the worker decides: a queued write may make it computed
   if (run_inline(q, elements)) {
-    q.raise_error();
     kernel();
+    clear_poison(access);
   } else {
-    q.push(name, std::forward<F>(kernel), false, nullptr, elements);
+    q.push(name, std::forward<F>(kernel), false, nullptr, elements, std::move(access));
   }
 }
 
@@ -375,7 +413,8 @@ constexpr size_t kMaxFusedOps = 16;
 // it is large enough, and a list op's list is no longer than eager fusion takes (`list`: its length, 0 for others).
 bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements, size_t list);
 // On a stream worker: run the leading ops of `ops` that eager fusion fuses as one kernel; how many it ran (0: none).
-size_t run_fused(c10::ArrayRef<const FusableOp*> ops);
+// `error`: set when the fused kernel raised; the count is then the ops it covered, which all failed.
+size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error);
 // torchneuron's import installs the Python side: fusable(name) -> bool, run(list of ops) -> (int, plan), and the
 // longest list of a list op that may join a group.
 void set_eager_fusion(PyObject* fusable, PyObject* run, size_t max_list);
@@ -383,6 +422,13 @@ struct FusionCounts {
   int64_t kernels = 0, ops = 0;  // fused kernels run, the ops they replaced
 };
 FusionCounts fusion_counts();
+// Tests: rebuild every replayed plan with the Python group builder and compare (replay verification).
+void set_verify_replay(bool on);
+struct ReplayChecks {
+  int64_t verified = 0, mismatched = 0;
+  std::string last;  // what differed last
+};
+ReplayChecks replay_checks();
 void clear_fusion_counts();
 
 // ---- fallback.cpp: the boxed fallback (every op without an explicit kernel runs its ATen CPU kernel) ----

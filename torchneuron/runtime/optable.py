@@ -68,7 +68,9 @@ class Op:
     rule need not look at their values while no argument is int64 or holds 2^31 elements (the op stays queued);
     `structured` (an overload row): ATen implements it as a structured kernel (native_functions.yaml's
     `structured_delegate`), so its functional and out= forms run one meta and one impl: a queued call runs the
-    out= form straight into the memory its launch handed out, instead of copying a fresh result there."""
+    out= form straight into the memory its launch handed out, instead of copying a fresh result there;
+    `int_errors`: on integer tensors it raises on a value (a zero divisor, a negative integer exponent), so it never
+    joins a fused kernel there (a fused kernel cannot undo the stores it made before the error)."""
 
     name: str
     engine: str = "host"
@@ -87,6 +89,7 @@ class Op:
     one_kernel: bool = False
     indices: bool = False
     structured: bool = False
+    int_errors: bool = False
 
 
 def _group(engine: str, names: str, **kw: Any) -> list[Op]:
@@ -224,6 +227,8 @@ def _merge(rows: list[Op]) -> dict[str, Op]:
 # Ops whose int64 results are indices into their arguments (`Op.indices`).
 _INDICES = ("max_pool2d_with_indices adaptive_max_pool2d argmax argmin max min sort topk argsort searchsorted "
             "bucketize").split()
+# Ops that raise on integer values (`Op.int_errors`): integer division and remainder by zero, negative integer powers.
+_INT_ERRORS = "div remainder fmod floor_divide pow _foreach_div _foreach_pow".split()
 # Functional overloads ATen implements as structured kernels (`Op.structured`): the queued ops whose results are
 # not pointwise and large enough for the copy to show (matmuls, softmax, reductions, losses, pooling, indexing).
 _STRUCTURED = [n if "." in n else f"{n}.default" for n in (
@@ -231,10 +236,10 @@ _STRUCTURED = [n if "." in n else f"{n}.default" for n in (
     "sum.dim_IntList mean.dim amax amin prod.dim_int linalg_vector_norm nll_loss_forward nll_loss_backward cumsum "
     "avg_pool2d avg_pool2d_backward max_pool2d_with_indices max_pool2d_with_indices_backward upsample_nearest2d "
     "gather scatter_add argmax argmin topk").split()]
-TABLE: dict[str, Op] = {k: replace(o, indices=True) if k.split(".")[0] in _INDICES else o
+TABLE: dict[str, Op] = {k: replace(o, indices=k.split(".")[0] in _INDICES, int_errors=k.split(".")[0] in _INT_ERRORS)
                         for k, o in _merge(_TABLE).items()}
 TABLE |= {n: replace(TABLE[n.split(".")[0]], name=n, structured=True) for n in _STRUCTURED}
-assert all(n in TABLE for n in _INDICES)
+assert all(n in TABLE for n in _INDICES + _INT_ERRORS)
 # An op missing from the table: a counted host fallback, priced as a VectorE sweep (see the module docstring).
 DEFAULT = Op("", engine="host", native=False, rule=Rule.SWEEP)
 

@@ -1,0 +1,118 @@
+// Memory that was never computed. A kernel that fails on a stream worker leaves its results unwritten (or half
+// written); so does every queued kernel that reads such memory, which is therefore skipped. Rather than hand those
+// bytes back as values (CUDA's garbage after a device-side error) each device storage such a kernel writes is
+// poisoned with the failure: a launch that reads it, a copy to the host and a host-thread op raise the original
+// error, naming the failed op and where it was launched. Work that does not depend on it goes on, and a write that
+// covers a whole storage (or its free) clears it, so a notebook or a test session recovers without a restart.
+#include <unordered_map>
+
+#include "runtime.h"
+
+namespace torchneuron {
+namespace {
+
+struct Poison {
+  std::mutex mu;
+  std::unordered_map<const void*, FailurePtr> by_base;  // device storage's data pointer -> why it was not computed
+};
+Poison& poison() {
+  static auto* p = new Poison;  // leaked: workers may poison while statics are destroyed
+  return *p;
+}
+std::atomic<size_t> g_poisoned{0};  // by_base.size(): lookups cost one relaxed load while nothing is poisoned
+
+template <class E>
+bool rethrow_as(const std::exception_ptr& error, const std::string& where) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const E& e) {
+    E copy = e;  // the stored error stays as it was: it may be raised again
+    copy.add_context(where);
+    throw copy;
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
+Touch touch(const at::Tensor& t, bool read, bool write) {
+  const void* base = t.defined() ? t.storage().data() : nullptr;
+  const bool whole = write && base && t.is_non_overlapping_and_dense() &&
+                     static_cast<size_t>(t.numel()) * t.dtype().itemsize() == t.storage().nbytes();
+  return {base, read, write, whole};
+}
+
+Access access(std::initializer_list<at::Tensor> reads, std::initializer_list<at::Tensor> writes) {
+  Access a;
+  for (const at::Tensor& t : reads)
+    if (t.defined() && t.device().type() == kNeuron) a.push_back(touch(t, true, false));
+  for (const at::Tensor& t : writes)
+    if (t.defined() && t.device().type() == kNeuron) a.push_back(touch(t, false, true));
+  return a;
+}
+
+void poison_writes(const Access& access, const FailurePtr& failure) {
+  auto& p = poison();
+  std::lock_guard<std::mutex> g(p.mu);
+  for (const Touch& t : access)
+    if (t.write && t.base) p.by_base[t.base] = failure;
+  g_poisoned.store(p.by_base.size(), std::memory_order_relaxed);
+}
+
+void clear_poison(const Access& access) {
+  if (!g_poisoned.load(std::memory_order_relaxed)) return;
+  auto& p = poison();
+  std::lock_guard<std::mutex> g(p.mu);
+  for (const Touch& t : access)
+    if (t.whole && !t.read) p.by_base.erase(t.base);
+  g_poisoned.store(p.by_base.size(), std::memory_order_relaxed);
+}
+
+void forget_poison(const void* base) {
+  if (!g_poisoned.load(std::memory_order_relaxed)) return;
+  auto& p = poison();
+  std::lock_guard<std::mutex> g(p.mu);
+  p.by_base.erase(base);
+  g_poisoned.store(p.by_base.size(), std::memory_order_relaxed);
+}
+
+FailurePtr poisoned(const Access& access) {
+  if (!g_poisoned.load(std::memory_order_relaxed)) return nullptr;
+  auto& p = poison();
+  std::lock_guard<std::mutex> g(p.mu);
+  for (const Touch& t : access)
+    if (t.read && t.base)
+      if (auto it = p.by_base.find(t.base); it != p.by_base.end()) return it->second;
+  return nullptr;
+}
+
+FailurePtr poisoned(const at::Tensor& t) { return poisoned(Access{touch(t, true, false)}); }
+
+size_t poisoned_storages() { return g_poisoned.load(std::memory_order_relaxed); }
+
+void rethrow_failure(const Failure& f, const std::string& context) {
+  std::string where = c10::str("neuron: the error above was raised by ", f.name, ", run asynchronously on neuron:",
+                               static_cast<int>(f.device), " stream ", f.stream, context);
+  if (f.stack) where += describe_launch_stack(*f.stack);
+  where += "\n(Set TORCHNEURON_LAUNCH_BLOCKING=1 to raise errors at the launching op.)";
+  // the original error's type (IndexError stays IndexError in Python), with where it came from
+  rethrow_as<c10::IndexError>(f.error, where) || rethrow_as<c10::ValueError>(f.error, where) ||
+      rethrow_as<c10::TypeError>(f.error, where) || rethrow_as<c10::NotImplementedError>(f.error, where) ||
+      rethrow_as<c10::OutOfMemoryError>(f.error, where) || rethrow_as<c10::LinAlgError>(f.error, where) ||
+      rethrow_as<c10::AcceleratorError>(f.error, where) || rethrow_as<c10::Error>(f.error, where);
+  try {
+    std::rethrow_exception(f.error);
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what(), "\n", where);
+  }
+  TORCH_CHECK(false, "neuron: ", f.name, " failed with an unknown error\n", where);
+}
+
+void raise_if_poisoned(const Access& access, const char* op) {
+  if (FailurePtr f = poisoned(access))
+    rethrow_failure(*f, c10::str(", and ", op, " reads memory that was never computed because of it (written by ",
+                                 "that op, or by a kernel skipped because it read that op's results)."));
+}
+
+}  // namespace torchneuron
