@@ -23,6 +23,10 @@ from .trace import Rec, Trace, trace
 MODES = ("train", "forward", "decode")
 RECOMPUTE = ("none", "selective", "full")
 EXECUTIONS = ("compiled", "eager")
+# Matmul precision beyond the traced dtype: "fp8" runs every 16-bit matmul in fp8 (weights, activations and, in
+# training, gradients, as Transformer Engine / NxD fp8 recipes do) at the fp8 peak; "w8" stores weights in 8 bits
+# (int8 / fp8 weight-only quantization) and computes in 16 bits. None: as traced.
+PRECISIONS = (None, "fp8", "w8")
 # Bytes an update reads and writes per parameter (fp32 param or master weight and moments), and the fp32
 # optimizer state it keeps.
 OPTIMIZER_BYTES = {"adamw": 3 * 8, "adam": 3 * 8, "sgd": 2 * 8, None: 0}
@@ -188,15 +192,33 @@ def _shapes(r: Rec) -> str:
 class Coster:
     """Costs a trace on one layout: per-core shapes under tensor parallelism, fused kernels or eager ops."""
 
-    def __init__(self, tr: Trace, lay: Layout, tp: int, sp: bool, compiled: bool):
+    def __init__(self, tr: Trace, lay: Layout, tp: int, sp: bool, compiled: bool, precision: str | None = None):
         self.tr, self.lay, self.t, self.tp, self.sp, self.compiled = tr, lay, lay.target, tp, sp, compiled
+        self.precision = precision
+
+    def _quantized(self, r: Rec) -> list:
+        """A matmul's inputs under the plan's precision: 8-bit weights (placement W), and under fp8 8-bit
+        activations and gradients too."""
+        if not self.precision or op_info(r.op).rule is not Rule.MATMUL:
+            return r.ins
+        low = "float8_e4m3fn" if self.precision == "fp8" else "int8"
+        out = []
+        for x, i in zip(r.ins, r.in_ids, strict=False):
+            weight = self.tr.placement.get(i) == "W"
+            if x.dtype in ("bfloat16", "float16", "float32") and (weight or self.precision == "fp8"):
+                x = x._replace(dtype=low)
+            out.append(x)
+        return out + list(r.ins[len(out):])
 
     def per_core_bytes(self, i: int) -> float:
         """A tensor's bytes on one core: sharded data and weights are split; replicated data (and partial
         sums, costed as if reduce-scattered) are split only under sequence parallelism."""
         p = self.tr.placement.get(i, "R")
         split = p in ("S", "W") or (p in ("R", "P") and self.sp)
-        return self.tr.specs[i].nbytes / (self.tp if split else 1)
+        spec = self.tr.specs[i]
+        nbytes = spec.numel if self.precision and p == "W" and spec.dtype.startswith(("float", "bfloat")) \
+            else spec.nbytes  # 8-bit weights
+        return nbytes / (self.tp if split else 1)
 
     def op(self, r: Rec, mode: str) -> OpCost:
         if r.op == "all_reduce":
@@ -208,7 +230,7 @@ class Coster:
         shard = None
         if self.tp > 1 and r.shard and (r.shard != "sp" or self.sp):
             shard = ("all" if r.shard == "sp" else r.shard, self.tp)
-        return op_cost(r.op, r.ins, r.outs, self.t, attrs=r.attrs, shard=shard, mode=mode)
+        return op_cost(r.op, self._quantized(r), r.outs, self.t, attrs=r.attrs, shard=shard, mode=mode)
 
     def times(self, recs: list[Rec]) -> list[OpShare]:
         """Each op's cost and modelled time and traffic; collectives dropped when tp == 1. In a fused kernel each
@@ -281,10 +303,14 @@ class Plan:
     recompute: str = "none"
     optimizer: str | None = "adamw"
     zero1: bool = True
+    precision: str | None = None
 
     def __post_init__(self):
         if self.mode not in MODES or self.recompute not in RECOMPUTE or self.execution not in EXECUTIONS:
             raise ValueError(f"mode in {MODES}, recompute in {RECOMPUTE}, execution in {EXECUTIONS}")
+        if self.precision not in PRECISIONS or (self.precision == "w8" and self.train):
+            raise ValueError(f"precision in {PRECISIONS} (w8, weight-only 8-bit, is for inference), "
+                             f"got {self.precision!r}")
         if self.optimizer not in OPTIMIZER_BYTES or self.dp < 1 or self.tp < 1:
             raise ValueError(f"optimizer in {tuple(OPTIMIZER_BYTES)}; dp, tp >= 1")
 
@@ -319,7 +345,8 @@ def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float) -> dict[str, flo
     """Bytes per core: weights, inputs (a KV cache), and for training gradients, optimizer state (fp32
     moments, plus fp32 master weights under mixed precision) and the activations saved for backward."""
     tp = plan.tp
-    mem = {"weights": tr.param_bytes / tp, "inputs": tr.input_bytes / tp}
+    stored = tr.param_count if plan.precision and not plan.train else tr.param_bytes  # 8-bit weights served
+    mem = {"weights": stored / tp, "inputs": tr.input_bytes / tp}
     if plan.train:
         mem["gradients"] = tr.param_bytes / tp
         state = OPTIMIZER_STATE[plan.optimizer] + (4 if itemsize < 4 else 0)
@@ -334,7 +361,7 @@ def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float) -> dict[str, flo
 
 def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = None) -> EstimateResult:
     """Cost a recorded step on `layout` under `plan`."""
-    co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled")
+    co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled", plan.precision)
     micro = max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
     ops = [OpTime(x.cost.op if x.cost.engine == "collective" else x.rec.op, x.rec.phase, x.cost.engine,
                   x.cost.flops, x.hbm_bytes, x.time_s, x.cost.bound, x.cost.achieved, micro, _shapes(x.rec))
@@ -355,11 +382,18 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
         tp=plan.tp, lnc=t.lnc, cores=cores, instances=math.ceil(cores / layout.cores_per_instance),
         micro_steps=micro,
         step_time_s=step, items_per_step=items, unit=tr.unit, items_per_s=items / step,
-        mfu=flops / step / t.marketed_flops("bfloat16" if itemsize <= 2 else "float32"),
+        mfu=flops / step / t.marketed_flops(_peak_class(plan, itemsize)),
         price_per_hour=price, price_source=layout.price_source if price_per_hour is None else "given",
         cost_per_hour=per_hour, cost_per_step=None if per_hour is None else per_hour * step / 3600,
         cost_per_million=None if per_hour is None else per_hour / (items / step * 3600) * 1e6,
         memory=_memory(tr, co, plan, itemsize), ops=ops)
+
+
+def _peak_class(plan: Plan, itemsize: float) -> str:
+    """The dtype whose dense peak is the MFU denominator: the one the matmuls run in."""
+    if plan.precision == "fp8":
+        return "float8"
+    return "bfloat16" if itemsize <= 2 else "float32"
 
 
 def gpu_layout(cores: int, tp: int, cores_per_instance: int, gpus_per_instance: int) -> tuple[int, int]:
@@ -375,7 +409,8 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
              dtype: torch.dtype | None = None, batch_tokens: float | None = None,
              price_per_hour: float | None = None, lnc: int | None = None, execution: str = "compiled",
              sequence_parallel: bool | None = None, recompute: str = "none", optimizer: str | None = "adamw",
-             zero1: bool = True, compare: str | None = "p5.48xlarge") -> EstimateResult:
+             zero1: bool = True, compare: str | None = "p5.48xlarge",
+             precision: str | None = None) -> EstimateResult:
     """Model one step of `model` on `example_inputs` (one micro-batch per data-parallel rank) on Trainium.
 
     target: trn1 | trn2 | trn3 (or h100); instance: defaults to the target's largest instance. mode: "train"
@@ -387,8 +422,10 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
     kernels) or "eager" (one launched kernel per op). sequence_parallel (default: on for training with
     tp > 1), recompute ("none", "selective": attention, "full"), optimizer ("adamw", "sgd", None), zero1
     (optimizer state sharded over dp). price_per_hour overrides the instance price. compare: a GPU instance
-    to cost the same step on (same method; None to skip)."""
-    plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1)
+    to cost the same step on (same method; None to skip). precision: None (as traced), "fp8" (matmuls in fp8,
+    MFU against the fp8 peak) or "w8" (8-bit weights, 16-bit math; inference)."""
+    plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1,
+                precision)
     lay = Layout.of(target, instance, lnc)
     lay.check_tp(tp)
     if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour > 0):
