@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..hardware.chips import CHIPS, GPU_INSTANCES, INSTANCES
-from .estimate import EXECUTIONS, MODES, RECOMPUTE, EstimateResult, estimate
+from ..hardware.chips import CHIPS, GPU_INSTANCES, GPUS, INSTANCES
+from .estimate import EXECUTIONS, MODES, PRECISIONS, RECOMPUTE, EstimateResult, estimate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -63,7 +63,19 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
     p.add_argument("--price", type=positive_finite,
                    help="USD per instance-hour, > 0 (default: the documented estimate)")
-    p.add_argument("--compare", default="p5.48xlarge", choices=[*GPU_INSTANCES, "none"])
+    p.add_argument("--precision", choices=[x for x in PRECISIONS if x],
+                   help="fp8: matmuls in fp8 (MFU on the fp8 peak); w8: 8-bit weights, 16-bit math (inference)")
+    p.add_argument("--fsdp", action="store_true", help="ZeRO-3: weights and gradients sharded over --dp too")
+    p.add_argument("--compare", default="p5.48xlarge", choices=[*GPU_INSTANCES, "none"],
+                   help="the GPU instance to compare with (--gpu names the GPU instead)")
+    p.add_argument("--gpu", choices=[*GPUS, "none"],
+                   help="compare with this GPU on its instance type (default: --compare's, an H100)")
+    p.add_argument("--gpu-count", type=at_least(1), help="GPUs of the comparison job (default: the cheapest "
+                   "layout that fits and, serving, is as fast as the Trainium step)")
+    p.add_argument("--gpu-tp", type=at_least(1), help="tensor-parallel degree on the GPUs (1..8)")
+    p.add_argument("--gpu-dtype", choices=["same", "bf16", "fp8", "w8"], default="same",
+                   help="GPU matmul precision: same as the Trainium run (default), bf16, fp8 or w8")
+    p.add_argument("--gpu-price", type=positive_finite, help="USD per GPU-instance-hour (default: documented)")
     p.add_argument("--report", metavar="OUT.md|OUT.html", help="also write a report with charts")
     p.add_argument("--top", type=at_least(0), default=10, help="ops to list (>= 0)")
 
@@ -81,6 +93,14 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
         lay.check_tp(a.tp)
     except ValueError as e:
         error(f"--tp: {e}")
+    if a.gpu_tp is not None and not 1 <= a.gpu_tp <= 8:
+        error(f"--gpu-tp must be in 1..8 (the GPUs of one instance), got {a.gpu_tp}")
+    if a.gpu_count and a.gpu_tp and a.gpu_count % a.gpu_tp:
+        error(f"--gpu-count ({a.gpu_count}) must be a multiple of --gpu-tp ({a.gpu_tp})")
+    if a.precision == "w8" and a.mode == "train":
+        error("--precision w8 (8-bit weights) is for inference: use --precision fp8 to train in fp8")
+    if a.fsdp and a.mode != "train":
+        error("--fsdp shards training state: use it with --mode train")
     if a.global_batch is not None and a.global_batch < a.dp * a.batch:
         error(f"--global-batch must be at least --dp x --batch = {a.dp * a.batch}, got {a.global_batch}")
     if a.model in PRESETS:
@@ -103,21 +123,47 @@ def _ops_table(r: EstimateResult, n: int) -> str:
     return "\n".join(rows)
 
 
+def buyer_table(r: EstimateResult) -> str:
+    """Trainium beside the GPU job as a buyer compares them: layout, time, $/hour, $/million items, and the
+    ratio of the two costs per item."""
+    c = r.comparison
+    per = "time per token" if r.mode == "decode" else "step time"
+    money = lambda x, d=2: "n/a" if x is None else f"${x:,.{d}f}"
+    rows = [(f"{r.cores} x {r.target} ({r.instance})", r), (f"{c.cores} x {c.target} ({c.instance})", c)]
+    lines = [f"  {'':<34} {per:>14} {'$/hour':>10} {'$/M ' + r.unit:>14}  layout"]
+    for name, e in rows:
+        lines.append(f"  {name:<34} {e.step_time_s * 1e3:>11,.2f} ms {money(e.cost_per_hour):>10} "
+                     f"{money(e.cost_per_million, 4):>14}  dp={e.dp} tp={e.tp} {e.precision or 'as traced'}")
+    if r.cost_per_million and c.cost_per_million:
+        lines.append(f"  Trainium / GPU cost per {r.unit[:-1]}: {r.cost_per_million / c.cost_per_million:.2f}x")
+    return "\n".join(lines)
+
+
 def run_estimate(a: argparse.Namespace) -> int:
     from . import presets, report
 
     check_estimate_arguments(a, a.parser.error if "parser" in a else usage_error)
-    model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype])
+    # decode: --seq tokens are in the cache (its attention reads and its memory)
+    model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype],
+                                 context=a.seq if a.mode == "decode" else 0)
     tokens = a.global_batch * (a.seq if a.mode == "train" else 1) if a.global_batch else None
-    r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
-                 dtype=DTYPES[a.dtype], batch_tokens=tokens, price_per_hour=a.price, lnc=a.lnc,
-                 execution=a.execution, recompute=a.recompute,
-                 compare=None if a.compare == "none" else a.compare)
+    compare = a.gpu if a.gpu else a.compare
+    gpu_dtype = {"same": "same", "bf16": None}.get(a.gpu_dtype, a.gpu_dtype)
+    try:
+        r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
+                     dtype=DTYPES[a.dtype], batch_tokens=tokens, price_per_hour=a.price, lnc=a.lnc,
+                     execution=a.execution, recompute=a.recompute, precision=a.precision, fsdp=a.fsdp,
+                     compare=None if compare == "none" else compare, gpu_count=a.gpu_count, gpu_tp=a.gpu_tp,
+                     gpu_precision=gpu_dtype, gpu_price=a.gpu_price)
+    except torch.OutOfMemoryError as e:
+        print(f"torchneuron estimate: {e}")
+        return 1
     print(f"{a.model}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, batch {a.batch} x "
           f"{'context ' if a.mode == 'decode' else ''}{a.seq}, {a.dtype}")
     print(r.summary())
     if r.comparison:
         print(r.comparison.summary())
+        print(buyer_table(r))
     print(f"top ops on one {r.target} core:\n{_ops_table(r, a.top)}")
     if a.report:
         for path in report.write(r, a.report, a.model):

@@ -139,6 +139,9 @@ class EstimateResult:
     memory: dict[str, float]  # bytes per core by kind, and "capacity"
     ops: list[OpTime] = field(repr=False, default_factory=list)
     comparison: EstimateResult | None = field(repr=False, default=None)
+    precision: str | None = None
+    note: str = ""  # how the layout was chosen (the GPU comparison)
+    cores_per_instance: int = 0
 
     @property
     def fits(self) -> bool:
@@ -168,16 +171,19 @@ class EstimateResult:
         per = {"train": "training step", "forward": "forward pass", "decode": "decode step"}[self.mode]
         kind = "core" if self.target in CHIPS else "GPU"
         lines = [f"{per} on {self.cores} x {self.target} {kind}{'s' if self.cores > 1 else ''} "
-                 f"({self.instance}, dp={self.dp} tp={self.tp}, {self.execution}): "
+                 f"({self.instance}, dp={self.dp} tp={self.tp}{', ' + self.precision if self.precision else ''}, "
+                 f"{self.execution}): "
                  f"{_ms(self.step_time_s)}, {self.items_per_s:,.0f} {self.unit}/s, MFU {self.mfu:.1%}"]
         if self.cost_per_hour is not None:
             lines.append(f"  cost ${self.cost_per_hour:,.2f}/h (pro rata of ${self.price_per_hour:,.2f}/h "
                          f"per instance, estimate), ${self.cost_per_million:,.4f} per million {self.unit}")
         total, cap = self.memory["total"] / 2**30, self.memory["capacity"] / 2**30
-        fits = "" if self.fits else "  DOES NOT FIT: shard more (tp, zero1) or recompute"
+        fits = "" if self.fits else "  DOES NOT FIT (see estimate.fit_error)"
         lines.append(f"  memory per core {total:,.2f} GiB of {cap:,.0f} GiB{fits}")
         split = ", ".join(f"{k} {v / self.step_time_s:.0%}" for k, v in self.by("phase").items() if v)
         lines.append(f"  time: {split}")
+        if self.note:
+            lines.append(f"  {self.note}")
         return "\n".join(lines)
 
 
@@ -304,6 +310,7 @@ class Plan:
     optimizer: str | None = "adamw"
     zero1: bool = True
     precision: str | None = None
+    fsdp: bool = False  # ZeRO-3: weights, gradients and optimizer state sharded over dp
 
     def __post_init__(self):
         if self.mode not in MODES or self.recompute not in RECOMPUTE or self.execution not in EXECUTIONS:
@@ -323,17 +330,23 @@ class Plan:
         return self.tp > 1 and (self.train if self.sequence_parallel is None else self.sequence_parallel)
 
 
-def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float) -> list[OpTime]:
+def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float, micro: float) -> list[OpTime]:
     """Once per step: the gradient all-reduce over the data-parallel group (reduce-scatter + all-gather under
-    ZeRO-1 moves the same bytes), then the optimizer update, bound by HBM bandwidth."""
+    ZeRO-1 moves the same bytes; under FSDP two weight all-gathers and a gradient reduce-scatter every
+    micro-step, not overlapped), then the optimizer update, bound by HBM bandwidth."""
     ops = []
     per_core = tr.param_count / plan.tp
-    if plan.dp > 1:
+    if plan.dp > 1 and plan.fsdp:  # every micro-step: gather the weights for the forward and the backward,
+        for kind in ("all_gather", "all_gather", "reduce_scatter"):  # reduce-scatter the gradients
+            c = lay.collective(kind, per_core * itemsize, plan.dp, stride=plan.tp)
+            ops.append(OpTime(kind, "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound, c.achieved,
+                              micro))
+    elif plan.dp > 1:
         c = lay.collective("all_reduce", per_core * itemsize, plan.dp, stride=plan.tp)
         ops.append(OpTime("all_reduce", "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound,
                           c.achieved))
     if plan.optimizer:
-        own = per_core / (plan.dp if plan.zero1 else 1)
+        own = per_core / (plan.dp if plan.zero1 or plan.fsdp else 1)
         nbytes = own * (OPTIMIZER_BYTES[plan.optimizer] + itemsize * (2 if itemsize < 4 else 1))
         bw = lay.target.hbm_bw
         t = nbytes / bw + lay.target.kernel_s
@@ -342,21 +355,66 @@ def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float) -> list[
 
 
 def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float) -> dict[str, float]:
-    """Bytes per core: weights, inputs (a KV cache), and for training gradients, optimizer state (fp32
-    moments, plus fp32 master weights under mixed precision) and the activations saved for backward."""
-    tp = plan.tp
+    """Bytes per core: weights (8-bit when served quantized), inputs (a KV cache), and for training gradients,
+    optimizer state (fp32 moments, plus fp32 master weights under mixed precision; split over dp under ZeRO-1,
+    and weights and gradients too under FSDP) and the activations kept for the backward: every forward tensor
+    the backward reads; under selective recomputation less the attention's; under full recomputation one
+    layer's worth plus each layer's input (layers = attention ops)."""
+    tp, shard = plan.tp, plan.dp if plan.fsdp else 1
     stored = tr.param_count if plan.precision and not plan.train else tr.param_bytes  # 8-bit weights served
-    mem = {"weights": stored / tp, "inputs": tr.input_bytes / tp}
+    mem = {"weights": stored / tp / shard, "inputs": tr.input_bytes / tp}
     if plan.train:
-        mem["gradients"] = tr.param_bytes / tp
+        mem["gradients"] = tr.param_bytes / tp / shard
         state = OPTIMIZER_STATE[plan.optimizer] + (4 if itemsize < 4 else 0)
-        mem["optimizer"] = tr.param_count / tp * state / (plan.dp if plan.zero1 else 1)
-        fwd = {t for r in tr.recs if r.phase == "forward" for t in r.out_ids}
-        saved = {t for r in tr.recs if r.phase == "backward" for t in r.in_ids} & fwd
-        mem["activations"] = sum(map(co.per_core_bytes, saved))
+        mem["optimizer"] = tr.param_count / tp * state / (plan.dp if plan.zero1 or plan.fsdp else 1)
+        fwd = {t: r for r in tr.recs if r.phase == "forward" for t in r.out_ids}
+        saved = {t for r in tr.recs if r.phase == "backward" for t in r.in_ids} & set(fwd)
+        attention = [r for r in tr.recs if r.phase == "forward" and op_info(r.op).rule is Rule.ATTENTION]
+        if plan.recompute == "selective":
+            saved -= {t for r in attention for t in r.out_ids}
+        total = sum(map(co.per_core_bytes, saved))
+        if plan.recompute == "full" and attention:
+            hidden = attention[0].ins[0].nbytes / (tp if co.sp else 1)  # one layer's input: tokens x hidden
+            total = total / len(attention) + len(attention) * hidden
+        mem["activations"] = total
     mem["total"] = sum(mem.values())
     mem["capacity"] = float(co.t.hbm_bytes)
     return mem
+
+
+def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
+    """None when the step fits in a core's memory; else what does not fit and the smallest change that would:
+    recomputation, FSDP, more tensor parallelism inside an instance, 8-bit weights (inference), in that order."""
+    itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
+    mem = lambda p: _memory(tr, Coster(tr, layout, p.tp, p.sp, True, p.precision), p, itemsize)
+    m = mem(plan)
+    if m["total"] <= m["capacity"]:
+        return None
+    gib = lambda x: f"{x / 2**30:,.1f} GiB"
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in m.items() if k not in ("total", "capacity") and v)
+    what = (f"the {plan.mode} step needs {gib(m['total'])} per {layout.target.name} core ({parts}) but a core "
+            f"has {gib(m['capacity'])}")
+    changes: list[tuple[str, Plan]] = []
+    if plan.train:
+        if plan.recompute != "full":
+            changes.append(("recompute='full'", replace(plan, recompute="full")))
+        if plan.dp > 1 and not plan.fsdp:
+            changes.append(("fsdp=True", replace(plan, fsdp=True)))
+            if plan.recompute != "full":
+                changes.append(("fsdp=True and recompute='full'", replace(plan, fsdp=True, recompute="full")))
+    elif not plan.precision:
+        changes.append(("precision='w8' (8-bit weights)", replace(plan, precision="w8")))
+    tp = plan.tp * 2
+    while tp <= layout.cores_per_instance:
+        changes.append((f"tp={tp}", replace(plan, tp=tp)))
+        if plan.train and plan.recompute != "full":
+            changes.append((f"tp={tp} and recompute='full'", replace(plan, tp=tp, recompute="full")))
+        tp *= 2
+    for text, p in changes:
+        if mem(p)["total"] <= m["capacity"]:
+            return f"{what}; the smallest change that fits: {text}"
+    return (f"{what}; no tensor-parallel degree inside one {layout.instance} fits it: it needs pipeline "
+            "parallelism or more cores per model copy")
 
 
 def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = None) -> EstimateResult:
@@ -371,7 +429,7 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
                 and (plan.recompute == "full" or op_info(o.op).rule is Rule.ATTENTION)]
     itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
     if plan.train:
-        ops += _optimizer_ops(tr, layout, plan, itemsize)
+        ops += _optimizer_ops(tr, layout, plan, itemsize, micro)
     step = sum(o.time_s * o.count for o in ops)
     items, cores, t = tr.items * plan.dp * micro, plan.dp * plan.tp, layout.target
     flops = sum(o.flops * o.count for o in ops if o.engine == "tensor" and o.phase in ("forward", "backward"))
@@ -386,7 +444,8 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
         price_per_hour=price, price_source=layout.price_source if price_per_hour is None else "given",
         cost_per_hour=per_hour, cost_per_step=None if per_hour is None else per_hour * step / 3600,
         cost_per_million=None if per_hour is None else per_hour / (items / step * 3600) * 1e6,
-        memory=_memory(tr, co, plan, itemsize), ops=ops)
+        memory=_memory(tr, co, plan, itemsize), ops=ops, precision=plan.precision,
+        cores_per_instance=layout.cores_per_instance)
 
 
 def _peak_class(plan: Plan, itemsize: float) -> str:
@@ -397,11 +456,60 @@ def _peak_class(plan: Plan, itemsize: float) -> str:
 
 
 def gpu_layout(cores: int, tp: int, cores_per_instance: int, gpus_per_instance: int) -> tuple[int, int]:
-    """(dp, tp) of the comparison job: as many GPU instances as Trainium instances (at least one GPU), tensor
-    parallel inside one GPU instance, the rest data parallel."""
+    """(dp, tp) of a training comparison job: as many GPU instances as Trainium instances (at least one GPU),
+    tensor parallel inside one GPU instance, the rest data parallel."""
     gpus = max(1, round(cores * gpus_per_instance / cores_per_instance))
     gtp = max(1, min(tp, gpus_per_instance, gpus))
     return max(1, gpus // gtp), gtp
+
+
+def compare_gpu(tr: Trace, res: EstimateResult, plan: Plan, gpu: str, *, count: int | None = None,
+                tp: int | None = None, precision: str | None = "same",
+                price_per_hour: float | None = None) -> EstimateResult:
+    """The same step on a GPU instance type (`gpu`: h100 | h200 | b200 or an instance name), as a buyer would lay
+    it out: `count` GPUs with tensor-parallel degree `tp` when given; otherwise, for inference, the cheapest
+    tensor-parallel degree (1, 2, 4, 8) that fits and is at least as fast as the Trainium step (the fastest
+    one when none is), and for training the cheapest degree on as many GPU instances as Trainium instances.
+    precision: "same" (the Trainium run's), None (as traced), "fp8" or "w8"."""
+    glay = Layout.of(gpu)
+    gprec = plan.precision if precision == "same" else precision
+    per_instance = glay.cores_per_instance
+    if count is not None or tp is not None:
+        gtp = tp or min(count or 1, per_instance)
+        gcount = count or gtp
+        if gcount % gtp:
+            raise ValueError(f"the GPU count ({gcount}) must be a multiple of the GPU tensor-parallel degree "
+                             f"({gtp})")
+        layouts = [(gcount // gtp, gtp)]
+    elif plan.train:
+        gpus = max(1, round(res.cores * per_instance / res.cores_per_instance))
+        layouts = [(max(1, gpus // t), t) for t in (1, 2, 4, 8) if t <= min(gpus, per_instance)]
+    else:
+        layouts = [(1, t) for t in (1, 2, 4, 8) if t <= per_instance]
+    glay.check_tp(max(t for _, t in layouts))
+    runs = []
+    for gdp, gtp in layouts:
+        gplan = replace(plan, dp=gdp, tp=gtp, precision=gprec)
+        if fit_error(tr, glay, gplan) is None:
+            runs.append(cost(tr, glay, gplan, price_per_hour))
+    if not runs:
+        gdp, gtp = layouts[-1]
+        r = cost(tr, glay, replace(plan, dp=gdp, tp=gtp, precision=gprec), price_per_hour)
+        r.note = f"does not fit: {fit_error(tr, glay, replace(plan, dp=gdp, tp=gtp, precision=gprec))}"
+        return r
+    if len(runs) == 1:
+        return runs[0]
+    price = lambda r: r.cost_per_million if r.cost_per_million is not None else r.cores
+    if plan.train:
+        best = min(runs, key=price)
+        best.note = (f"layout: the cheapest fitting tensor-parallel degree of {len(runs)} on {best.instances} "
+                     "instance(s)")
+        return best
+    fast = [r for r in runs if r.step_time_s <= res.step_time_s]
+    best = min(fast, key=price) if fast else min(runs, key=lambda r: r.step_time_s)
+    best.note = ("layout: the cheapest that fits and is as fast as the Trainium step" if fast else
+                 "layout: none is as fast as the Trainium step; the fastest that fits")
+    return best
 
 
 def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2",
@@ -410,7 +518,9 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
              price_per_hour: float | None = None, lnc: int | None = None, execution: str = "compiled",
              sequence_parallel: bool | None = None, recompute: str = "none", optimizer: str | None = "adamw",
              zero1: bool = True, compare: str | None = "p5.48xlarge",
-             precision: str | None = None) -> EstimateResult:
+             precision: str | None = None, fsdp: bool = False, check_memory: bool = True,
+             gpu_count: int | None = None, gpu_tp: int | None = None, gpu_precision: str | None = "same",
+             gpu_price: float | None = None) -> EstimateResult:
     """Model one step of `model` on `example_inputs` (one micro-batch per data-parallel rank) on Trainium.
 
     target: trn1 | trn2 | trn3 (or h100); instance: defaults to the target's largest instance. mode: "train"
@@ -422,18 +532,22 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
     kernels) or "eager" (one launched kernel per op). sequence_parallel (default: on for training with
     tp > 1), recompute ("none", "selective": attention, "full"), optimizer ("adamw", "sgd", None), zero1
     (optimizer state sharded over dp). price_per_hour overrides the instance price. compare: a GPU instance
-    to cost the same step on (same method; None to skip). precision: None (as traced), "fp8" (matmuls in fp8,
-    MFU against the fp8 peak) or "w8" (8-bit weights, 16-bit math; inference)."""
+    (or GPU: h100, h200, b200) to cost the same step on (same method; None to skip), laid out by compare_gpu
+    with gpu_count, gpu_tp, gpu_precision and gpu_price. precision: None (as traced), "fp8" (matmuls in fp8,
+    MFU against the fp8 peak) or "w8" (8-bit weights, 16-bit math; inference). fsdp: ZeRO-3 (weights and
+    gradients sharded over dp too, gathered every micro-step). check_memory: raise torch.OutOfMemoryError naming
+    what does not fit in a core's memory and the smallest change that would (False: report `fits` only)."""
     plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1,
-                precision)
+                precision, fsdp)
     lay = Layout.of(target, instance, lnc)
     lay.check_tp(tp)
     if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour > 0):
         raise ValueError(f"the price per instance-hour must be a finite number > 0, got {price_per_hour}")
     tr = trace(model, example_inputs, train=plan.train, dtype=dtype)
+    if check_memory and (message := fit_error(tr, lay, plan)):
+        raise torch.OutOfMemoryError(f"does not fit: {message}")
     res = cost(tr, lay, plan, price_per_hour)
     if compare and lay.target.is_neuron:
-        glay = Layout.of(compare)
-        gdp, gtp = gpu_layout(dp * tp, tp, lay.cores_per_instance, glay.cores_per_instance)
-        res.comparison = cost(tr, glay, replace(plan, dp=gdp, tp=gtp))
+        res.comparison = compare_gpu(tr, res, plan, compare, count=gpu_count, tp=gpu_tp, precision=gpu_precision,
+                                     price_per_hour=gpu_price)
     return res

@@ -1,0 +1,130 @@
+"""Plans beyond one data- and tensor-parallel step: the CLI's context length, the memory-fit check, FSDP, fp8 and
+8-bit weights, and the buyer's GPU comparison; each against values computed here from published numbers."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from torchneuron.costmodel import cli, presets
+from torchneuron.costmodel.estimate import compare_gpu, estimate
+from torchneuron.costmodel.trace import trace
+from torchneuron.hardware.chips import CHIPS
+
+TRN2, LNC = CHIPS["trn2"], 2
+CORE_HBM = TRN2.hbm_bytes // TRN2.logical_cores(LNC)  # 24 GiB per trn2 logical core
+BF16 = torch.bfloat16
+
+
+def _llama8b(layers: int | None = None):
+    return presets.hf_model(presets.config("llama-8b", **({"num_hidden_layers": layers} if layers else {})))
+
+
+@pytest.mark.parametrize("context", [16, 8192])
+def test_cli_decode_costs_a_cache_of_seq_tokens(monkeypatch, context):
+    """`estimate --mode decode --seq N`: the static cache holds N + 1 positions (N cached, one new); per core
+    under TP=8 it is 32 layers x (K, V) x 8/8 KV heads x 128 x (N + 1) x 2 bytes, and each layer's attention
+    reads all of it: 2 x 4 heads x (N + 1) x (128 + 128) FLOPs."""
+    seen = {}
+
+    def spy(*args, **kw):
+        seen["r"] = r = estimate(*args, **kw)
+        return r
+
+    monkeypatch.setattr(cli, "estimate", spy)
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    assert cli.run_estimate(p.parse_args(["--model", "llama-8b", "--mode", "decode", "--seq", str(context),
+                                          "--tp", "8", "--compare", "none", "--top", "0"])) == 0
+    r = seen["r"]
+    assert r.memory["inputs"] == pytest.approx(32 * 2 * 1 * 128 * (context + 1) * 2, rel=1e-3)
+    attention = sum(o.flops for o in r.ops if o.op.startswith("_scaled_dot_product"))
+    assert attention == pytest.approx(32 * 2 * 4 * (context + 1) * 256, rel=0.01)
+
+
+def test_training_that_does_not_fit_names_the_smallest_tensor_parallel_degree():
+    """Llama-3.1-8B (8.03e9 parameters) trained with AdamW in bf16 keeps 2 + 2 + 12 bytes per parameter (weights,
+    gradients, fp32 moments and master weights): 128 GB, on TP=t cores 128 GB / t. With a tiny batch the
+    activations are negligible, so the smallest power of two with 128 GB / t <= 24 GiB is what the error names."""
+    model = _llama8b()
+    n = sum(p.numel() for p in model.parameters())
+    tp = next(t for t in (2, 4, 8, 16, 32, 64) if 16 * n / t < 0.97 * CORE_HBM)
+    assert tp == 8
+    with pytest.raises(torch.OutOfMemoryError, match=rf"optimizer .*the smallest change that fits: tp={tp}$"):
+        estimate(model, presets.lm_inputs(model, seq=8), target="trn2", dtype=BF16, compare=None)
+
+
+def test_serving_that_does_not_fit_names_8bit_weights():
+    """Llama-3.3-70B in bf16 on TP=4 trn2 cores: 141 GB / 4 = 35 GB > 24 GiB per core; with 8-bit weights
+    70.6 GB / 4 = 17.6 GB fits, so that is the smallest change."""
+    model = presets.hf_model(presets.config("llama-70b"))
+    n = sum(p.numel() for p in model.parameters())
+    assert 2 * n / 4 > CORE_HBM > n / 4 * 1.1
+    with pytest.raises(torch.OutOfMemoryError, match=r"weights 32\.9 GiB.*precision='w8'"):
+        estimate(model, presets.lm_inputs(model, mode="decode", context=128), target="trn2", mode="decode", tp=4,
+                 dtype=BF16, compare=None)
+    r = estimate(model, presets.lm_inputs(model, mode="decode", context=128), target="trn2", mode="decode", tp=4,
+                 dtype=BF16, compare=None, precision="w8")
+    assert r.memory["weights"] == pytest.approx(n / 4)
+
+
+class Matmul(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(n, n))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def test_fsdp_shards_state_and_gathers_weights_every_micro_step():
+    """ZeRO-3 over dp=4 on one trn2 instance, a [4096, 4096] fp32 weight (64 MiB), 2 micro-steps: weights,
+    gradients and the two fp32 moments are a quarter each; each micro-step runs two all-gathers and a
+    reduce-scatter of 64 MiB, ring algorithm above 56 MiB (3 steps), each rank moving 3/4 of the buffer at the
+    NeuronLink share x the measured efficiency, after the 58 us floor."""
+    n = 4096
+    with torch.device("meta"):
+        model, x = Matmul(n), torch.empty(n, n)
+    r = estimate(model, (x,), target="trn2", dp=4, fsdp=True, batch_tokens=2 * 4 * n, compare=None)
+    nbytes = n * n * 4
+    assert r.micro_steps == 2
+    assert r.memory["weights"] == r.memory["gradients"] == pytest.approx(nbytes / 4)
+    assert r.memory["optimizer"] == pytest.approx(n * n * 8 / 4)
+    busbw = TRN2.link_bw / TRN2.logical_cores(LNC) * TRN2.fabric.efficiency
+    one = TRN2.fabric.fixed_s + 3 * TRN2.fabric.hop_s + 3 / 4 * nbytes / busbw
+    assert r.by("phase")["grad_sync"] == pytest.approx(2 * 3 * one, rel=1e-6)
+
+
+def test_fp8_matmul_runs_at_the_fp8_rate_and_mfu_uses_the_fp8_peak():
+    """[4096,4096] @ [4096,4096] on a trn2 logical core: fp8 double-row passes K = 256 rows, twice bf16's 128,
+    so the matmul takes 2n^3 / (2 x 256 x 128 x 2.4 GHz x 2 cores); MFU divides by the fp8 peak (162.4 TF per
+    physical core, S2), not bf16's, and stays below 1."""
+    n = 4096
+    with torch.device("meta"):
+        model, x = Matmul(n), torch.empty(n, n)
+    r = estimate(model, (x,), target="trn2", mode="forward", dtype=BF16, precision="fp8", compare=None)
+    rate = 2 * 256 * 128 * 2.4e9 * LNC
+    assert r.step_time_s == pytest.approx(2 * n**3 / rate + TRN2.launch_s, rel=0.03)
+    assert r.mfu == pytest.approx(2 * n**3 / r.step_time_s / (162.4e12 * LNC))
+    assert 0 < r.mfu < 1
+
+
+def test_gpu_comparison_is_the_cheapest_layout_as_fast_as_trainium():
+    """Serving: of the H100 tensor-parallel degrees 1, 2, 4, 8 that fit, the comparison is the cheapest per token
+    among those at least as fast as the Trainium step; an explicit --gpu-tp/--gpu-count is taken as given."""
+    model = _llama8b(layers=4)
+    inputs = presets.lm_inputs(model, mode="decode", context=2048)
+    r = estimate(model, inputs, target="trn2", mode="decode", tp=8, dtype=BF16)
+    tr = trace(model, inputs, train=False, dtype=BF16)
+    from torchneuron.costmodel.estimate import Plan
+
+    plan = Plan(mode="decode", tp=8)
+    each = {t: compare_gpu(tr, r, plan, "h100", tp=t) for t in (1, 2, 4, 8)}
+    fast = [c for c in each.values() if c.step_time_s <= r.step_time_s]
+    best = min(fast, key=lambda c: c.cost_per_million) if fast else min(each.values(), key=lambda c: c.step_time_s)
+    assert (r.comparison.tp, r.comparison.cost_per_million) == (best.tp, pytest.approx(best.cost_per_million))
+    assert each[2].cores == 2 and each[2].cost_per_hour == pytest.approx(55.04 / 8 * 2)
+    fp8 = estimate(model, inputs, target="trn2", mode="decode", tp=8, dtype=BF16, gpu_tp=2, gpu_precision="fp8")
+    assert fp8.comparison.tp == 2 and fp8.comparison.precision == "fp8"
+    assert fp8.comparison.memory["weights"] == pytest.approx(sum(p.numel() for p in model.parameters()) / 2)
