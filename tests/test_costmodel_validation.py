@@ -44,3 +44,14 @@ def test_the_documented_table_is_the_recomputed_one(rows):
         assert line, f"{r.case.name} missing from {DOC.name}"
         documented = float(re.findall(r"\| ([+-]\d+\.\d)% \|", line)[0])
         assert documented == pytest.approx(r.error * 100, abs=0.15), (line, validation.table(rows))
+
+
+def test_the_documented_cost_ratios_are_the_recomputed_ones(rows):
+    """docs/costmodel.md shows, for each workload, the published and the modelled Trainium / GPU cost per token
+    computed from the cases above at the documented prices."""
+    doc = DOC.read_text()
+    assert len(validation.RATIOS) >= 3
+    for x, pub, mod in validation.ratios(rows):
+        line = next((ln for ln in doc.splitlines() if ln.startswith(f"| {x.workload} |")), None)
+        assert line, f"{x.workload} missing from {DOC.name}"
+        assert line.endswith(f"| {pub:.2f}x | {mod:.2f}x |"), (line, validation.ratio_table(rows))

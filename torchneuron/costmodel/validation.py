@@ -235,6 +235,62 @@ class Row:
         return self.modelled / self.case.published - 1
 
 
+@dataclass(frozen=True)
+class Side:
+    """One side of a published cost comparison: a validation case, the USD per hour of the hardware it ran on,
+    and how many items (tokens) one unit of the case's metric stands for."""
+
+    case: str
+    usd_per_hour: float
+    items: float  # a latency (ms) case: items produced in that time; a throughput case: items per unit
+
+    def cost_per_million(self, value: float, metric: str) -> float:
+        rate = self.items / (value / 1e3) if metric == "ms" else self.items * value  # items per second
+        return self.usd_per_hour / (3600 * rate) * 1e6
+
+
+@dataclass(frozen=True)
+class Ratio:
+    workload: str
+    trainium: Side
+    gpu: Side
+
+
+_P5_GPU = 55.04 / 8  # p5.48xlarge on-demand per H100 (docs/hardware.md)
+RATIOS = (
+    Ratio("Llama-3.3-70B decode, BS1 (TPOT)", Side("Llama-3.3-70B decode, TPOT", 35.7608, 1),
+          Side("Llama-3.3-70B fp8 decode, ITL", 2 * _P5_GPU, 1)),
+    Ratio("Llama-3.3-70B prefill (per prompt token)", Side("Llama-3.3-70B prefill, TTFT", 35.7608, 10_000),
+          Side("Llama-3.3-70B fp8 prefill, TTFT", 2 * _P5_GPU, 5_000)),
+    Ratio("Llama-3 8B pre-training (per token)", Side("Llama-3.1-8B pre-training", 32 * 21.50, 8192),
+          Side("Llama-3-8B pre-training, fp8", _P5_GPU, 1)),
+)
+
+
+def ratios(rows: list[Row]) -> list[tuple[Ratio, float, float]]:
+    """(ratio, published Trainium/GPU cost per token, modelled) for each workload, at the documented prices."""
+    by = {r.case.name: r for r in rows}
+    out = []
+    for x in RATIOS:
+        t, g = by[x.trainium.case], by[x.gpu.case]
+        pub = x.trainium.cost_per_million(t.case.published, t.case.metric) / \
+            x.gpu.cost_per_million(g.case.published, g.case.metric)
+        mod = x.trainium.cost_per_million(t.modelled, t.case.metric) / \
+            x.gpu.cost_per_million(g.modelled, g.case.metric)
+        out.append((x, pub, mod))
+    return out
+
+
+def ratio_table(rows: list[Row]) -> str:
+    lines = ["| workload | Trainium setup | GPU setup | published Trainium / GPU cost | modelled |",
+             "|---|---|---|---|---|"]
+    by = {r.case.name: r for r in rows}
+    for x, pub, mod in ratios(rows):
+        lines.append(f"| {x.workload} | {by[x.trainium.case].case.setup} | {by[x.gpu.case].case.setup} | "
+                     f"{pub:.2f}x | {mod:.2f}x |")
+    return "\n".join(lines)
+
+
 def run(cases: tuple[Case, ...] = CASES) -> list[Row]:
     return [Row(c, c.run()) for c in cases]
 
@@ -262,5 +318,7 @@ def table(rows: list[Row]) -> str:
 if __name__ == "__main__":
     rows = run()
     print(table(rows))
+    print()
+    print(ratio_table(rows))
     for side, (med, worst, n) in summary(rows).items():
         print(f"{side}: {n} cases, median |error| {med:.1%}, max {worst:.1%}")
