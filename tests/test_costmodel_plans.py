@@ -46,12 +46,14 @@ def test_cli_decode_costs_a_cache_of_seq_tokens(monkeypatch, context):
 def test_training_that_does_not_fit_names_the_smallest_tensor_parallel_degree():
     """Llama-3.1-8B (8.03e9 parameters) trained with AdamW in bf16 keeps 2 + 2 + 12 bytes per parameter (weights,
     gradients, fp32 moments and master weights): 128 GB, on TP=t cores 128 GB / t. With a tiny batch the
-    activations are negligible, so the smallest power of two with 128 GB / t <= 24 GiB is what the error names."""
+    activations are negligible, so the smallest power of two with 128 GB / t <= 24 GiB is what the error names,
+    as a tensor-parallel degree or a pipeline depth (a stage holds 1/pp of the layers)."""
     model = _llama8b()
     n = sum(p.numel() for p in model.parameters())
     tp = next(t for t in (2, 4, 8, 16, 32, 64) if 16 * n / t < 0.97 * CORE_HBM)
     assert tp == 8
-    with pytest.raises(torch.OutOfMemoryError, match=rf"optimizer .*the smallest change that fits: tp={tp}$"):
+    with pytest.raises(torch.OutOfMemoryError, match=rf"optimizer .*the smallest change that fits: tp={tp} or "
+                                                     rf"pp={tp}$"):
         estimate(model, presets.lm_inputs(model, seq=8), target="trn2", dtype=BF16, compare=None)
 
 
@@ -128,3 +130,29 @@ def test_gpu_comparison_is_the_cheapest_layout_as_fast_as_trainium():
     fp8 = estimate(model, inputs, target="trn2", mode="decode", tp=8, dtype=BF16, gpu_tp=2, gpu_precision="fp8")
     assert fp8.comparison.tp == 2 and fp8.comparison.precision == "fp8"
     assert fp8.comparison.memory["weights"] == pytest.approx(sum(p.numel() for p in model.parameters()) / 2)
+
+
+@pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_pipeline_bubble_and_stage_memory(schedule, vpp):
+    """4 stages, 8 micro-batches of 512 tokens: a stage runs a quarter of each micro-batch's forward and backward
+    over 8 + 3 slots (1F1B, GPipe) or 8 + 3/2 (interleaved, v = 2); between stages each slot sends the 512 x 4096
+    bf16 activation forward and its gradient back (4 MiB: recursive halving-doubling, one step, after the 58 us
+    floor). A stage holds a quarter of the weights and of the gradients, and activations of min(8, 4) micro-batches
+    (1F1B; x (1 + 3/8) interleaved) or all 8 (GPipe) over its quarter of the layers."""
+    model = _llama8b(layers=4)
+    inputs = presets.lm_inputs(model, seq=512)
+    m, p = 8, 4
+    kw = dict(target="trn2", dtype=BF16, batch_tokens=m * 512, optimizer=None, compare=None, check_memory=False)
+    one = estimate(model, inputs, **kw)
+    r = estimate(model, inputs, pp=p, schedule=schedule, vpp=vpp, **kw)
+    work = lambda e: sum(e.by("phase").get(k, 0.0) for k in ("forward", "backward"))
+    slots = m + (p - 1) / vpp
+    assert work(r) == pytest.approx(work(one) / m / p * slots)
+    busbw = TRN2.link_bw / TRN2.logical_cores(LNC) * TRN2.fabric.efficiency
+    nbytes = 512 * 4096 * 2
+    hop = TRN2.fabric.fixed_s + TRN2.fabric.hop_s + nbytes / busbw
+    assert r.by("phase")["pipeline"] == pytest.approx(2 * slots * hop)
+    assert r.memory["weights"] == pytest.approx(one.memory["weights"] / p)
+    inflight = {"1f1b": min(m, p), "gpipe": m, "interleaved": min(m, p) * (1 + (p - 1) / (p * vpp))}[schedule]
+    assert r.memory["activations"] == pytest.approx(one.memory["activations"] / 1 * inflight / p)
+    assert r.cores == p and 0 < r.mfu < one.mfu  # the bubble idles the stages

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..hardware.chips import CHIPS, GPU_INSTANCES, GPUS, INSTANCES
-from .estimate import EXECUTIONS, MODES, PRECISIONS, RECOMPUTE, EstimateResult, estimate
+from .estimate import EXECUTIONS, MODES, PRECISIONS, RECOMPUTE, SCHEDULES, EstimateResult, estimate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -65,6 +65,9 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
                    help="USD per instance-hour, > 0 (default: the documented estimate)")
     p.add_argument("--precision", choices=[x for x in PRECISIONS if x],
                    help="fp8: matmuls in fp8 (MFU on the fp8 peak); w8: 8-bit weights, 16-bit math (inference)")
+    p.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (layers split evenly)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    p.add_argument("--vpp", type=at_least(1), default=1, help="virtual stages per core (--schedule interleaved)")
     p.add_argument("--fsdp", action="store_true", help="ZeRO-3: weights and gradients sharded over --dp too")
     p.add_argument("--compare", default="p5.48xlarge", choices=[*GPU_INSTANCES, "none"],
                    help="the GPU instance to compare with (--gpu names the GPU instead)")
@@ -99,6 +102,8 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
         error(f"--gpu-count ({a.gpu_count}) must be a multiple of --gpu-tp ({a.gpu_tp})")
     if a.precision == "w8" and a.mode == "train":
         error("--precision w8 (8-bit weights) is for inference: use --precision fp8 to train in fp8")
+    if a.vpp > 1 and a.schedule != "interleaved":
+        error("--vpp needs --schedule interleaved")
     if a.fsdp and a.mode != "train":
         error("--fsdp shards training state: use it with --mode train")
     if a.global_batch is not None and a.global_batch < a.dp * a.batch:
@@ -153,6 +158,7 @@ def run_estimate(a: argparse.Namespace) -> int:
         r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
                      dtype=DTYPES[a.dtype], batch_tokens=tokens, price_per_hour=a.price, lnc=a.lnc,
                      execution=a.execution, recompute=a.recompute, precision=a.precision, fsdp=a.fsdp,
+                     pp=a.pp, schedule=a.schedule, vpp=a.vpp,
                      compare=None if compare == "none" else compare, gpu_count=a.gpu_count, gpu_tp=a.gpu_tp,
                      gpu_precision=gpu_dtype, gpu_price=a.gpu_price)
     except torch.OutOfMemoryError as e:

@@ -23,6 +23,7 @@ from .trace import Rec, Trace, trace
 MODES = ("train", "forward", "decode")
 RECOMPUTE = ("none", "selective", "full")
 EXECUTIONS = ("compiled", "eager")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")  # pipeline schedules
 # Matmul precision beyond the traced dtype: "fp8" runs every 16-bit matmul in fp8 (weights, activations and, in
 # training, gradients, as Transformer Engine / NxD fp8 recipes do) at the fp8 peak; "w8" stores weights in 8 bits
 # (int8 / fp8 weight-only quantization) and computes in 16 bits. None: as traced.
@@ -142,6 +143,7 @@ class EstimateResult:
     precision: str | None = None
     note: str = ""  # how the layout was chosen (the GPU comparison)
     cores_per_instance: int = 0
+    pp: int = 1
 
     @property
     def fits(self) -> bool:
@@ -171,7 +173,8 @@ class EstimateResult:
         per = {"train": "training step", "forward": "forward pass", "decode": "decode step"}[self.mode]
         kind = "core" if self.target in CHIPS else "GPU"
         lines = [f"{per} on {self.cores} x {self.target} {kind}{'s' if self.cores > 1 else ''} "
-                 f"({self.instance}, dp={self.dp} tp={self.tp}{', ' + self.precision if self.precision else ''}, "
+                 f"({self.instance}, dp={self.dp} tp={self.tp}{f' pp={self.pp}' if self.pp > 1 else ''}"
+                 f"{', ' + self.precision if self.precision else ''}, "
                  f"{self.execution}): "
                  f"{_ms(self.step_time_s)}, {self.items_per_s:,.0f} {self.unit}/s, MFU {self.mfu:.1%}"]
         if self.cost_per_hour is not None:
@@ -311,10 +314,16 @@ class Plan:
     zero1: bool = True
     precision: str | None = None
     fsdp: bool = False  # ZeRO-3: weights, gradients and optimizer state sharded over dp
+    pp: int = 1  # pipeline stages (layers split evenly)
+    schedule: str = "1f1b"
+    vpp: int = 1  # virtual stages per core under the interleaved schedule
 
     def __post_init__(self):
         if self.mode not in MODES or self.recompute not in RECOMPUTE or self.execution not in EXECUTIONS:
             raise ValueError(f"mode in {MODES}, recompute in {RECOMPUTE}, execution in {EXECUTIONS}")
+        if self.pp < 1 or self.vpp < 1 or self.schedule not in SCHEDULES or \
+                (self.vpp > 1 and self.schedule != "interleaved"):
+            raise ValueError(f"pp, vpp >= 1; schedule in {SCHEDULES} (vpp > 1 only with 'interleaved')")
         if self.precision not in PRECISIONS or (self.precision == "w8" and self.train):
             raise ValueError(f"precision in {PRECISIONS} (w8, weight-only 8-bit, is for inference), "
                              f"got {self.precision!r}")
@@ -326,6 +335,11 @@ class Plan:
         return self.mode == "train"
 
     @property
+    def bubble(self) -> float:
+        """Idle micro-step slots of a pipelined step: p - 1 (GPipe, 1F1B), (p - 1) / v interleaved."""
+        return (self.pp - 1) / (self.vpp if self.schedule == "interleaved" else 1)
+
+    @property
     def sp(self) -> bool:
         return self.tp > 1 and (self.train if self.sequence_parallel is None else self.sequence_parallel)
 
@@ -335,14 +349,15 @@ def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float, micro: f
     ZeRO-1 moves the same bytes; under FSDP two weight all-gathers and a gradient reduce-scatter every
     micro-step, not overlapped), then the optimizer update, bound by HBM bandwidth."""
     ops = []
-    per_core = tr.param_count / plan.tp
+    per_core = tr.param_count / plan.tp / plan.pp
+    stride = plan.tp * plan.pp  # ranks: TP innermost, then pipeline stages, then data-parallel replicas
     if plan.dp > 1 and plan.fsdp:  # every micro-step: gather the weights for the forward and the backward,
         for kind in ("all_gather", "all_gather", "reduce_scatter"):  # reduce-scatter the gradients
-            c = lay.collective(kind, per_core * itemsize, plan.dp, stride=plan.tp)
+            c = lay.collective(kind, per_core * itemsize, plan.dp, stride=stride)
             ops.append(OpTime(kind, "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound, c.achieved,
                               micro))
     elif plan.dp > 1:
-        c = lay.collective("all_reduce", per_core * itemsize, plan.dp, stride=plan.tp)
+        c = lay.collective("all_reduce", per_core * itemsize, plan.dp, stride=stride)
         ops.append(OpTime("all_reduce", "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound,
                           c.achieved))
     if plan.optimizer:
@@ -354,13 +369,13 @@ def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float, micro: f
     return ops
 
 
-def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float) -> dict[str, float]:
+def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float, micro: float = 1.0) -> dict[str, float]:
     """Bytes per core: weights (8-bit when served quantized), inputs (a KV cache), and for training gradients,
     optimizer state (fp32 moments, plus fp32 master weights under mixed precision; split over dp under ZeRO-1,
     and weights and gradients too under FSDP) and the activations kept for the backward: every forward tensor
     the backward reads; under selective recomputation less the attention's; under full recomputation one
     layer's worth plus each layer's input (layers = attention ops)."""
-    tp, shard = plan.tp, plan.dp if plan.fsdp else 1
+    tp, shard = plan.tp * plan.pp, plan.dp if plan.fsdp else 1  # a core holds 1/pp of the layers
     stored = tr.param_count if plan.precision and not plan.train else tr.param_bytes  # 8-bit weights served
     mem = {"weights": stored / tp / shard, "inputs": tr.input_bytes / tp}
     if plan.train:
@@ -374,9 +389,14 @@ def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float) -> dict[str, flo
             saved -= {t for r in attention for t in r.out_ids}
         total = sum(map(co.per_core_bytes, saved))
         if plan.recompute == "full" and attention:
-            hidden = attention[0].ins[0].nbytes / (tp if co.sp else 1)  # one layer's input: tokens x hidden
+            hidden = attention[0].ins[0].nbytes / (plan.tp if co.sp else 1)  # a layer's input: tokens x hidden
             total = total / len(attention) + len(attention) * hidden
-        mem["activations"] = total
+        # pipelined: a stage keeps micro-batches in flight over its 1/pp of the layers: min(m, p) under 1F1B (the
+        # first stage), x (1 + (p - 1) / (p v)) interleaved, all m under GPipe
+        inflight = micro if plan.schedule == "gpipe" else min(micro, plan.pp)
+        if plan.schedule == "interleaved" and plan.pp > 1:
+            inflight *= 1 + (plan.pp - 1) / (plan.pp * plan.vpp)
+        mem["activations"] = total * inflight / plan.pp
     mem["total"] = sum(mem.values())
     mem["capacity"] = float(co.t.hbm_bytes)
     return mem
@@ -384,9 +404,11 @@ def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float) -> dict[str, flo
 
 def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
     """None when the step fits in a core's memory; else what does not fit and the smallest change that would:
-    recomputation, FSDP, more tensor parallelism inside an instance, 8-bit weights (inference), in that order."""
+    recomputation, FSDP, 8-bit weights (inference), in that order; else the smallest tensor-parallel degree
+    inside an instance and the smallest pipeline depth that fit."""
     itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
-    mem = lambda p: _memory(tr, Coster(tr, layout, p.tp, p.sp, True, p.precision), p, itemsize)
+    mem = lambda p: _memory(tr, Coster(tr, layout, p.tp, p.sp, True, p.precision), p, itemsize,
+                            _micro(tr, p))
     m = mem(plan)
     if m["total"] <= m["capacity"]:
         return None
@@ -404,35 +426,58 @@ def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
                 changes.append(("fsdp=True and recompute='full'", replace(plan, fsdp=True, recompute="full")))
     elif not plan.precision:
         changes.append(("precision='w8' (8-bit weights)", replace(plan, precision="w8")))
-    tp = plan.tp * 2
-    while tp <= layout.cores_per_instance:
-        changes.append((f"tp={tp}", replace(plan, tp=tp)))
-        if plan.train and plan.recompute != "full":
-            changes.append((f"tp={tp} and recompute='full'", replace(plan, tp=tp, recompute="full")))
-        tp *= 2
     for text, p in changes:
         if mem(p)["total"] <= m["capacity"]:
             return f"{what}; the smallest change that fits: {text}"
-    return (f"{what}; no tensor-parallel degree inside one {layout.instance} fits it: it needs pipeline "
-            "parallelism or more cores per model copy")
+    fits = lambda p: mem(p)["total"] <= m["capacity"]
+    tps = [plan.tp * 2**k for k in range(1, 12) if plan.tp * 2**k <= layout.cores_per_instance]
+    tp = next((t for t in tps if fits(replace(plan, tp=t))), None)
+    pp = next((2**k * plan.pp for k in range(1, 10) if fits(replace(plan, pp=2**k * plan.pp))), None)
+    options = [f"tp={tp}"] * (tp is not None) + [f"pp={pp}"] * (pp is not None)
+    if options:
+        return f"{what}; the smallest change that fits: {' or '.join(options)}"
+    return f"{what}; no tensor- or pipeline-parallel degree fits it: it needs more cores per model copy"
+
+
+def _micro(tr: Trace, plan: Plan) -> float:
+    """Micro-batches per step on each data-parallel replica (gradient accumulation, or a pipeline's fill)."""
+    return max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
+
+
+def _pipeline_ops(tr: Trace, lay: Layout, plan: Plan, slots: float) -> list[OpTime]:
+    """Between stages, every slot: the activation [tokens, hidden] sent forward (and in training its gradient
+    sent back), point to point between neighbouring stages, tp cores apart (across instances when a stage
+    fills one); not overlapped."""
+    attention = next((r for r in tr.recs if r.phase == "forward" and op_info(r.op).rule is Rule.ATTENTION), None)
+    if attention is None:
+        return []
+    nbytes = attention.ins[0].nbytes / (plan.tp if plan.sp else 1)
+    c = lay.collective("all_gather", 2 * nbytes, 2, stride=plan.tp)  # 2 ranks: each sends its half
+    return [OpTime("send_recv", "pipeline", "collective", 0.0, c.bytes, c.time_s, c.bound, c.achieved,
+                   slots * (2 if plan.train else 1))]
 
 
 def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = None) -> EstimateResult:
     """Cost a recorded step on `layout` under `plan`."""
     co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled", plan.precision)
-    micro = max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
+    micro, pp = _micro(tr, plan), plan.pp
+    # a pipeline stage runs 1/pp of every micro-batch's work, over micro + bubble slots
+    slots = micro + plan.bubble
     ops = [OpTime(x.cost.op if x.cost.engine == "collective" else x.rec.op, x.rec.phase, x.cost.engine,
-                  x.cost.flops, x.hbm_bytes, x.time_s, x.cost.bound, x.cost.achieved, micro, _shapes(x.rec))
+                  x.cost.flops / pp, x.hbm_bytes / pp, x.time_s / pp, x.cost.bound, x.cost.achieved, slots,
+                  _shapes(x.rec))
            for x in co.times(tr.recs)]
     if plan.train and plan.recompute != "none":
         ops += [replace(o, phase="recompute") for o in ops if o.phase == "forward"
                 and (plan.recompute == "full" or op_info(o.op).rule is Rule.ATTENTION)]
     itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
+    if pp > 1:
+        ops += _pipeline_ops(tr, layout, plan, slots)
     if plan.train:
         ops += _optimizer_ops(tr, layout, plan, itemsize, micro)
     step = sum(o.time_s * o.count for o in ops)
-    items, cores, t = tr.items * plan.dp * micro, plan.dp * plan.tp, layout.target
-    flops = sum(o.flops * o.count for o in ops if o.engine == "tensor" and o.phase in ("forward", "backward"))
+    items, cores, t = tr.items * plan.dp * micro, plan.dp * plan.tp * pp, layout.target
+    flops = micro * sum(o.flops for o in ops if o.engine == "tensor" and o.phase in ("forward", "backward"))
     price = layout.price_per_hour if price_per_hour is None else price_per_hour
     per_hour = None if price is None else price * cores / layout.cores_per_instance
     return EstimateResult(
@@ -444,8 +489,8 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
         price_per_hour=price, price_source=layout.price_source if price_per_hour is None else "given",
         cost_per_hour=per_hour, cost_per_step=None if per_hour is None else per_hour * step / 3600,
         cost_per_million=None if per_hour is None else per_hour / (items / step * 3600) * 1e6,
-        memory=_memory(tr, co, plan, itemsize), ops=ops, precision=plan.precision,
-        cores_per_instance=layout.cores_per_instance)
+        memory=_memory(tr, co, plan, itemsize, micro), ops=ops, precision=plan.precision,
+        cores_per_instance=layout.cores_per_instance, pp=pp)
 
 
 def _peak_class(plan: Plan, itemsize: float) -> str:
@@ -483,7 +528,7 @@ def compare_gpu(tr: Trace, res: EstimateResult, plan: Plan, gpu: str, *, count: 
         layouts = [(gcount // gtp, gtp)]
     elif plan.train:
         gpus = max(1, round(res.cores * per_instance / res.cores_per_instance))
-        layouts = [(max(1, gpus // t), t) for t in (1, 2, 4, 8) if t <= min(gpus, per_instance)]
+        layouts = [(max(1, gpus // (t * plan.pp)), t) for t in (1, 2, 4, 8) if t <= min(gpus, per_instance)]
     else:
         layouts = [(1, t) for t in (1, 2, 4, 8) if t <= per_instance]
     glay.check_tp(max(t for _, t in layouts))
@@ -518,7 +563,8 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
              price_per_hour: float | None = None, lnc: int | None = None, execution: str = "compiled",
              sequence_parallel: bool | None = None, recompute: str = "none", optimizer: str | None = "adamw",
              zero1: bool = True, compare: str | None = "p5.48xlarge",
-             precision: str | None = None, fsdp: bool = False, check_memory: bool = True,
+             precision: str | None = None, fsdp: bool = False, pp: int = 1, schedule: str = "1f1b",
+             vpp: int = 1, check_memory: bool = True,
              gpu_count: int | None = None, gpu_tp: int | None = None, gpu_precision: str | None = "same",
              gpu_price: float | None = None) -> EstimateResult:
     """Model one step of `model` on `example_inputs` (one micro-batch per data-parallel rank) on Trainium.
@@ -535,10 +581,13 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
     (or GPU: h100, h200, b200) to cost the same step on (same method; None to skip), laid out by compare_gpu
     with gpu_count, gpu_tp, gpu_precision and gpu_price. precision: None (as traced), "fp8" (matmuls in fp8,
     MFU against the fp8 peak) or "w8" (8-bit weights, 16-bit math; inference). fsdp: ZeRO-3 (weights and
-    gradients sharded over dp too, gathered every micro-step). check_memory: raise torch.OutOfMemoryError naming
-    what does not fit in a core's memory and the smallest change that would (False: report `fits` only)."""
+    gradients sharded over dp too, gathered every micro-step). pp: pipeline stages (layers split evenly over
+    pp x tp cores), schedule "1f1b" | "gpipe" | "interleaved" (with vpp virtual stages): the bubble is p - 1 (or
+    (p - 1) / vpp) micro-step slots; batch_tokens sets the micro-batches. check_memory: raise
+    torch.OutOfMemoryError naming what does not fit in a core's memory and the smallest change that would (False:
+    report `fits` only)."""
     plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1,
-                precision, fsdp)
+                precision, fsdp, pp, schedule, vpp)
     lay = Layout.of(target, instance, lnc)
     lay.check_tp(tp)
     if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour > 0):
