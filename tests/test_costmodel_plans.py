@@ -156,3 +156,43 @@ def test_pipeline_bubble_and_stage_memory(schedule, vpp):
     inflight = {"1f1b": min(m, p), "gpipe": m, "interleaved": min(m, p) * (1 + (p - 1) / (p * vpp))}[schedule]
     assert r.memory["activations"] == pytest.approx(one.memory["activations"] / 1 * inflight / p)
     assert r.cores == p and 0 < r.mfu < one.mfu  # the bubble idles the stages
+
+
+def test_search_finds_the_cheapest_configuration_meeting_the_target_and_its_frontier():
+    """Serving a 2-layer Llama-3.1-8B at batch 1 and 8: every candidate is the estimate of its own layout, the
+    reported choice is the cheapest per token among those within the time per token, and no candidate is both
+    cheaper and faster than one on the frontier."""
+    from torchneuron.costmodel import search
+
+    def build(batch):
+        model = _llama8b(layers=2)
+        return model, presets.lm_inputs(model, mode="decode", context=1024, batch=batch)
+
+    target = 2e-3
+    cands = search.search(build, mode="decode", target="trn2", gpus=("h100",), batches=(1, 8), latency_s=target)
+    assert {c.platform for c in cands} == {"trainium", "gpu"}
+    c = next(c for c in cands if c.platform == "gpu" and c.result.tp == 2 and c.result.precision == "w8"
+             and c.batch == 8)
+    model, inputs = build(8)
+    direct = estimate(model, inputs, target="h100", mode="decode", tp=2, dtype=BF16, precision="w8", compare=None)
+    assert c.result.step_time_s == pytest.approx(direct.step_time_s)
+    assert c.cost_per_million == pytest.approx(direct.cost_per_million)
+    for platform in ("trainium", "gpu"):
+        mine = [c for c in cands if c.platform == platform]
+        ok = [c for c in mine if c.result.step_time_s <= target]
+        assert all(c.meets == (c in ok) for c in mine)
+        front = search.frontier(mine)
+        for f in front:
+            assert not any(c.cost_per_million < f.cost_per_million and c.result.step_time_s < f.result.step_time_s
+                           for c in mine)
+        if ok:
+            cheapest = min(ok, key=lambda c: c.cost_per_million)
+            assert f"cheapest meeting the target: {search._row(cheapest)}" in search.table(cands)
+
+
+def test_cli_search_needs_its_target():
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    with pytest.raises(ValueError, match="--target-tpot-ms"):
+        cli.check_estimate_arguments(p.parse_args(["--model", "llama-8b", "--mode", "decode", "--search"]),
+                                     cli.usage_error)

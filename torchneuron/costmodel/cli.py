@@ -80,6 +80,14 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU matmul precision: same as the Trainium run (default), bf16, fp8 or w8")
     p.add_argument("--gpu-price", type=positive_finite, help="USD per GPU-instance-hour (default: documented)")
     p.add_argument("--report", metavar="OUT.md|OUT.html", help="also write a report with charts")
+    p.add_argument("--search", action="store_true",
+                   help="search the cheapest Trainium and GPU configurations meeting a --target-* and print the "
+                        "frontier (instances, tp, pp, dp, precision; serving: batch sizes)")
+    p.add_argument("--target-tokens-per-s", type=positive_finite, help="--search, training: tokens/s to reach")
+    p.add_argument("--target-tpot-ms", type=positive_finite, help="--search, decode: time per output token")
+    p.add_argument("--target-ttft-ms", type=positive_finite, help="--search, forward: time to first token")
+    p.add_argument("--search-batches", default="1,4,16,64",
+                   help="--search, serving: comma-separated batch sizes to try (default 1,4,16,64)")
     p.add_argument("--top", type=at_least(0), default=10, help="ops to list (>= 0)")
 
 
@@ -102,6 +110,17 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
         error(f"--gpu-count ({a.gpu_count}) must be a multiple of --gpu-tp ({a.gpu_tp})")
     if a.precision == "w8" and a.mode == "train":
         error("--precision w8 (8-bit weights) is for inference: use --precision fp8 to train in fp8")
+    if a.search:
+        targets = {"train": a.target_tokens_per_s, "decode": a.target_tpot_ms, "forward": a.target_ttft_ms}
+        flag = {"train": "--target-tokens-per-s", "decode": "--target-tpot-ms", "forward": "--target-ttft-ms"}
+        if targets[a.mode] is None:
+            error(f"--search --mode {a.mode} needs {flag[a.mode]}")
+        try:
+            a.search_batches = sorted({int(x) for x in a.search_batches.split(",")})
+        except ValueError:
+            a.search_batches = []
+        if not a.search_batches or min(a.search_batches) < 1:
+            error("--search-batches: comma-separated integers >= 1, e.g. 1,4,16")
     if a.vpp > 1 and a.schedule != "interleaved":
         error("--vpp needs --schedule interleaved")
     if a.fsdp and a.mode != "train":
@@ -148,6 +167,8 @@ def run_estimate(a: argparse.Namespace) -> int:
     from . import presets, report
 
     check_estimate_arguments(a, a.parser.error if "parser" in a else usage_error)
+    if a.search:
+        return run_search(a)
     # decode: --seq tokens are in the cache (its attention reads and its memory)
     model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype],
                                  context=a.seq if a.mode == "decode" else 0)
@@ -174,6 +195,30 @@ def run_estimate(a: argparse.Namespace) -> int:
     if a.report:
         for path in report.write(r, a.report, a.model):
             print(f"wrote {path}")
+    return 0
+
+
+def run_search(a: argparse.Namespace) -> int:
+    """--search: every fitting configuration on the target's largest instance and on each priced GPU instance."""
+    from . import presets, search
+
+    def build(batch: int) -> tuple[torch.nn.Module, Any]:
+        return presets.load(a.model, batch=batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype],
+                            context=a.seq if a.mode == "decode" else 0)
+
+    gpus = [] if a.gpu == "none" else [a.gpu] if a.gpu else list(GPUS)
+    prices = {a.gpu: a.gpu_price} if a.gpu and a.gpu_price else {}
+    latency = {"decode": a.target_tpot_ms, "forward": a.target_ttft_ms}.get(a.mode)
+    cands = search.search(build, mode=a.mode, target=a.target, gpus=gpus,
+                          batches=[a.batch] if a.mode == "train" else a.search_batches,
+                          tokens_per_s=a.target_tokens_per_s if a.mode == "train" else None,
+                          latency_s=latency / 1e3 if latency else None, dtype=DTYPES[a.dtype],
+                          global_batch_tokens=a.global_batch * a.seq if a.global_batch else None,
+                          gpu_prices=prices)
+    goal = (f"{a.target_tokens_per_s:,.0f} tokens/s" if a.mode == "train" else
+            f"{latency:g} ms {'per output token' if a.mode == 'decode' else 'to first token'}")
+    print(f"{a.model}, {a.mode}, seq {a.seq}: configurations meeting {goal} (* meets it), prices on demand")
+    print(search.table(cands))
     return 0
 
 
