@@ -196,3 +196,62 @@ def test_cli_search_needs_its_target():
     with pytest.raises(ValueError, match="--target-tpot-ms"):
         cli.check_estimate_arguments(p.parse_args(["--model", "llama-8b", "--mode", "decode", "--search"]),
                                      cli.usage_error)
+
+
+def test_from_profile_reprices_the_recorded_op_mix(tmp_path):
+    """A Chrome trace as torchneuron.profiler exports it: process 1 is the host (ignored), devices are 2+. A
+    bf16 mm of 2 x 1024^3 FLOPs and 6 MiB, and an fp32 add over 4M elements (48 MiB), each run twice, priced per
+    step (2 steps) on a trn2 core compiled: the mm at TensorE's rate from the clock and the array, the add at
+    VectorE's fp32 rate or HBM, whichever is slower, plus a kernel's fixed cost per call; on an H100 eager: the
+    calibrated matmul rate and HBM, plus a launch and a kernel per call."""
+    import json
+
+    from torchneuron.costmodel import mix
+    from torchneuron.hardware.chips import GPUS
+
+    mm = {"ph": "X", "pid": 2, "cat": "tensor", "name": "aten::mm",
+          "args": {"flops": 2 * 1024**3, "bytes": 6 * 2**20, "dtypes": ["torch.bfloat16", "torch.bfloat16"]}}
+    add = {"ph": "X", "pid": 2, "cat": "vector", "name": "aten::add",
+           "args": {"flops": 4 * 2**20, "bytes": 48 * 2**20, "dtypes": ["torch.float32"]}}
+    host = {"ph": "X", "pid": 1, "cat": "host", "name": "aten::mm", "args": {}}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [mm, add, mm, add, host]}))
+    ops = mix.load(path, steps=2)
+    assert sorted((o.name, o.calls) for o in ops) == [("aten::add", 1), ("aten::mm", 1)]
+    c = mix.price(ops, "trn2", execution="compiled")
+    hbm = TRN2.hbm_bw / TRN2.logical_cores(LNC)
+    kernel = 2 * TRN2.dma_fixed_s
+    mm_s = max(2 * 1024**3 / (2 * 128 * 128 * 2.4e9 * LNC), 6 * 2**20 / hbm) + kernel
+    add_s = max(4 * 2**20 / (TRN2.vector.rate(4) * LNC), 48 * 2**20 / hbm) + kernel
+    assert c.step_s == pytest.approx(mm_s + add_s)
+    assert c.mfu == pytest.approx(2 * 1024**3 / c.step_s / (83.4e12 * LNC))
+    assert c.cost_per_hour == pytest.approx(35.7608 / 64)
+    h = GPUS["h100"]
+    g = mix.price(ops, "h100", execution="eager")
+    fixed = h.launch_s + h.kernel_s
+    gmm = max(2 * 1024**3 / (989e12 * 0.803), 6 * 2**20 / (3.35e12 * 0.906)) + fixed
+    gadd = max(4 * 2**20 / 67e12, 48 * 2**20 / (3.35e12 * 0.906)) + fixed
+    assert g.step_s == pytest.approx(gmm + gadd)
+
+
+def test_from_profile_cli_reads_a_real_profile(tmp_path, capsys):
+    """A tiny GPT's forward on the neuron device under torchneuron.profiler, exported, then priced by the CLI:
+    the mix keeps every recorded device op and its FLOPs."""
+    import torchneuron
+    from torchneuron.costmodel import mix
+    from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
+
+    cfg = GPTConfig(n_layer=1, n_embd=64, n_head=2, block_size=32)
+    x, y = gpt_batch(cfg, 2, torch.Generator().manual_seed(0))
+    model = TinyGPT(cfg).to("neuron")
+    with torchneuron.profiler.profile() as prof:
+        model(x.to("neuron"), y.to("neuron"))
+    trace_path = prof.export_chrome_trace(tmp_path / "t.json")
+    from_file, from_object = mix.load(trace_path), mix.load(prof)
+    assert sum(o.calls for o in from_object) == len(prof.events)
+    assert sum(o.flops for o in from_file) == pytest.approx(sum(e.cost.flops for e in prof.events if e.device_s))
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    assert cli.run_estimate(p.parse_args(["--from-profile", str(trace_path), "--target", "trn1"])) == 0
+    out = capsys.readouterr().out
+    assert "1 trn1 of trn1.32xlarge" in out and "1 h100 of p5.48xlarge" in out and "compiled" in out

@@ -3,6 +3,7 @@ argparse types `torchneuron profile` shares (profiler/cli.py), and the demo's cl
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from collections.abc import Callable
@@ -80,6 +81,11 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU matmul precision: same as the Trainium run (default), bf16, fp8 or w8")
     p.add_argument("--gpu-price", type=positive_finite, help="USD per GPU-instance-hour (default: documented)")
     p.add_argument("--report", metavar="OUT.md|OUT.html", help="also write a report with charts")
+    p.add_argument("--from-profile", metavar="TRACE.json",
+                   help="price the op mix torchneuron.profiler recorded (torchneuron profile --trace) on --target "
+                        "and the GPU instead of a --model")
+    p.add_argument("--profile-steps", type=at_least(1), default=1,
+                   help="--from-profile: steps (or requests) the profile covers; times are per step")
     p.add_argument("--search", action="store_true",
                    help="search the cheapest Trainium and GPU configurations meeting a --target-* and print the "
                         "frontier (instances, tp, pp, dp, precision; serving: batch sizes)")
@@ -127,6 +133,10 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
         error("--fsdp shards training state: use it with --mode train")
     if a.global_batch is not None and a.global_batch < a.dp * a.batch:
         error(f"--global-batch must be at least --dp x --batch = {a.dp * a.batch}, got {a.global_batch}")
+    if a.from_profile:
+        if not os.path.isfile(a.from_profile):
+            error(f"--from-profile {a.from_profile!r}: no such file")
+        return
     if a.model in PRESETS:
         kw = PRESETS[a.model][1]
         context = kw.get("n_positions") or kw.get("max_position_embeddings")
@@ -169,6 +179,8 @@ def run_estimate(a: argparse.Namespace) -> int:
     check_estimate_arguments(a, a.parser.error if "parser" in a else usage_error)
     if a.search:
         return run_search(a)
+    if a.from_profile:
+        return run_from_profile(a)
     # decode: --seq tokens are in the cache (its attention reads and its memory)
     model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype],
                                  context=a.seq if a.mode == "decode" else 0)
@@ -195,6 +207,25 @@ def run_estimate(a: argparse.Namespace) -> int:
     if a.report:
         for path in report.write(r, a.report, a.model):
             print(f"wrote {path}")
+    return 0
+
+
+def run_from_profile(a: argparse.Namespace) -> int:
+    """--from-profile: the recorded op mix on the target's core and on one GPU, eager and compiled."""
+    from . import mix
+
+    try:
+        ops = mix.load(a.from_profile, steps=a.profile_steps)
+    except (ValueError, json.JSONDecodeError) as e:
+        print(f"torchneuron estimate: {e}")
+        return 1
+    gpu = None if a.gpu == "none" or a.compare == "none" else (a.gpu or a.compare)
+    costs = [mix.price(ops, a.target, lnc=a.lnc, execution=x, price_per_hour=a.price) for x in ("eager", "compiled")]
+    if gpu:
+        costs += [mix.price(ops, gpu, execution=x, price_per_hour=a.gpu_price) for x in ("eager", "compiled")]
+    calls = sum(o.calls for o in ops)
+    print(f"{a.from_profile}: {calls:,} ops per step ({len(ops)} kinds) recorded by torchneuron.profiler, re-priced")
+    print(mix.table(costs))
     return 0
 
 
