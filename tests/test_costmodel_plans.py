@@ -255,3 +255,22 @@ def test_from_profile_cli_reads_a_real_profile(tmp_path, capsys):
     assert cli.run_estimate(p.parse_args(["--from-profile", str(trace_path), "--target", "trn1"])) == 0
     out = capsys.readouterr().out
     assert "1 trn1 of trn1.32xlarge" in out and "1 h100 of p5.48xlarge" in out and "compiled" in out
+
+
+def test_moe_experts_cost_their_routed_tokens_and_read_only_the_hit_experts():
+    """Mixtral (8 experts, 2 per token), 2 layers: a forward over 256 tokens runs its expert GEMMs on 512 routed
+    rows: per layer 2 x 512 x 4096 x (2 x 14336) (gate and up) + 2 x 512 x 14336 x 4096 (down) FLOPs. A decode
+    step at batch 1 routes 2 rows, so it reads 2 experts' weights, not 8 (bf16)."""
+    model = presets.hf_model(presets.config("mixtral-8x7b", num_hidden_layers=2))
+    n = sum(p.numel() for p in model.parameters())
+    assert n == pytest.approx(2 * (8 * 3 * 4096 * 14336 + 4096 * (4096 + 2 * 1024 + 4096) + 8 * 4096)
+                              + 2 * 32000 * 4096, rel=0.01)
+    fwd = estimate(model, presets.lm_inputs(model, seq=256, mode="forward"), mode="forward", dtype=BF16,
+                   compare=None, execution="eager")
+    experts = [o for o in fwd.ops if o.op == "_grouped_mm"]
+    assert sum(o.flops for o in experts) == pytest.approx(2 * (2 * 512 * 4096 * 2 * 14336 + 2 * 512 * 14336 * 4096))
+    dec = estimate(model, presets.lm_inputs(model, mode="decode", context=64), mode="decode", dtype=BF16,
+                   compare=None, execution="eager")
+    read = sum(o.bytes for o in dec.ops if o.op == "_grouped_mm")
+    assert read == pytest.approx(2 * 2 * 3 * 4096 * 14336 * 2, rel=0.01)
+    assert 0 < fwd.mfu < 1 and fwd.mfu > 0.1  # the expert GEMMs count as model FLOPs

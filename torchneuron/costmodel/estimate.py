@@ -439,6 +439,12 @@ def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
     return f"{what}; no tensor- or pipeline-parallel degree fits it: it needs more cores per model copy"
 
 
+def _on_tensor_engine(o: OpTime) -> bool:
+    """Model FLOPs: TensorE's, and matmuls the device runs as host fallbacks (MoE grouped GEMMs) that a compiled
+    program puts on TensorE."""
+    return o.engine == "tensor" or (o.engine == "host" and op_info(o.op).rule is Rule.MATMUL)
+
+
 def _micro(tr: Trace, plan: Plan) -> float:
     """Micro-batches per step on each data-parallel replica (gradient accumulation, or a pipeline's fill)."""
     return max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
@@ -477,7 +483,7 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
         ops += _optimizer_ops(tr, layout, plan, itemsize, micro)
     step = sum(o.time_s * o.count for o in ops)
     items, cores, t = tr.items * plan.dp * micro, plan.dp * plan.tp * pp, layout.target
-    flops = micro * sum(o.flops for o in ops if o.engine == "tensor" and o.phase in ("forward", "backward"))
+    flops = micro * sum(o.flops for o in ops if o.phase in ("forward", "backward") and _on_tensor_engine(o))
     price = layout.price_per_hour if price_per_hour is None else price_per_hour
     per_hour = None if price is None else price * cores / layout.cores_per_instance
     return EstimateResult(

@@ -256,11 +256,18 @@ def _matmul(op, ins, outs, attrs, shard, t):
     dims = {"b": max(math.prod(a[:-2]), math.prod(b[:-2])), "m": a[-2] if len(a) > 1 else 1,
             "k": a[-1], "n": b[-1] if len(b) > 1 else 1}
     bat = {"a": len(a) > 2, "b": len(b) > 2, "c": True}
+    if op == "_grouped_mm" and len(a) == 2 and len(b) == 3:
+        # MoE: the [M, K] rows are grouped by expert (offsets) against [E, K, N]: each row meets one expert, so
+        # the work is one [M, K] x [K, N] GEMM; the weights of at most min(E, M) experts are read
+        dims["b"], bat = 1, {"a": False, "b": False, "c": False}
+        weights = min(b[0], a[0])
+    else:
+        weights = 1
     if shard:
         dims[shard[0]] = math.ceil(dims[shard[0]] / shard[1])
     dclass = _mixed_class(ins[ia], ins[ib])
     size = {x: math.prod(dims[d] for d in _DIMS[x] if d != "b" or bat[x]) for x in "abc"}
-    io = size["a"] * ins[ia].itemsize + size["b"] * ins[ib].itemsize + size["c"] * outs[0].itemsize
+    io = size["a"] * ins[ia].itemsize + weights * size["b"] * ins[ib].itemsize + size["c"] * outs[0].itemsize
     b, m, k, n = dims["b"], dims["m"], dims["k"], dims["n"]
     nbytes = max(io, _reread_bytes(b, m, k, n, ins[ia].itemsize, t))
     return Work(2 * b * m * k * n, _gemm_s(b, m, k, n, t, dclass), io, nbytes, t.matmul_flops(dclass))
