@@ -274,3 +274,14 @@ def test_moe_experts_cost_their_routed_tokens_and_read_only_the_hit_experts():
     read = sum(o.bytes for o in dec.ops if o.op == "_grouped_mm")
     assert read == pytest.approx(2 * 2 * 3 * 4096 * 14336 * 2, rel=0.01)
     assert 0 < fwd.mfu < 1 and fwd.mfu > 0.1  # the expert GEMMs count as model FLOPs
+
+
+def test_reserved_pricing_uses_the_published_ri_rate_where_there_is_one():
+    """AWS publishes RI-effective rates for trn1 only (trn1.32xlarge $8.197/h); elsewhere it is a usage error."""
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    a = p.parse_args(["--target", "trn1", "--pricing", "reserved"])
+    cli.check_estimate_arguments(a, cli.usage_error)
+    assert a.price == pytest.approx(8.197)
+    with pytest.raises(ValueError, match="no reserved rate for trn2.48xlarge"):
+        cli.check_estimate_arguments(p.parse_args(["--target", "trn2", "--pricing", "reserved"]), cli.usage_error)

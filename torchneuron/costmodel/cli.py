@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..hardware.chips import CHIPS, GPU_INSTANCES, GPUS, INSTANCES
+from ..hardware.chips import CHIPS, GPU_INSTANCES, GPUS, INSTANCES, LARGEST_INSTANCE
 from .estimate import EXECUTIONS, MODES, PRECISIONS, RECOMPUTE, SCHEDULES, EstimateResult, estimate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -64,6 +64,8 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
     p.add_argument("--price", type=positive_finite,
                    help="USD per instance-hour, > 0 (default: the documented estimate)")
+    p.add_argument("--pricing", choices=["on-demand", "reserved"], default="on-demand",
+                   help="reserved: AWS's published RI-effective rate where one is published (trn1)")
     p.add_argument("--precision", choices=[x for x in PRECISIONS if x],
                    help="fp8: matmuls in fp8 (MFU on the fp8 peak); w8: 8-bit weights, 16-bit math (inference)")
     p.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (layers split evenly)")
@@ -127,6 +129,12 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
             a.search_batches = []
         if not a.search_batches or min(a.search_batches) < 1:
             error("--search-batches: comma-separated integers >= 1, e.g. 1,4,16")
+    if a.pricing == "reserved" and a.price is None:
+        inst = INSTANCES.get(a.instance or LARGEST_INSTANCE[a.target])
+        if inst is None or inst.reserved_per_hour is None:
+            error(f"--pricing reserved: AWS publishes no reserved rate for {a.instance or LARGEST_INSTANCE[a.target]} "
+                  "(only trn1's RI-effective rates); pass --price")
+        a.price = inst.reserved_per_hour
     if a.vpp > 1 and a.schedule != "interleaved":
         error("--vpp needs --schedule interleaved")
     if a.fsdp and a.mode != "train":

@@ -157,13 +157,14 @@ class Instance:
     price_per_hour: float | None  # USD on-demand, us-east-1; None where no source was found
     price_source: str = ""
     efa_bps: float = 0.0  # bits/s between instances
+    reserved_per_hour: float | None = None  # USD, AWS's published "RI-effective" rate (S26); None: not published
 
 
 INSTANCES: dict[str, Instance] = {
     i.name: i
     for i in (
-        Instance("trn1.2xlarge", "trn1", 1, 1.34375, "[3p] public price tables, 2026", 25e9),
-        Instance("trn1.32xlarge", "trn1", 16, 21.50, "[3p] usage.ai 2026 and price tables", 800e9),
+        Instance("trn1.2xlarge", "trn1", 1, 1.34375, "[3p] public price tables, 2026", 25e9, 0.512),
+        Instance("trn1.32xlarge", "trn1", 16, 21.50, "[3p] usage.ai 2026 and price tables", 800e9, 8.197),
         Instance("trn1n.32xlarge", "trn1", 16, 24.78, "[3p] public price tables", 1600e9),
         Instance("trn2.3xlarge", "trn2", 1, 35.7608 / 16, "[derived] 1/16 of trn2.48xlarge; UNVERIFIED", 0.0),
         Instance("trn2.48xlarge", "trn2", 16, 35.7608, "[3p] us-east-1 Feb 2026, UNVERIFIED", 3200e9),
