@@ -32,7 +32,8 @@ def test_every_case_is_within_the_max_bound_or_a_documented_outlier(rows):
     bad = [f"{r.case.name}: {r.error:+.1%}" for r in rows
            if abs(r.error) > validation.MAX_BOUND and not r.case.outlier]
     assert not bad, f"outside +-{validation.MAX_BOUND:.0%}: {bad}\n{validation.table(rows)}"
-    assert sum(bool(r.case.outlier) for r in rows) <= 1  # an exception, not a way around the bound
+    # an exception with its reason, not a way around the bound: at most one case in ten
+    assert sum(bool(r.case.outlier) for r in rows) <= len(rows) // 10
 
 
 def test_the_documented_table_is_the_recomputed_one(rows):

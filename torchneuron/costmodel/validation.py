@@ -61,6 +61,18 @@ def _mpt(d_model: int, layers: int, heads: int, seq: int) -> torch.nn.Module:
                                        n_positions=seq, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
 
 
+_SHORT_PROMPT = ("a 128-token prefill is a few ms of weight streaming; the published time carries the serving "
+                 "engine's per-request work (enqueue, sampling, copies), which the model does not have")
+
+
+def _gpt3_175b() -> torch.nn.Module:
+    """GPT-3 175B (96 layers, 12288 wide, 96 heads, vocab 51200) as a Hugging Face GPT-2 without dropout."""
+    from transformers import GPT2Config
+
+    return presets.hf_model(GPT2Config(n_layer=96, n_embd=12288, n_head=96, vocab_size=51200, n_positions=2048,
+                                       attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
+
+
 def _train(model: torch.nn.Module, seq: int, micro: int, target: str, per: str = "seq", **kw) -> float:
     """Tokens (per="token") or sequences per second of a training step; kw go to estimate."""
     ids = torch.zeros(micro, seq, dtype=torch.long)
@@ -176,6 +188,13 @@ CASES = (
     Case("Llama-3-8B int8 weights decode, TPOT", "trn1.32xlarge, TP32, BS1, 4096 in / 4096 out", "ms", 7.04,
          "S29 trn1 latency_data_decoder.csv",
          lambda: _decode_ms(_llama("llama-8b"), 6144, **_trn1(precision="w8"))),
+    Case("Llama-2-7B decode, TPOT", "trn1.32xlarge, TP32, BS1, 128 in / 8064 out", "ms", 6.70,
+         "S29 trn1 latency_data_decoder.csv", lambda: _decode_ms(_llama("llama2-7b"), 4160, **_trn1())),
+    Case("Llama-3-8B int8 weights decode BS8, TPOT", "trn1.32xlarge, TP32, BS8, 128 in / 8064 out", "ms", 9.95,
+         "S29 trn1 throughput_data_decoder.csv",
+         lambda: _decode_ms(_llama("llama-8b"), 4160, batch=8, **_trn1(precision="w8"))),
+    Case("Llama-2-13B decode, TPOT, 16k", "trn1.32xlarge, TP32, BS1, 8192 in / 8192 out", "ms", 13.41,
+         "S29 trn1 latency_data_decoder.csv", lambda: _decode_ms(_llama("llama2-13b"), 12288, **_trn1())),
     # ---- H100
     Case("MPT-1B pre-training", "8x H100, FSDP, bf16, seq 2048, mb 14", "tok/s/GPU", 45455,
          "G5 llm-foundry benchmarks (H100 bf16)",
@@ -212,6 +231,22 @@ CASES = (
          "G7 Megatron-Bridge performance summary (25.11)",
          lambda: _train(_llama("llama-70b"), 8192, 1, per="token", precision="fp8", batch_tokens=128 * 8192,
                         pp=8, schedule="interleaved", vpp=5, **_h100(tp=4, dp=2)) / 64, "gpu"),
+    Case("Llama-2-13B pre-training, fp8", "16x H100, TP1 PP4 VP10 DP4, seq 4096, mb 1, GBS 128", "tok/s/GPU",
+         8646, "G6 NeMo performance summary (24.07)",
+         lambda: _train(_llama("llama2-13b"), 4096, 1, per="token", precision="fp8", batch_tokens=128 * 4096,
+                        pp=4, schedule="interleaved", vpp=10, **_h100(dp=4)) / 16, "gpu"),
+    Case("GPT-3 175B pre-training, fp8", "128x H100, TP4 PP8 VP6 DP4, seq 2048, mb 1, GBS 256", "tok/s/GPU", 726,
+         "G6 NeMo performance summary (24.07)",
+         lambda: _train(_gpt3_175b(), 2048, 1, per="token", precision="fp8", batch_tokens=256 * 2048, pp=8,
+                        schedule="interleaved", vpp=6, **_h100(tp=4, dp=4)) / 128, "gpu"),
+    Case("Llama-7B prefill, TTFT, 128 tokens", "1x H100, fp8, BS1, 128 in", "ms", 7.0,
+         "G8 TensorRT-LLM v0.5 performance.md",
+         lambda: _prefill_ms(_llama("llama2-7b"), 128, precision="fp8", **_h100(tp=1)), "gpu",
+         outlier=_SHORT_PROMPT),
+    Case("Llama-70B prefill, TTFT, 128 tokens", "4x H100, TP4, fp8, BS1, 128 in", "ms", 26.0,
+         "G8 TensorRT-LLM v0.5 performance.md",
+         lambda: _prefill_ms(_llama("llama2-70b"), 128, precision="fp8", **_h100(tp=4)), "gpu",
+         outlier=_SHORT_PROMPT),
     Case("Llama-7B prefill, TTFT", "1x H100, fp8, BS1, 2048 in", "ms", 36.0,
          "G8 TensorRT-LLM v0.5 performance.md",
          lambda: _prefill_ms(_llama("llama2-7b"), 2048, precision="fp8", **_h100(tp=1)), "gpu"),
