@@ -1,5 +1,6 @@
 """torchneuron.estimate: how long one training step, forward pass or decode step of a model would take on a
-Trainium instance, how well it would use the chip, and what it would cost, compared with an H100 instance.
+Trainium instance, how well it would use the chip, and what it would cost, compared with a GPU job laid out as a
+buyer would (compare_gpu).
 
 The model runs on meta tensors (costmodel.trace), so nothing is computed and a 70B model needs no memory.
 Every recorded op is costed on one logical core with costmodel.ops; a compiled step groups ops into fused
