@@ -1,5 +1,6 @@
-"""The cost model against published Trainium measurements (docs/costmodel.md): every case is recomputed with
-the one set of constants in hardware/chips.py and must stay within the documented error bound."""
+"""The cost model against published measurements (docs/costmodel.md): every case, Trainium and GPU, is recomputed
+with the one set of constants in hardware/chips.py; each side's median error and every case's error must stay in
+the documented bounds (a case marked as a known outlier carries its reason in the table instead)."""
 from __future__ import annotations
 
 import re
@@ -17,17 +18,41 @@ def rows():
     return validation.run()
 
 
-def test_every_case_is_within_the_bound(rows):
-    bad = [f"{r.case.name}: {r.error:+.1%}" for r in rows if abs(r.error) > validation.BOUND]
-    assert not bad, f"outside +-{validation.BOUND:.0%}: {bad}\n{validation.table(rows)}"
+def test_each_side_has_at_least_twelve_published_cases(rows):
+    sides = {side: n for side, (_, _, n) in validation.summary(rows).items()}
+    assert sides.get("trainium", 0) >= 12 and sides.get("gpu", 0) >= 12, sides
+
+
+def test_median_error_is_within_the_bound_on_each_side(rows):
+    for side, (median, _, _) in validation.summary(rows).items():
+        assert median <= validation.MEDIAN_BOUND, f"{side}: median {median:.1%}\n{validation.table(rows)}"
+
+
+def test_every_case_is_within_the_max_bound_or_a_documented_outlier(rows):
+    bad = [f"{r.case.name}: {r.error:+.1%}" for r in rows
+           if abs(r.error) > validation.MAX_BOUND and not r.case.outlier]
+    assert not bad, f"outside +-{validation.MAX_BOUND:.0%}: {bad}\n{validation.table(rows)}"
+    # an exception with its reason, not a way around the bound: at most one case in ten
+    assert sum(bool(r.case.outlier) for r in rows) <= len(rows) // 10
 
 
 def test_the_documented_table_is_the_recomputed_one(rows):
     """docs/costmodel.md shows each case with the error this model gives (to a tenth of a percent)."""
     doc = DOC.read_text()
-    assert f"{validation.BOUND:.0%}" in doc
+    assert f"{validation.MEDIAN_BOUND:.0%}" in doc and f"{validation.MAX_BOUND:.0%}" in doc
     for r in rows:
         line = next((ln for ln in doc.splitlines() if ln.startswith(f"| {r.case.name} |")), None)
         assert line, f"{r.case.name} missing from {DOC.name}"
         documented = float(re.findall(r"\| ([+-]\d+\.\d)% \|", line)[0])
         assert documented == pytest.approx(r.error * 100, abs=0.15), (line, validation.table(rows))
+
+
+def test_the_documented_cost_ratios_are_the_recomputed_ones(rows):
+    """docs/costmodel.md shows, for each workload, the published and the modelled Trainium / GPU cost per token
+    computed from the cases above at the documented prices."""
+    doc = DOC.read_text()
+    assert len(validation.RATIOS) >= 3
+    for x, pub, mod in validation.ratios(rows):
+        line = next((ln for ln in doc.splitlines() if ln.startswith(f"| {x.workload} |")), None)
+        assert line, f"{x.workload} missing from {DOC.name}"
+        assert line.endswith(f"| {pub:.2f}x | {mod:.2f}x |"), (line, validation.ratio_table(rows))

@@ -3,6 +3,7 @@ argparse types `torchneuron profile` shares (profiler/cli.py), and the demo's cl
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from collections.abc import Callable
@@ -10,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ..hardware.chips import CHIPS, GPU_INSTANCES, INSTANCES
-from .estimate import EXECUTIONS, MODES, RECOMPUTE, EstimateResult, estimate
+from ..hardware.chips import CHIPS, GPU_INSTANCES, GPUS, INSTANCES, LARGEST_INSTANCE
+from .estimate import EXECUTIONS, MODES, PRECISIONS, RECOMPUTE, SCHEDULES, EstimateResult, estimate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -63,8 +64,38 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
     p.add_argument("--price", type=positive_finite,
                    help="USD per instance-hour, > 0 (default: the documented estimate)")
-    p.add_argument("--compare", default="p5.48xlarge", choices=[*GPU_INSTANCES, "none"])
+    p.add_argument("--pricing", choices=["on-demand", "reserved"], default="on-demand",
+                   help="reserved: AWS's published RI-effective rate where one is published (trn1)")
+    p.add_argument("--precision", choices=[x for x in PRECISIONS if x],
+                   help="fp8: matmuls in fp8 (MFU on the fp8 peak); w8: 8-bit weights, 16-bit math (inference)")
+    p.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (layers split evenly)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
+    p.add_argument("--vpp", type=at_least(1), default=1, help="virtual stages per core (--schedule interleaved)")
+    p.add_argument("--fsdp", action="store_true", help="ZeRO-3: weights and gradients sharded over --dp too")
+    p.add_argument("--compare", default="p5.48xlarge", choices=[*GPU_INSTANCES, "none"],
+                   help="the GPU instance to compare with (--gpu names the GPU instead)")
+    p.add_argument("--gpu", choices=[*GPUS, "none"],
+                   help="compare with this GPU on its instance type (default: --compare's, an H100)")
+    p.add_argument("--gpu-count", type=at_least(1), help="GPUs of the comparison job (default: the cheapest "
+                   "layout that fits and, serving, is as fast as the Trainium step)")
+    p.add_argument("--gpu-tp", type=at_least(1), help="tensor-parallel degree on the GPUs (1..8)")
+    p.add_argument("--gpu-dtype", choices=["same", "bf16", "fp8", "w8"], default="same",
+                   help="GPU matmul precision: same as the Trainium run (default), bf16, fp8 or w8")
+    p.add_argument("--gpu-price", type=positive_finite, help="USD per GPU-instance-hour (default: documented)")
     p.add_argument("--report", metavar="OUT.md|OUT.html", help="also write a report with charts")
+    p.add_argument("--from-profile", metavar="TRACE.json",
+                   help="price the op mix torchneuron.profiler recorded (torchneuron profile --trace) on --target "
+                        "and the GPU instead of a --model")
+    p.add_argument("--profile-steps", type=at_least(1), default=1,
+                   help="--from-profile: steps (or requests) the profile covers; times are per step")
+    p.add_argument("--search", action="store_true",
+                   help="search the cheapest Trainium and GPU configurations meeting a --target-* and print the "
+                        "frontier (instances, tp, pp, dp, precision; serving: batch sizes)")
+    p.add_argument("--target-tokens-per-s", type=positive_finite, help="--search, training: tokens/s to reach")
+    p.add_argument("--target-tpot-ms", type=positive_finite, help="--search, decode: time per output token")
+    p.add_argument("--target-ttft-ms", type=positive_finite, help="--search, forward: time to first token")
+    p.add_argument("--search-batches", default="1,4,16,64",
+                   help="--search, serving: comma-separated batch sizes to try (default 1,4,16,64)")
     p.add_argument("--top", type=at_least(0), default=10, help="ops to list (>= 0)")
 
 
@@ -81,8 +112,39 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
         lay.check_tp(a.tp)
     except ValueError as e:
         error(f"--tp: {e}")
+    if a.gpu_tp is not None and not 1 <= a.gpu_tp <= 8:
+        error(f"--gpu-tp must be in 1..8 (the GPUs of one instance), got {a.gpu_tp}")
+    if a.gpu_count and a.gpu_tp and a.gpu_count % a.gpu_tp:
+        error(f"--gpu-count ({a.gpu_count}) must be a multiple of --gpu-tp ({a.gpu_tp})")
+    if a.precision == "w8" and a.mode == "train":
+        error("--precision w8 (8-bit weights) is for inference: use --precision fp8 to train in fp8")
+    if a.search:
+        targets = {"train": a.target_tokens_per_s, "decode": a.target_tpot_ms, "forward": a.target_ttft_ms}
+        flag = {"train": "--target-tokens-per-s", "decode": "--target-tpot-ms", "forward": "--target-ttft-ms"}
+        if targets[a.mode] is None:
+            error(f"--search --mode {a.mode} needs {flag[a.mode]}")
+        try:
+            a.search_batches = sorted({int(x) for x in a.search_batches.split(",")})
+        except ValueError:
+            a.search_batches = []
+        if not a.search_batches or min(a.search_batches) < 1:
+            error("--search-batches: comma-separated integers >= 1, e.g. 1,4,16")
+    if a.pricing == "reserved" and a.price is None:
+        inst = INSTANCES.get(a.instance or LARGEST_INSTANCE[a.target])
+        if inst is None or inst.reserved_per_hour is None:
+            error(f"--pricing reserved: AWS publishes no reserved rate for {a.instance or LARGEST_INSTANCE[a.target]} "
+                  "(only trn1's RI-effective rates); pass --price")
+        a.price = inst.reserved_per_hour
+    if a.vpp > 1 and a.schedule != "interleaved":
+        error("--vpp needs --schedule interleaved")
+    if a.fsdp and a.mode != "train":
+        error("--fsdp shards training state: use it with --mode train")
     if a.global_batch is not None and a.global_batch < a.dp * a.batch:
         error(f"--global-batch must be at least --dp x --batch = {a.dp * a.batch}, got {a.global_batch}")
+    if a.from_profile:
+        if not os.path.isfile(a.from_profile):
+            error(f"--from-profile {a.from_profile!r}: no such file")
+        return
     if a.model in PRESETS:
         kw = PRESETS[a.model][1]
         context = kw.get("n_positions") or kw.get("max_position_embeddings")
@@ -103,25 +165,99 @@ def _ops_table(r: EstimateResult, n: int) -> str:
     return "\n".join(rows)
 
 
+def buyer_table(r: EstimateResult) -> str:
+    """Trainium beside the GPU job as a buyer compares them: layout, time, $/hour, $/million items, and the
+    ratio of the two costs per item."""
+    c = r.comparison
+    per = "time per token" if r.mode == "decode" else "step time"
+    money = lambda x, d=2: "n/a" if x is None else f"${x:,.{d}f}"
+    rows = [(f"{r.cores} x {r.target} ({r.instance})", r), (f"{c.cores} x {c.target} ({c.instance})", c)]
+    lines = [f"  {'':<34} {per:>14} {'$/hour':>10} {'$/M ' + r.unit:>14}  layout"]
+    for name, e in rows:
+        lines.append(f"  {name:<34} {e.step_time_s * 1e3:>11,.2f} ms {money(e.cost_per_hour):>10} "
+                     f"{money(e.cost_per_million, 4):>14}  dp={e.dp} tp={e.tp} {e.precision or 'as traced'}")
+    if r.cost_per_million and c.cost_per_million:
+        lines.append(f"  Trainium / GPU cost per {r.unit[:-1]}: {r.cost_per_million / c.cost_per_million:.2f}x")
+    return "\n".join(lines)
+
+
 def run_estimate(a: argparse.Namespace) -> int:
     from . import presets, report
 
     check_estimate_arguments(a, a.parser.error if "parser" in a else usage_error)
-    model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype])
+    if a.search:
+        return run_search(a)
+    if a.from_profile:
+        return run_from_profile(a)
+    # decode: --seq tokens are in the cache (its attention reads and its memory)
+    model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype],
+                                 context=a.seq if a.mode == "decode" else 0)
     tokens = a.global_batch * (a.seq if a.mode == "train" else 1) if a.global_batch else None
-    r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
-                 dtype=DTYPES[a.dtype], batch_tokens=tokens, price_per_hour=a.price, lnc=a.lnc,
-                 execution=a.execution, recompute=a.recompute,
-                 compare=None if a.compare == "none" else a.compare)
+    compare = a.gpu if a.gpu else a.compare
+    gpu_dtype = {"same": "same", "bf16": None}.get(a.gpu_dtype, a.gpu_dtype)
+    try:
+        r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
+                     dtype=DTYPES[a.dtype], batch_tokens=tokens, price_per_hour=a.price, lnc=a.lnc,
+                     execution=a.execution, recompute=a.recompute, precision=a.precision, fsdp=a.fsdp,
+                     pp=a.pp, schedule=a.schedule, vpp=a.vpp,
+                     compare=None if compare == "none" else compare, gpu_count=a.gpu_count, gpu_tp=a.gpu_tp,
+                     gpu_precision=gpu_dtype, gpu_price=a.gpu_price)
+    except torch.OutOfMemoryError as e:
+        print(f"torchneuron estimate: {e}")
+        return 1
     print(f"{a.model}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, batch {a.batch} x "
           f"{'context ' if a.mode == 'decode' else ''}{a.seq}, {a.dtype}")
     print(r.summary())
     if r.comparison:
         print(r.comparison.summary())
+        print(buyer_table(r))
     print(f"top ops on one {r.target} core:\n{_ops_table(r, a.top)}")
     if a.report:
         for path in report.write(r, a.report, a.model):
             print(f"wrote {path}")
+    return 0
+
+
+def run_from_profile(a: argparse.Namespace) -> int:
+    """--from-profile: the recorded op mix on the target's core and on one GPU, eager and compiled."""
+    from . import mix
+
+    try:
+        ops = mix.load(a.from_profile, steps=a.profile_steps)
+    except (ValueError, json.JSONDecodeError) as e:
+        print(f"torchneuron estimate: {e}")
+        return 1
+    gpu = None if a.gpu == "none" or a.compare == "none" else (a.gpu or a.compare)
+    costs = [mix.price(ops, a.target, lnc=a.lnc, execution=x, price_per_hour=a.price) for x in ("eager", "compiled")]
+    if gpu:
+        costs += [mix.price(ops, gpu, execution=x, price_per_hour=a.gpu_price) for x in ("eager", "compiled")]
+    calls = sum(o.calls for o in ops)
+    print(f"{a.from_profile}: {calls:,} ops per step ({len(ops)} kinds) recorded by torchneuron.profiler, re-priced")
+    print(mix.table(costs))
+    return 0
+
+
+def run_search(a: argparse.Namespace) -> int:
+    """--search: every fitting configuration on the target's largest instance and on each priced GPU instance."""
+    from . import presets, search
+
+    def build(batch: int) -> tuple[torch.nn.Module, Any]:
+        return presets.load(a.model, batch=batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype],
+                            context=a.seq if a.mode == "decode" else 0)
+
+    gpus = [] if a.gpu == "none" else [a.gpu] if a.gpu else list(GPUS)
+    prices = {a.gpu: a.gpu_price} if a.gpu and a.gpu_price else {}
+    latency = {"decode": a.target_tpot_ms, "forward": a.target_ttft_ms}.get(a.mode)
+    cands = search.search(build, mode=a.mode, target=a.target, gpus=gpus,
+                          batches=[a.batch] if a.mode == "train" else a.search_batches,
+                          tokens_per_s=a.target_tokens_per_s if a.mode == "train" else None,
+                          latency_s=latency / 1e3 if latency else None, dtype=DTYPES[a.dtype],
+                          global_batch_tokens=a.global_batch * a.seq if a.global_batch else None,
+                          gpu_prices=prices)
+    goal = (f"{a.target_tokens_per_s:,.0f} tokens/s" if a.mode == "train" else
+            f"{latency:g} ms {'per output token' if a.mode == 'decode' else 'to first token'}")
+    print(f"{a.model}, {a.mode}, seq {a.seq}: configurations meeting {goal} (* meets it), prices on demand")
+    print(search.table(cands))
     return 0
 
 

@@ -1,5 +1,6 @@
 """torchneuron.estimate: how long one training step, forward pass or decode step of a model would take on a
-Trainium instance, how well it would use the chip, and what it would cost, compared with an H100 instance.
+Trainium instance, how well it would use the chip, and what it would cost, compared with a GPU job laid out as a
+buyer would (compare_gpu).
 
 The model runs on meta tensors (costmodel.trace), so nothing is computed and a 70B model needs no memory.
 Every recorded op is costed on one logical core with costmodel.ops; a compiled step groups ops into fused
@@ -23,6 +24,11 @@ from .trace import Rec, Trace, trace
 MODES = ("train", "forward", "decode")
 RECOMPUTE = ("none", "selective", "full")
 EXECUTIONS = ("compiled", "eager")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")  # pipeline schedules
+# Matmul precision beyond the traced dtype: "fp8" runs every 16-bit matmul in fp8 (weights, activations and, in
+# training, gradients, as Transformer Engine / NxD fp8 recipes do) at the fp8 peak; "w8" stores weights in 8 bits
+# (int8 / fp8 weight-only quantization) and computes in 16 bits. None: as traced.
+PRECISIONS = (None, "fp8", "w8")
 # Bytes an update reads and writes per parameter (fp32 param or master weight and moments), and the fp32
 # optimizer state it keeps.
 OPTIMIZER_BYTES = {"adamw": 3 * 8, "adam": 3 * 8, "sgd": 2 * 8, None: 0}
@@ -135,6 +141,10 @@ class EstimateResult:
     memory: dict[str, float]  # bytes per core by kind, and "capacity"
     ops: list[OpTime] = field(repr=False, default_factory=list)
     comparison: EstimateResult | None = field(repr=False, default=None)
+    precision: str | None = None
+    note: str = ""  # how the layout was chosen (the GPU comparison)
+    cores_per_instance: int = 0
+    pp: int = 1
 
     @property
     def fits(self) -> bool:
@@ -164,16 +174,20 @@ class EstimateResult:
         per = {"train": "training step", "forward": "forward pass", "decode": "decode step"}[self.mode]
         kind = "core" if self.target in CHIPS else "GPU"
         lines = [f"{per} on {self.cores} x {self.target} {kind}{'s' if self.cores > 1 else ''} "
-                 f"({self.instance}, dp={self.dp} tp={self.tp}, {self.execution}): "
+                 f"({self.instance}, dp={self.dp} tp={self.tp}{f' pp={self.pp}' if self.pp > 1 else ''}"
+                 f"{', ' + self.precision if self.precision else ''}, "
+                 f"{self.execution}): "
                  f"{_ms(self.step_time_s)}, {self.items_per_s:,.0f} {self.unit}/s, MFU {self.mfu:.1%}"]
         if self.cost_per_hour is not None:
             lines.append(f"  cost ${self.cost_per_hour:,.2f}/h (pro rata of ${self.price_per_hour:,.2f}/h "
                          f"per instance, estimate), ${self.cost_per_million:,.4f} per million {self.unit}")
         total, cap = self.memory["total"] / 2**30, self.memory["capacity"] / 2**30
-        fits = "" if self.fits else "  DOES NOT FIT: shard more (tp, zero1) or recompute"
+        fits = "" if self.fits else "  DOES NOT FIT (see estimate.fit_error)"
         lines.append(f"  memory per core {total:,.2f} GiB of {cap:,.0f} GiB{fits}")
         split = ", ".join(f"{k} {v / self.step_time_s:.0%}" for k, v in self.by("phase").items() if v)
         lines.append(f"  time: {split}")
+        if self.note:
+            lines.append(f"  {self.note}")
         return "\n".join(lines)
 
 
@@ -188,15 +202,33 @@ def _shapes(r: Rec) -> str:
 class Coster:
     """Costs a trace on one layout: per-core shapes under tensor parallelism, fused kernels or eager ops."""
 
-    def __init__(self, tr: Trace, lay: Layout, tp: int, sp: bool, compiled: bool):
+    def __init__(self, tr: Trace, lay: Layout, tp: int, sp: bool, compiled: bool, precision: str | None = None):
         self.tr, self.lay, self.t, self.tp, self.sp, self.compiled = tr, lay, lay.target, tp, sp, compiled
+        self.precision = precision
+
+    def _quantized(self, r: Rec) -> list:
+        """A matmul's inputs under the plan's precision: 8-bit weights (placement W), and under fp8 8-bit
+        activations and gradients too."""
+        if not self.precision or op_info(r.op).rule is not Rule.MATMUL:
+            return r.ins
+        low = "float8_e4m3fn" if self.precision == "fp8" else "int8"
+        out = []
+        for x, i in zip(r.ins, r.in_ids, strict=False):
+            weight = self.tr.placement.get(i) == "W"
+            if x.dtype in ("bfloat16", "float16", "float32") and (weight or self.precision == "fp8"):
+                x = x._replace(dtype=low)
+            out.append(x)
+        return out + list(r.ins[len(out):])
 
     def per_core_bytes(self, i: int) -> float:
         """A tensor's bytes on one core: sharded data and weights are split; replicated data (and partial
         sums, costed as if reduce-scattered) are split only under sequence parallelism."""
         p = self.tr.placement.get(i, "R")
         split = p in ("S", "W") or (p in ("R", "P") and self.sp)
-        return self.tr.specs[i].nbytes / (self.tp if split else 1)
+        spec = self.tr.specs[i]
+        nbytes = spec.numel if self.precision and p == "W" and spec.dtype.startswith(("float", "bfloat")) \
+            else spec.nbytes  # 8-bit weights
+        return nbytes / (self.tp if split else 1)
 
     def op(self, r: Rec, mode: str) -> OpCost:
         if r.op == "all_reduce":
@@ -208,7 +240,7 @@ class Coster:
         shard = None
         if self.tp > 1 and r.shard and (r.shard != "sp" or self.sp):
             shard = ("all" if r.shard == "sp" else r.shard, self.tp)
-        return op_cost(r.op, r.ins, r.outs, self.t, attrs=r.attrs, shard=shard, mode=mode)
+        return op_cost(r.op, self._quantized(r), r.outs, self.t, attrs=r.attrs, shard=shard, mode=mode)
 
     def times(self, recs: list[Rec]) -> list[OpShare]:
         """Each op's cost and modelled time and traffic; collectives dropped when tp == 1. In a fused kernel each
@@ -281,10 +313,21 @@ class Plan:
     recompute: str = "none"
     optimizer: str | None = "adamw"
     zero1: bool = True
+    precision: str | None = None
+    fsdp: bool = False  # ZeRO-3: weights, gradients and optimizer state sharded over dp
+    pp: int = 1  # pipeline stages (layers split evenly)
+    schedule: str = "1f1b"
+    vpp: int = 1  # virtual stages per core under the interleaved schedule
 
     def __post_init__(self):
         if self.mode not in MODES or self.recompute not in RECOMPUTE or self.execution not in EXECUTIONS:
             raise ValueError(f"mode in {MODES}, recompute in {RECOMPUTE}, execution in {EXECUTIONS}")
+        if self.pp < 1 or self.vpp < 1 or self.schedule not in SCHEDULES or \
+                (self.vpp > 1 and self.schedule != "interleaved"):
+            raise ValueError(f"pp, vpp >= 1; schedule in {SCHEDULES} (vpp > 1 only with 'interleaved')")
+        if self.precision not in PRECISIONS or (self.precision == "w8" and self.train):
+            raise ValueError(f"precision in {PRECISIONS} (w8, weight-only 8-bit, is for inference), "
+                             f"got {self.precision!r}")
         if self.optimizer not in OPTIMIZER_BYTES or self.dp < 1 or self.tp < 1:
             raise ValueError(f"optimizer in {tuple(OPTIMIZER_BYTES)}; dp, tp >= 1")
 
@@ -293,21 +336,33 @@ class Plan:
         return self.mode == "train"
 
     @property
+    def bubble(self) -> float:
+        """Idle micro-step slots of a pipelined step: p - 1 (GPipe, 1F1B), (p - 1) / v interleaved."""
+        return (self.pp - 1) / (self.vpp if self.schedule == "interleaved" else 1)
+
+    @property
     def sp(self) -> bool:
         return self.tp > 1 and (self.train if self.sequence_parallel is None else self.sequence_parallel)
 
 
-def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float) -> list[OpTime]:
+def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float, micro: float) -> list[OpTime]:
     """Once per step: the gradient all-reduce over the data-parallel group (reduce-scatter + all-gather under
-    ZeRO-1 moves the same bytes), then the optimizer update, bound by HBM bandwidth."""
+    ZeRO-1 moves the same bytes; under FSDP two weight all-gathers and a gradient reduce-scatter every
+    micro-step, not overlapped), then the optimizer update, bound by HBM bandwidth."""
     ops = []
-    per_core = tr.param_count / plan.tp
-    if plan.dp > 1:
-        c = lay.collective("all_reduce", per_core * itemsize, plan.dp, stride=plan.tp)
+    per_core = tr.param_count / plan.tp / plan.pp
+    stride = plan.tp * plan.pp  # ranks: TP innermost, then pipeline stages, then data-parallel replicas
+    if plan.dp > 1 and plan.fsdp:  # every micro-step: gather the weights for the forward and the backward,
+        for kind in ("all_gather", "all_gather", "reduce_scatter"):  # reduce-scatter the gradients
+            c = lay.collective(kind, per_core * itemsize, plan.dp, stride=stride)
+            ops.append(OpTime(kind, "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound, c.achieved,
+                              micro))
+    elif plan.dp > 1:
+        c = lay.collective("all_reduce", per_core * itemsize, plan.dp, stride=stride)
         ops.append(OpTime("all_reduce", "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound,
                           c.achieved))
     if plan.optimizer:
-        own = per_core / (plan.dp if plan.zero1 else 1)
+        own = per_core / (plan.dp if plan.zero1 or plan.fsdp else 1)
         nbytes = own * (OPTIMIZER_BYTES[plan.optimizer] + itemsize * (2 if itemsize < 4 else 1))
         bw = lay.target.hbm_bw
         t = nbytes / bw + lay.target.kernel_s
@@ -315,39 +370,121 @@ def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float) -> list[
     return ops
 
 
-def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float) -> dict[str, float]:
-    """Bytes per core: weights, inputs (a KV cache), and for training gradients, optimizer state (fp32
-    moments, plus fp32 master weights under mixed precision) and the activations saved for backward."""
-    tp = plan.tp
-    mem = {"weights": tr.param_bytes / tp, "inputs": tr.input_bytes / tp}
+def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float, micro: float = 1.0) -> dict[str, float]:
+    """Bytes per core: weights (8-bit when served quantized), inputs (a KV cache), and for training gradients,
+    optimizer state (fp32 moments, plus fp32 master weights under mixed precision; split over dp under ZeRO-1,
+    and weights and gradients too under FSDP) and the activations kept for the backward: every forward tensor
+    the backward reads; under selective recomputation less the attention's; under full recomputation one
+    layer's worth plus each layer's input (layers = attention ops)."""
+    tp, shard = plan.tp * plan.pp, plan.dp if plan.fsdp else 1  # a core holds 1/pp of the layers
+    stored = tr.param_count if plan.precision and not plan.train else tr.param_bytes  # 8-bit weights served
+    mem = {"weights": stored / tp / shard, "inputs": tr.input_bytes / tp}
     if plan.train:
-        mem["gradients"] = tr.param_bytes / tp
+        mem["gradients"] = tr.param_bytes / tp / shard
         state = OPTIMIZER_STATE[plan.optimizer] + (4 if itemsize < 4 else 0)
-        mem["optimizer"] = tr.param_count / tp * state / (plan.dp if plan.zero1 else 1)
-        fwd = {t for r in tr.recs if r.phase == "forward" for t in r.out_ids}
-        saved = {t for r in tr.recs if r.phase == "backward" for t in r.in_ids} & fwd
-        mem["activations"] = sum(map(co.per_core_bytes, saved))
+        mem["optimizer"] = tr.param_count / tp * state / (plan.dp if plan.zero1 or plan.fsdp else 1)
+        fwd = {t: r for r in tr.recs if r.phase == "forward" for t in r.out_ids}
+        saved = {t for r in tr.recs if r.phase == "backward" for t in r.in_ids} & set(fwd)
+        attention = [r for r in tr.recs if r.phase == "forward" and op_info(r.op).rule is Rule.ATTENTION]
+        if plan.recompute == "selective":
+            saved -= {t for r in attention for t in r.out_ids}
+        total = sum(map(co.per_core_bytes, saved))
+        if plan.recompute == "full" and attention:
+            hidden = attention[0].ins[0].nbytes / (plan.tp if co.sp else 1)  # a layer's input: tokens x hidden
+            total = total / len(attention) + len(attention) * hidden
+        # pipelined: a stage keeps micro-batches in flight over its 1/pp of the layers: min(m, p) under 1F1B (the
+        # first stage), x (1 + (p - 1) / (p v)) interleaved, all m under GPipe
+        inflight = micro if plan.schedule == "gpipe" else min(micro, plan.pp)
+        if plan.schedule == "interleaved" and plan.pp > 1:
+            inflight *= 1 + (plan.pp - 1) / (plan.pp * plan.vpp)
+        mem["activations"] = total * inflight / plan.pp
     mem["total"] = sum(mem.values())
     mem["capacity"] = float(co.t.hbm_bytes)
     return mem
 
 
+def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
+    """None when the step fits in a core's memory; else what does not fit and the smallest change that would:
+    recomputation, FSDP, 8-bit weights (inference), in that order; else the smallest tensor-parallel degree
+    inside an instance and the smallest pipeline depth that fit."""
+    itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
+    mem = lambda p: _memory(tr, Coster(tr, layout, p.tp, p.sp, True, p.precision), p, itemsize,
+                            _micro(tr, p))
+    m = mem(plan)
+    if m["total"] <= m["capacity"]:
+        return None
+    gib = lambda x: f"{x / 2**30:,.1f} GiB"
+    parts = ", ".join(f"{k} {gib(v)}" for k, v in m.items() if k not in ("total", "capacity") and v)
+    what = (f"the {plan.mode} step needs {gib(m['total'])} per {layout.target.name} core ({parts}) but a core "
+            f"has {gib(m['capacity'])}")
+    changes: list[tuple[str, Plan]] = []
+    if plan.train:
+        if plan.recompute != "full":
+            changes.append(("recompute='full'", replace(plan, recompute="full")))
+        if plan.dp > 1 and not plan.fsdp:
+            changes.append(("fsdp=True", replace(plan, fsdp=True)))
+            if plan.recompute != "full":
+                changes.append(("fsdp=True and recompute='full'", replace(plan, fsdp=True, recompute="full")))
+    elif not plan.precision:
+        changes.append(("precision='w8' (8-bit weights)", replace(plan, precision="w8")))
+    for text, p in changes:
+        if mem(p)["total"] <= m["capacity"]:
+            return f"{what}; the smallest change that fits: {text}"
+    fits = lambda p: mem(p)["total"] <= m["capacity"]
+    tps = [plan.tp * 2**k for k in range(1, 12) if plan.tp * 2**k <= layout.cores_per_instance]
+    tp = next((t for t in tps if fits(replace(plan, tp=t))), None)
+    pp = next((2**k * plan.pp for k in range(1, 10) if fits(replace(plan, pp=2**k * plan.pp))), None)
+    options = [f"tp={tp}"] * (tp is not None) + [f"pp={pp}"] * (pp is not None)
+    if options:
+        return f"{what}; the smallest change that fits: {' or '.join(options)}"
+    return f"{what}; no tensor- or pipeline-parallel degree fits it: it needs more cores per model copy"
+
+
+def _on_tensor_engine(o: OpTime) -> bool:
+    """Model FLOPs: TensorE's, and matmuls the device runs as host fallbacks (MoE grouped GEMMs) that a compiled
+    program puts on TensorE."""
+    return o.engine == "tensor" or (o.engine == "host" and op_info(o.op).rule is Rule.MATMUL)
+
+
+def _micro(tr: Trace, plan: Plan) -> float:
+    """Micro-batches per step on each data-parallel replica (gradient accumulation, or a pipeline's fill)."""
+    return max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
+
+
+def _pipeline_ops(tr: Trace, lay: Layout, plan: Plan, slots: float) -> list[OpTime]:
+    """Between stages, every slot: the activation [tokens, hidden] sent forward (and in training its gradient
+    sent back), point to point between neighbouring stages, tp cores apart (across instances when a stage
+    fills one); not overlapped."""
+    attention = next((r for r in tr.recs if r.phase == "forward" and op_info(r.op).rule is Rule.ATTENTION), None)
+    if attention is None:
+        return []
+    nbytes = attention.ins[0].nbytes / (plan.tp if plan.sp else 1)
+    c = lay.collective("all_gather", 2 * nbytes, 2, stride=plan.tp)  # 2 ranks: each sends its half
+    return [OpTime("send_recv", "pipeline", "collective", 0.0, c.bytes, c.time_s, c.bound, c.achieved,
+                   slots * (2 if plan.train else 1))]
+
+
 def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = None) -> EstimateResult:
     """Cost a recorded step on `layout` under `plan`."""
-    co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled")
-    micro = max(1.0, plan.batch_items / (tr.items * plan.dp)) if (plan.train and plan.batch_items) else 1.0
+    co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled", plan.precision)
+    micro, pp = _micro(tr, plan), plan.pp
+    # a pipeline stage runs 1/pp of every micro-batch's work, over micro + bubble slots
+    slots = micro + plan.bubble
     ops = [OpTime(x.cost.op if x.cost.engine == "collective" else x.rec.op, x.rec.phase, x.cost.engine,
-                  x.cost.flops, x.hbm_bytes, x.time_s, x.cost.bound, x.cost.achieved, micro, _shapes(x.rec))
+                  x.cost.flops / pp, x.hbm_bytes / pp, x.time_s / pp, x.cost.bound, x.cost.achieved, slots,
+                  _shapes(x.rec))
            for x in co.times(tr.recs)]
     if plan.train and plan.recompute != "none":
         ops += [replace(o, phase="recompute") for o in ops if o.phase == "forward"
                 and (plan.recompute == "full" or op_info(o.op).rule is Rule.ATTENTION)]
     itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
+    if pp > 1:
+        ops += _pipeline_ops(tr, layout, plan, slots)
     if plan.train:
-        ops += _optimizer_ops(tr, layout, plan, itemsize)
+        ops += _optimizer_ops(tr, layout, plan, itemsize, micro)
     step = sum(o.time_s * o.count for o in ops)
-    items, cores, t = tr.items * plan.dp * micro, plan.dp * plan.tp, layout.target
-    flops = sum(o.flops * o.count for o in ops if o.engine == "tensor" and o.phase in ("forward", "backward"))
+    items, cores, t = tr.items * plan.dp * micro, plan.dp * plan.tp * pp, layout.target
+    flops = micro * sum(o.flops for o in ops if o.phase in ("forward", "backward") and _on_tensor_engine(o))
     price = layout.price_per_hour if price_per_hour is None else price_per_hour
     per_hour = None if price is None else price * cores / layout.cores_per_instance
     return EstimateResult(
@@ -355,19 +492,76 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
         tp=plan.tp, lnc=t.lnc, cores=cores, instances=math.ceil(cores / layout.cores_per_instance),
         micro_steps=micro,
         step_time_s=step, items_per_step=items, unit=tr.unit, items_per_s=items / step,
-        mfu=flops / step / t.marketed_flops("bfloat16" if itemsize <= 2 else "float32"),
+        mfu=flops / step / t.marketed_flops(_peak_class(plan, itemsize)),
         price_per_hour=price, price_source=layout.price_source if price_per_hour is None else "given",
         cost_per_hour=per_hour, cost_per_step=None if per_hour is None else per_hour * step / 3600,
         cost_per_million=None if per_hour is None else per_hour / (items / step * 3600) * 1e6,
-        memory=_memory(tr, co, plan, itemsize), ops=ops)
+        memory=_memory(tr, co, plan, itemsize, micro), ops=ops, precision=plan.precision,
+        cores_per_instance=layout.cores_per_instance, pp=pp)
+
+
+def _peak_class(plan: Plan, itemsize: float) -> str:
+    """The dtype whose dense peak is the MFU denominator: the one the matmuls run in."""
+    if plan.precision == "fp8":
+        return "float8"
+    return "bfloat16" if itemsize <= 2 else "float32"
 
 
 def gpu_layout(cores: int, tp: int, cores_per_instance: int, gpus_per_instance: int) -> tuple[int, int]:
-    """(dp, tp) of the comparison job: as many GPU instances as Trainium instances (at least one GPU), tensor
-    parallel inside one GPU instance, the rest data parallel."""
+    """(dp, tp) of a training comparison job: as many GPU instances as Trainium instances (at least one GPU),
+    tensor parallel inside one GPU instance, the rest data parallel."""
     gpus = max(1, round(cores * gpus_per_instance / cores_per_instance))
     gtp = max(1, min(tp, gpus_per_instance, gpus))
     return max(1, gpus // gtp), gtp
+
+
+def compare_gpu(tr: Trace, res: EstimateResult, plan: Plan, gpu: str, *, count: int | None = None,
+                tp: int | None = None, precision: str | None = "same",
+                price_per_hour: float | None = None) -> EstimateResult:
+    """The same step on a GPU instance type (`gpu`: h100 | h200 | b200 or an instance name), as a buyer would lay
+    it out: `count` GPUs with tensor-parallel degree `tp` when given; otherwise, for inference, the cheapest
+    tensor-parallel degree (1, 2, 4, 8) that fits and is at least as fast as the Trainium step (the fastest
+    one when none is), and for training the cheapest degree on as many GPU instances as Trainium instances.
+    precision: "same" (the Trainium run's), None (as traced), "fp8" or "w8"."""
+    glay = Layout.of(gpu)
+    gprec = plan.precision if precision == "same" else precision
+    per_instance = glay.cores_per_instance
+    if count is not None or tp is not None:
+        gtp = tp or min(count or 1, per_instance)
+        gcount = count or gtp
+        if gcount % gtp:
+            raise ValueError(f"the GPU count ({gcount}) must be a multiple of the GPU tensor-parallel degree "
+                             f"({gtp})")
+        layouts = [(gcount // gtp, gtp)]
+    elif plan.train:
+        gpus = max(1, round(res.cores * per_instance / res.cores_per_instance))
+        layouts = [(max(1, gpus // (t * plan.pp)), t) for t in (1, 2, 4, 8) if t <= min(gpus, per_instance)]
+    else:
+        layouts = [(1, t) for t in (1, 2, 4, 8) if t <= per_instance]
+    glay.check_tp(max(t for _, t in layouts))
+    runs = []
+    for gdp, gtp in layouts:
+        gplan = replace(plan, dp=gdp, tp=gtp, precision=gprec)
+        if fit_error(tr, glay, gplan) is None:
+            runs.append(cost(tr, glay, gplan, price_per_hour))
+    if not runs:
+        gdp, gtp = layouts[-1]
+        r = cost(tr, glay, replace(plan, dp=gdp, tp=gtp, precision=gprec), price_per_hour)
+        r.note = f"does not fit: {fit_error(tr, glay, replace(plan, dp=gdp, tp=gtp, precision=gprec))}"
+        return r
+    if len(runs) == 1:
+        return runs[0]
+    price = lambda r: r.cost_per_million if r.cost_per_million is not None else r.cores
+    if plan.train:
+        best = min(runs, key=price)
+        best.note = (f"layout: the cheapest fitting tensor-parallel degree of {len(runs)} on {best.instances} "
+                     "instance(s)")
+        return best
+    fast = [r for r in runs if r.step_time_s <= res.step_time_s]
+    best = min(fast, key=price) if fast else min(runs, key=lambda r: r.step_time_s)
+    best.note = ("layout: the cheapest that fits and is as fast as the Trainium step" if fast else
+                 "layout: none is as fast as the Trainium step; the fastest that fits")
+    return best
 
 
 def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2",
@@ -375,7 +569,11 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
              dtype: torch.dtype | None = None, batch_tokens: float | None = None,
              price_per_hour: float | None = None, lnc: int | None = None, execution: str = "compiled",
              sequence_parallel: bool | None = None, recompute: str = "none", optimizer: str | None = "adamw",
-             zero1: bool = True, compare: str | None = "p5.48xlarge") -> EstimateResult:
+             zero1: bool = True, compare: str | None = "p5.48xlarge",
+             precision: str | None = None, fsdp: bool = False, pp: int = 1, schedule: str = "1f1b",
+             vpp: int = 1, check_memory: bool = True,
+             gpu_count: int | None = None, gpu_tp: int | None = None, gpu_precision: str | None = "same",
+             gpu_price: float | None = None) -> EstimateResult:
     """Model one step of `model` on `example_inputs` (one micro-batch per data-parallel rank) on Trainium.
 
     target: trn1 | trn2 | trn3 (or h100); instance: defaults to the target's largest instance. mode: "train"
@@ -387,16 +585,25 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
     kernels) or "eager" (one launched kernel per op). sequence_parallel (default: on for training with
     tp > 1), recompute ("none", "selective": attention, "full"), optimizer ("adamw", "sgd", None), zero1
     (optimizer state sharded over dp). price_per_hour overrides the instance price. compare: a GPU instance
-    to cost the same step on (same method; None to skip)."""
-    plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1)
+    (or GPU: h100, h200, b200) to cost the same step on (same method; None to skip), laid out by compare_gpu
+    with gpu_count, gpu_tp, gpu_precision and gpu_price. precision: None (as traced), "fp8" (matmuls in fp8,
+    MFU against the fp8 peak) or "w8" (8-bit weights, 16-bit math; inference). fsdp: ZeRO-3 (weights and
+    gradients sharded over dp too, gathered every micro-step). pp: pipeline stages (layers split evenly over
+    pp x tp cores), schedule "1f1b" | "gpipe" | "interleaved" (with vpp virtual stages): the bubble is p - 1 (or
+    (p - 1) / vpp) micro-step slots; batch_tokens sets the micro-batches. check_memory: raise
+    torch.OutOfMemoryError naming what does not fit in a core's memory and the smallest change that would (False:
+    report `fits` only)."""
+    plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1,
+                precision, fsdp, pp, schedule, vpp)
     lay = Layout.of(target, instance, lnc)
     lay.check_tp(tp)
     if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour > 0):
         raise ValueError(f"the price per instance-hour must be a finite number > 0, got {price_per_hour}")
     tr = trace(model, example_inputs, train=plan.train, dtype=dtype)
+    if check_memory and (message := fit_error(tr, lay, plan)):
+        raise torch.OutOfMemoryError(f"does not fit: {message}")
     res = cost(tr, lay, plan, price_per_hour)
     if compare and lay.target.is_neuron:
-        glay = Layout.of(compare)
-        gdp, gtp = gpu_layout(dp * tp, tp, lay.cores_per_instance, glay.cores_per_instance)
-        res.comparison = cost(tr, glay, replace(plan, dp=gdp, tp=gtp))
+        res.comparison = compare_gpu(tr, res, plan, compare, count=gpu_count, tp=gpu_tp, precision=gpu_precision,
+                                     price_per_hour=gpu_price)
     return res

@@ -94,7 +94,7 @@ class Target:
         s = self.spec
         if isinstance(s, Chip):
             return min(s.hbm_bw / s.physical_cores, s.dma_bw_per_core) * self.lnc
-        return s.hbm_bw
+        return s.hbm_bw * s.hbm_efficiency  # what a streaming kernel reaches (G2)
 
     @property
     def hbm_bytes(self) -> int:
@@ -121,8 +121,12 @@ class Target:
         return per_rank * s.fabric.efficiency
 
     def matmul_flops(self, dclass: str) -> float:
+        """TensorE's rate from the clock and the array; a GPU's dense peak times its measured matmul efficiency
+        (G1). Shape effects come on top (tiles on Trainium, waves on a GPU)."""
         s = self.spec
-        return s.tensor_flops(dclass) * self.lnc if isinstance(s, Chip) else s.peak_flops[dclass]
+        if isinstance(s, Chip):
+            return s.tensor_flops(dclass) * self.lnc
+        return s.peak_flops[dclass] * s.mm_efficiency.get(dclass, 1.0)
 
     def marketed_flops(self, dclass: str = "bfloat16") -> float:
         """The vendor's dense peak, the MFU denominator."""
@@ -213,10 +217,17 @@ def pe_cycles(m: int, k: int, n: int, chip: Chip, dclass: str) -> int:
     return best * (chip.fp32_slowdown if dclass == "float32" else 1)
 
 
+GPU_TILE = 128  # output tile of one thread block of a Hopper/Blackwell GEMM (128 x 128)
+
+
 def _gemm_s(b: int, m: int, k: int, n: int, t: Target, dclass: str) -> float:
     if t.is_neuron:  # the lnc physical arrays split the work evenly
         return b * pe_cycles(m, k, n, t.spec, dclass) / t.spec.tensor.clock_hz / t.lnc
-    return 2 * b * m * k * n / t.matmul_flops(dclass)
+    # A GPU GEMM runs its output tiles in waves over the SMs: a partial last wave costs a whole one. With fewer
+    # tiles than SMs, split-K kernels fill the SMs instead (no wave loss).
+    tiles, sms = b * math.ceil(m / GPU_TILE) * math.ceil(n / GPU_TILE), t.spec.sms
+    waves = tiles / (math.ceil(tiles / sms) * sms) if tiles >= sms else 1.0
+    return 2 * b * m * k * n / t.matmul_flops(dclass) / waves
 
 
 def _reread_bytes(b: int, m: int, k: int, n: int, itemsize: int, t: Target) -> float:
@@ -227,6 +238,16 @@ def _reread_bytes(b: int, m: int, k: int, n: int, itemsize: int, t: Target) -> f
 _DIMS = {"a": "bmk", "b": "bkn", "c": "bmn"}
 
 
+def _mixed_class(a: T, b: T) -> str:
+    """The rate class of a matmul of two operands: their own when they agree; 16-bit math when one is 8-bit
+    weights and the other 16-bit activations (weight-only quantization dequantizes on the way in); else fp32."""
+    if a.dtype == b.dtype:
+        return dtype_class(a.dtype)
+    if sorted((a.itemsize, b.itemsize)) == [1, 2] and "bfloat16" in (dtype_class(a.dtype), dtype_class(b.dtype)):
+        return "bfloat16"
+    return "float32"
+
+
 def _matmul(op, ins, outs, attrs, shard, t):
     ia, ib = op_info(op).operands
     a, b = ins[ia].shape, ins[ib].shape
@@ -235,11 +256,18 @@ def _matmul(op, ins, outs, attrs, shard, t):
     dims = {"b": max(math.prod(a[:-2]), math.prod(b[:-2])), "m": a[-2] if len(a) > 1 else 1,
             "k": a[-1], "n": b[-1] if len(b) > 1 else 1}
     bat = {"a": len(a) > 2, "b": len(b) > 2, "c": True}
+    if op == "_grouped_mm" and len(a) == 2 and len(b) == 3:
+        # MoE: the [M, K] rows are grouped by expert (offsets) against [E, K, N]: each row meets one expert, so
+        # the work is one [M, K] x [K, N] GEMM; the weights of at most min(E, M) experts are read
+        dims["b"], bat = 1, {"a": False, "b": False, "c": False}
+        weights = min(b[0], a[0])
+    else:
+        weights = 1
     if shard:
         dims[shard[0]] = math.ceil(dims[shard[0]] / shard[1])
-    dclass = dtype_class(ins[ia].dtype if ins[ia].dtype == ins[ib].dtype else "float32")
+    dclass = _mixed_class(ins[ia], ins[ib])
     size = {x: math.prod(dims[d] for d in _DIMS[x] if d != "b" or bat[x]) for x in "abc"}
-    io = size["a"] * ins[ia].itemsize + size["b"] * ins[ib].itemsize + size["c"] * outs[0].itemsize
+    io = size["a"] * ins[ia].itemsize + weights * size["b"] * ins[ib].itemsize + size["c"] * outs[0].itemsize
     b, m, k, n = dims["b"], dims["m"], dims["k"], dims["n"]
     nbytes = max(io, _reread_bytes(b, m, k, n, ins[ia].itemsize, t))
     return Work(2 * b * m * k * n, _gemm_s(b, m, k, n, t, dclass), io, nbytes, t.matmul_flops(dclass))
@@ -281,8 +309,11 @@ def _attention(op, ins, outs, attrs, shard, t):
         h, hk = math.ceil(h / shard[1]), math.ceil(hk / shard[1])
     frac = 1 - sq / (2 * sk) if attrs.get("is_causal") and sq <= sk else 1.0
     dclass = dtype_class(q.dtype)
-    gemm = (_gemm_s(bsz * h, sq, d, sk, t, dclass) + _gemm_s(bsz * h, sq, sk, dv, t, dclass)) * frac
     flops = 2 * bsz * h * sq * sk * (d + dv) * frac
+    if t.is_neuron:
+        gemm = (_gemm_s(bsz * h, sq, d, sk, t, dclass) + _gemm_s(bsz * h, sq, sk, dv, t, dclass)) * frac
+    else:  # a GPU's flash kernel at its measured fraction of the peak (G4), scaled for fp8 by the peaks' ratio
+        gemm = flops / (t.spec.peak_flops[dclass] * t.spec.attention_fraction(sk))
     scores = bsz * h * sq * sk * frac
     scalar = scores / t.engine_rate("scalar", q.itemsize)
     vector = (3 if bwd else 1) * scores / t.engine_rate("vector", q.itemsize)

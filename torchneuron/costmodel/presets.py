@@ -23,8 +23,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                       num_attention_heads=64)),
     "llama-405b": ("LlamaConfig", dict(_LLAMA, hidden_size=16384, intermediate_size=53248,
                                        num_hidden_layers=126, num_attention_heads=128)),
+    # Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1 config): 8 experts, 2 per token, 46.7B parameters, 12.9B active
+    "mixtral-8x7b": ("MixtralConfig", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                           num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
+                                           max_position_embeddings=32768, tie_word_embeddings=False)),
 }
-_MODELS = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM"}
+_MODELS = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM",
+           "MixtralConfig": "MixtralForCausalLM"}
 
 
 def hf_model(config: Any) -> torch.nn.Module:

@@ -5,13 +5,15 @@ Every constant names its source (the full list with paths is docs/hardware.md):
 S1/S2/S3 = trainium{,2,3}.rst chip pages, S4-S6 = neuron-core-v{2,3,4}.rst, S7-S9 = trn{1,2,3}-arch.rst,
 S10 = data-types.rst, S11 = logical-neuroncore-config.rst, S12-S14 = NKI architecture guides,
 S15 = NKI performance guide, S16/S17 = NKI DMA guides, S40 = nccom-test user guide (measured collectives),
-S41/S42 = intra-/inter-node collective deep dives, S34/S35 = H100 and p5 specifications [3p],
+S41/S42 = intra-/inter-node collective deep dives, S34/S35/S37/S38 = H100, p5, H200, B200 specifications [3p],
+G1-G3 = published GPU measurements [3p] (matmul, HBM and launch, NCCL),
 [3p] = third party, [derived] = arithmetic on cited values, [assumption] = no published figure.
 Where AWS pages disagree the value used is noted. Nothing here imports torch: the device, the compiler and the
 cost model all read these tables.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 GiB = 1 << 30
@@ -155,13 +157,14 @@ class Instance:
     price_per_hour: float | None  # USD on-demand, us-east-1; None where no source was found
     price_source: str = ""
     efa_bps: float = 0.0  # bits/s between instances
+    reserved_per_hour: float | None = None  # USD, AWS's published "RI-effective" rate (S26); None: not published
 
 
 INSTANCES: dict[str, Instance] = {
     i.name: i
     for i in (
-        Instance("trn1.2xlarge", "trn1", 1, 1.34375, "[3p] public price tables, 2026", 25e9),
-        Instance("trn1.32xlarge", "trn1", 16, 21.50, "[3p] usage.ai 2026 and price tables", 800e9),
+        Instance("trn1.2xlarge", "trn1", 1, 1.34375, "[3p] public price tables, 2026", 25e9, 0.512),
+        Instance("trn1.32xlarge", "trn1", 16, 21.50, "[3p] usage.ai 2026 and price tables", 800e9, 8.197),
         Instance("trn1n.32xlarge", "trn1", 16, 24.78, "[3p] public price tables", 1600e9),
         Instance("trn2.3xlarge", "trn2", 1, 35.7608 / 16, "[derived] 1/16 of trn2.48xlarge; UNVERIFIED", 0.0),
         Instance("trn2.48xlarge", "trn2", 16, 35.7608, "[3p] us-east-1 Feb 2026, UNVERIFIED", 3200e9),
@@ -177,10 +180,11 @@ LARGEST_INSTANCE = {"trn1": "trn1.32xlarge", "trn2": "trn2.48xlarge", "trn3": "t
 
 @dataclass(frozen=True)
 class Gpu:
-    """A GPU for comparison, modelled as an ideal roofline with the same collective model as Trainium."""
+    """A GPU for comparison, calibrated like the Trainium side: its vendor peaks, then what published measurements
+    reach of them (matmul, HBM, kernel and collective latencies), with the same collective model."""
 
     name: str
-    peak_flops: dict[str, float]  # dense tensor-core FLOP/s by dtype class
+    peak_flops: dict[str, float]  # dense tensor-core FLOP/s by dtype class (the MFU denominator)
     vector_flops: float  # non-tensor FP32 FLOP/s
     hbm_bytes: int
     hbm_bw: float
@@ -189,20 +193,58 @@ class Gpu:
     launch_s: float  # eager op launch
     kernel_s: float  # fixed cost of a kernel inside a captured / compiled graph
     fabric: Fabric
+    sms: int = 132  # streaming multiprocessors: a matmul's output tiles run in waves of this many
+    # Achieved fraction of the dense peak on large, well-shaped GEMMs (the Maximum Achievable Matmul FLOPS), by
+    # dtype class; shape effects (tile waves) come on top.
+    mm_efficiency: dict[str, float] = field(default_factory=dict)
+    hbm_efficiency: float = 1.0  # achieved / nominal HBM bandwidth of a streaming kernel
+    # Fused (flash) attention's achieved fraction of the bf16 dense peak by key length: (keys, fraction) points,
+    # interpolated in log(keys).
+    attention_efficiency: tuple[tuple[int, float], ...] = ((1, 1.0),)
+
+    def attention_fraction(self, keys: int) -> float:
+        pts = self.attention_efficiency
+        if keys <= pts[0][0]:
+            return pts[0][1]
+        for (k0, f0), (k1, f1) in zip(pts, pts[1:], strict=False):
+            if keys <= k1:
+                return f0 + (f1 - f0) * (math.log(keys) - math.log(k0)) / (math.log(k1) - math.log(k0))
+        return pts[-1][1]
 
 
-# S34 [3p]: H100 SXM5 dense 989 TF bf16/fp16, 1979 TF fp8, 494 TF tf32, 67 TF fp32 non-tensor; 80 GB HBM3 at
-# 3.35 TB/s; NVLink-4 900 GB/s; 50 MB L2. nccl-tests on 8x H100 SXM: all-reduce busbw 460-480 GB/s ([3p]
-# alayanew 2026): efficiency 470/900. Launch costs and the NCCL latency floor are [assumption] estimates.
+# Measurements applied to every NVIDIA GPU here ([3p] each, docs/hardware.md):
+# G1 MAMF table (stas00/ml-engineering, compute/accelerator): bf16 matmul H100/H200 SXM 794.5 of 989 TF (80.3%),
+#    B200 1745 of 2250 (77.6%); fp8 H200 1453.4 of 1979 (73.4%, used for H100 too: same chip), B200 3432.5 of
+#    4500 (76.3%).
+# G2 a public H100 (NVL) measurement: memory copy 90.6% of the datasheet HBM bandwidth; one kernel inside a
+#    replayed CUDA graph 1.28 us; one eager op issued from Python 4.2 us.
+# G3 nccl-tests on 8x H100 SXM: all-reduce busbw 460-480 GB/s (alayanew 2026): efficiency 470/900 of NVLink-4.
+#    The NCCL small-message latency floor (15 us) stays an [assumption].
+# G4 FlashAttention-3 paper (Shah et al. 2024, fig. 5): FlashAttention-2, the kernel PyTorch's SDPA flash backend
+#    runs, forward, causal, head dim 128 on H100 SXM5: 191, 260, 298, 319, 333, 335 TF/s at 0.5k-16k keys.
+_NV_FABRIC = Fabric(fixed_s=15e-6, hop_s=1e-6, efficiency=470 / 900,
+                    source="G3 nccl-tests busbw 460-480 GB/s; latency floor [assumption]")
+_HOPPER = dict(vector_flops=67e12, sbuf_bytes=50 * 10**6, launch_s=4.2e-6, kernel_s=1.28e-6, fabric=_NV_FABRIC,
+               sms=132, mm_efficiency={"bfloat16": 0.803, "float8": 0.734, "float32": 0.803}, hbm_efficiency=0.906,
+               attention_efficiency=tuple((k, tf / 989) for k, tf in ((512, 191), (1024, 260), (2048, 298),
+                                                                     (4096, 319), (8192, 333), (16384, 335))))
 GPUS: dict[str, Gpu] = {
-    "h100": Gpu(
-        name="H100 SXM5 80GB",
-        peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 494e12},
-        vector_flops=67e12, hbm_bytes=80 * 10**9, hbm_bw=3.35e12, link_bw=900e9, sbuf_bytes=50 * 10**6,
-        launch_s=5e-6, kernel_s=2e-6,
-        fabric=Fabric(fixed_s=15e-6, hop_s=1e-6, efficiency=470 / 900,
-                      source="[3p] nccl-tests busbw 460-480 GB/s; latency floor [assumption]"),
-    ),
+    # S34 [3p]: H100 SXM5 dense 989 TF bf16/fp16, 1979 TF fp8, 494 TF tf32, 67 TF fp32 non-tensor; 80 GB HBM3 at
+    # 3.35 TB/s; NVLink-4 900 GB/s; 50 MB L2.
+    "h100": Gpu(name="H100 SXM5 80GB",
+                peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 494e12},
+                hbm_bytes=80 * 10**9, hbm_bw=3.35e12, link_bw=900e9, **_HOPPER),
+    # S37 [3p]: H200 SXM is the H100 chip with 141 GB HBM3e at 4.8 TB/s.
+    "h200": Gpu(name="H200 SXM 141GB",
+                peak_flops={"bfloat16": 989e12, "float16": 989e12, "float8": 1979e12, "float32": 494e12},
+                hbm_bytes=141 * 10**9, hbm_bw=4.8e12, link_bw=900e9, **_HOPPER),
+    # S38 [3p]: B200 (DGX B200) dense 2,250 TF bf16, 4,500 TF fp8, 180 GB HBM3e at 8 TB/s, NVLink-5 1.8 TB/s,
+    # 148 SMs. Launch, kernel and NCCL latencies as on Hopper [assumption]; the NVLink efficiency of G3.
+    "b200": Gpu(name="B200 SXM 180GB",
+                peak_flops={"bfloat16": 2250e12, "float16": 2250e12, "float8": 4500e12, "float32": 1125e12},
+                hbm_bytes=180 * 10**9, hbm_bw=8.0e12, link_bw=1800e9,
+                **{**_HOPPER, "sms": 148, "vector_flops": 80e12, "sbuf_bytes": 126 * 10**6,
+                   "mm_efficiency": {"bfloat16": 0.776, "float8": 0.763, "float32": 0.776}}),
 }
 
 
@@ -211,14 +253,23 @@ class GpuInstance:
     name: str
     gpu: str  # key of GPUS
     gpus: int
-    price_per_hour: float
+    price_per_hour: float | None  # USD on-demand; None where no source was found
     price_source: str
     efa_bps: float
 
 
 GPU_INSTANCES: dict[str, GpuInstance] = {
-    "p5.48xlarge": GpuInstance(
-        "p5.48xlarge", "h100", 8, 55.04,
-        "[3p] us-east-1 on-demand after the June 2025 P5 price cut (2026 price tables); $98.32 at launch",
-        3200e9),  # S35
+    g.name: g
+    for g in (
+        GpuInstance("p5.48xlarge", "h100", 8, 55.04,
+                    "[3p] us-east-1 on-demand after the June 2025 P5 price cut (2026 price tables); $98.32 at launch",
+                    3200e9),  # S35
+        GpuInstance("p5en.48xlarge", "h200", 8, None,
+                    "no on-demand price found (EC2 Capacity Block effective rate $43.26, 2024 snapshot, S35); "
+                    "pass --gpu-price", 3200e9),
+        GpuInstance("p6-b200.48xlarge", "b200", 8, None, "no on-demand price found; pass --gpu-price", 3200e9),
+    )
 }
+
+# The GPU instance the cost model uses for a GPU when none is named.
+GPU_INSTANCE = {g.gpu: name for name, g in reversed(GPU_INSTANCES.items())}

@@ -104,6 +104,7 @@ _TABLE: list[Op] = [
     *_group("tensor", "mm bmm matmul linear mv dot vdot _scaled_mm", rule=Rule.MATMUL),
     *_group("tensor", "addmm addbmm baddbmm addmv", rule=Rule.MATMUL, operands=(1, 2)),
     *_group("host", "addr", rule=Rule.MATMUL, operands=(1, 2)),
+    *_group("host", "_grouped_mm", rule=Rule.MATMUL),  # MoE experts: tokens grouped by expert x [E, K, N]
     *_group("tensor", "convolution convolution_backward _convolution", rule=Rule.CONV),
     *_group("tensor", "_scaled_dot_product_flash_attention_for_cpu "
             "_scaled_dot_product_flash_attention_for_cpu_backward _scaled_dot_product_attention_math",

@@ -1,0 +1,287 @@
+"""Plans beyond one data- and tensor-parallel step: the CLI's context length, the memory-fit check, FSDP, fp8 and
+8-bit weights, and the buyer's GPU comparison; each against values computed here from published numbers."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from torchneuron.costmodel import cli, presets
+from torchneuron.costmodel.estimate import compare_gpu, estimate
+from torchneuron.costmodel.trace import trace
+from torchneuron.hardware.chips import CHIPS
+
+TRN2, LNC = CHIPS["trn2"], 2
+CORE_HBM = TRN2.hbm_bytes // TRN2.logical_cores(LNC)  # 24 GiB per trn2 logical core
+BF16 = torch.bfloat16
+
+
+def _llama8b(layers: int | None = None):
+    return presets.hf_model(presets.config("llama-8b", **({"num_hidden_layers": layers} if layers else {})))
+
+
+@pytest.mark.parametrize("context", [16, 8192])
+def test_cli_decode_costs_a_cache_of_seq_tokens(monkeypatch, context):
+    """`estimate --mode decode --seq N`: the static cache holds N + 1 positions (N cached, one new); per core
+    under TP=8 it is 32 layers x (K, V) x 8/8 KV heads x 128 x (N + 1) x 2 bytes, and each layer's attention
+    reads all of it: 2 x 4 heads x (N + 1) x (128 + 128) FLOPs."""
+    seen = {}
+
+    def spy(*args, **kw):
+        seen["r"] = r = estimate(*args, **kw)
+        return r
+
+    monkeypatch.setattr(cli, "estimate", spy)
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    assert cli.run_estimate(p.parse_args(["--model", "llama-8b", "--mode", "decode", "--seq", str(context),
+                                          "--tp", "8", "--compare", "none", "--top", "0"])) == 0
+    r = seen["r"]
+    assert r.memory["inputs"] == pytest.approx(32 * 2 * 1 * 128 * (context + 1) * 2, rel=1e-3)
+    attention = sum(o.flops for o in r.ops if o.op.startswith("_scaled_dot_product"))
+    assert attention == pytest.approx(32 * 2 * 4 * (context + 1) * 256, rel=0.01)
+
+
+def test_training_that_does_not_fit_names_the_smallest_tensor_parallel_degree():
+    """Llama-3.1-8B (8.03e9 parameters) trained with AdamW in bf16 keeps 2 + 2 + 12 bytes per parameter (weights,
+    gradients, fp32 moments and master weights): 128 GB, on TP=t cores 128 GB / t. With a tiny batch the
+    activations are negligible, so the smallest power of two with 128 GB / t <= 24 GiB is what the error names,
+    as a tensor-parallel degree or a pipeline depth (a stage holds 1/pp of the layers)."""
+    model = _llama8b()
+    n = sum(p.numel() for p in model.parameters())
+    tp = next(t for t in (2, 4, 8, 16, 32, 64) if 16 * n / t < 0.97 * CORE_HBM)
+    assert tp == 8
+    with pytest.raises(torch.OutOfMemoryError, match=rf"optimizer .*the smallest change that fits: tp={tp} or "
+                                                     rf"pp={tp}$"):
+        estimate(model, presets.lm_inputs(model, seq=8), target="trn2", dtype=BF16, compare=None)
+
+
+def test_serving_that_does_not_fit_names_8bit_weights():
+    """Llama-3.3-70B in bf16 on TP=4 trn2 cores: 141 GB / 4 = 35 GB > 24 GiB per core; with 8-bit weights
+    70.6 GB / 4 = 17.6 GB fits, so that is the smallest change."""
+    model = presets.hf_model(presets.config("llama-70b"))
+    n = sum(p.numel() for p in model.parameters())
+    assert 2 * n / 4 > CORE_HBM > n / 4 * 1.1
+    with pytest.raises(torch.OutOfMemoryError, match=r"weights 32\.9 GiB.*precision='w8'"):
+        estimate(model, presets.lm_inputs(model, mode="decode", context=128), target="trn2", mode="decode", tp=4,
+                 dtype=BF16, compare=None)
+    r = estimate(model, presets.lm_inputs(model, mode="decode", context=128), target="trn2", mode="decode", tp=4,
+                 dtype=BF16, compare=None, precision="w8")
+    assert r.memory["weights"] == pytest.approx(n / 4)
+
+
+class Matmul(torch.nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(n, n))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def test_fsdp_shards_state_and_gathers_weights_every_micro_step():
+    """ZeRO-3 over dp=4 on one trn2 instance, a [4096, 4096] fp32 weight (64 MiB), 2 micro-steps: weights,
+    gradients and the two fp32 moments are a quarter each; each micro-step runs two all-gathers and a
+    reduce-scatter of 64 MiB, ring algorithm above 56 MiB (3 steps), each rank moving 3/4 of the buffer at the
+    NeuronLink share x the measured efficiency, after the 58 us floor."""
+    n = 4096
+    with torch.device("meta"):
+        model, x = Matmul(n), torch.empty(n, n)
+    r = estimate(model, (x,), target="trn2", dp=4, fsdp=True, batch_tokens=2 * 4 * n, compare=None)
+    nbytes = n * n * 4
+    assert r.micro_steps == 2
+    assert r.memory["weights"] == r.memory["gradients"] == pytest.approx(nbytes / 4)
+    assert r.memory["optimizer"] == pytest.approx(n * n * 8 / 4)
+    busbw = TRN2.link_bw / TRN2.logical_cores(LNC) * TRN2.fabric.efficiency
+    one = TRN2.fabric.fixed_s + 3 * TRN2.fabric.hop_s + 3 / 4 * nbytes / busbw
+    assert r.by("phase")["grad_sync"] == pytest.approx(2 * 3 * one, rel=1e-6)
+
+
+def test_fp8_matmul_runs_at_the_fp8_rate_and_mfu_uses_the_fp8_peak():
+    """[4096,4096] @ [4096,4096] on a trn2 logical core: fp8 double-row passes K = 256 rows, twice bf16's 128,
+    so the matmul takes 2n^3 / (2 x 256 x 128 x 2.4 GHz x 2 cores); MFU divides by the fp8 peak (162.4 TF per
+    physical core, S2), not bf16's, and stays below 1."""
+    n = 4096
+    with torch.device("meta"):
+        model, x = Matmul(n), torch.empty(n, n)
+    r = estimate(model, (x,), target="trn2", mode="forward", dtype=BF16, precision="fp8", compare=None)
+    rate = 2 * 256 * 128 * 2.4e9 * LNC
+    assert r.step_time_s == pytest.approx(2 * n**3 / rate + TRN2.launch_s, rel=0.03)
+    assert r.mfu == pytest.approx(2 * n**3 / r.step_time_s / (162.4e12 * LNC))
+    assert 0 < r.mfu < 1
+
+
+def test_gpu_comparison_is_the_cheapest_layout_as_fast_as_trainium():
+    """Serving: of the H100 tensor-parallel degrees 1, 2, 4, 8 that fit, the comparison is the cheapest per token
+    among those at least as fast as the Trainium step; an explicit --gpu-tp/--gpu-count is taken as given."""
+    model = _llama8b(layers=4)
+    inputs = presets.lm_inputs(model, mode="decode", context=2048)
+    r = estimate(model, inputs, target="trn2", mode="decode", tp=8, dtype=BF16)
+    tr = trace(model, inputs, train=False, dtype=BF16)
+    from torchneuron.costmodel.estimate import Plan
+
+    plan = Plan(mode="decode", tp=8)
+    each = {t: compare_gpu(tr, r, plan, "h100", tp=t) for t in (1, 2, 4, 8)}
+    fast = [c for c in each.values() if c.step_time_s <= r.step_time_s]
+    best = min(fast, key=lambda c: c.cost_per_million) if fast else min(each.values(), key=lambda c: c.step_time_s)
+    assert (r.comparison.tp, r.comparison.cost_per_million) == (best.tp, pytest.approx(best.cost_per_million))
+    assert each[2].cores == 2 and each[2].cost_per_hour == pytest.approx(55.04 / 8 * 2)
+    fp8 = estimate(model, inputs, target="trn2", mode="decode", tp=8, dtype=BF16, gpu_tp=2, gpu_precision="fp8")
+    assert fp8.comparison.tp == 2 and fp8.comparison.precision == "fp8"
+    assert fp8.comparison.memory["weights"] == pytest.approx(sum(p.numel() for p in model.parameters()) / 2)
+
+
+@pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_pipeline_bubble_and_stage_memory(schedule, vpp):
+    """4 stages, 8 micro-batches of 512 tokens: a stage runs a quarter of each micro-batch's forward and backward
+    over 8 + 3 slots (1F1B, GPipe) or 8 + 3/2 (interleaved, v = 2); between stages each slot sends the 512 x 4096
+    bf16 activation forward and its gradient back (4 MiB: recursive halving-doubling, one step, after the 58 us
+    floor). A stage holds a quarter of the weights and of the gradients, and activations of min(8, 4) micro-batches
+    (1F1B; x (1 + 3/8) interleaved) or all 8 (GPipe) over its quarter of the layers."""
+    model = _llama8b(layers=4)
+    inputs = presets.lm_inputs(model, seq=512)
+    m, p = 8, 4
+    kw = dict(target="trn2", dtype=BF16, batch_tokens=m * 512, optimizer=None, compare=None, check_memory=False)
+    one = estimate(model, inputs, **kw)
+    r = estimate(model, inputs, pp=p, schedule=schedule, vpp=vpp, **kw)
+    work = lambda e: sum(e.by("phase").get(k, 0.0) for k in ("forward", "backward"))
+    slots = m + (p - 1) / vpp
+    assert work(r) == pytest.approx(work(one) / m / p * slots)
+    busbw = TRN2.link_bw / TRN2.logical_cores(LNC) * TRN2.fabric.efficiency
+    nbytes = 512 * 4096 * 2
+    hop = TRN2.fabric.fixed_s + TRN2.fabric.hop_s + nbytes / busbw
+    assert r.by("phase")["pipeline"] == pytest.approx(2 * slots * hop)
+    assert r.memory["weights"] == pytest.approx(one.memory["weights"] / p)
+    inflight = {"1f1b": min(m, p), "gpipe": m, "interleaved": min(m, p) * (1 + (p - 1) / (p * vpp))}[schedule]
+    assert r.memory["activations"] == pytest.approx(one.memory["activations"] / 1 * inflight / p)
+    assert r.cores == p and 0 < r.mfu < one.mfu  # the bubble idles the stages
+
+
+def test_search_finds_the_cheapest_configuration_meeting_the_target_and_its_frontier():
+    """Serving a 2-layer Llama-3.1-8B at batch 1 and 8: every candidate is the estimate of its own layout, the
+    reported choice is the cheapest per token among those within the time per token, and no candidate is both
+    cheaper and faster than one on the frontier."""
+    from torchneuron.costmodel import search
+
+    def build(batch):
+        model = _llama8b(layers=2)
+        return model, presets.lm_inputs(model, mode="decode", context=1024, batch=batch)
+
+    target = 2e-3
+    cands = search.search(build, mode="decode", target="trn2", gpus=("h100",), batches=(1, 8), latency_s=target)
+    assert {c.platform for c in cands} == {"trainium", "gpu"}
+    c = next(c for c in cands if c.platform == "gpu" and c.result.tp == 2 and c.result.precision == "w8"
+             and c.batch == 8)
+    model, inputs = build(8)
+    direct = estimate(model, inputs, target="h100", mode="decode", tp=2, dtype=BF16, precision="w8", compare=None)
+    assert c.result.step_time_s == pytest.approx(direct.step_time_s)
+    assert c.cost_per_million == pytest.approx(direct.cost_per_million)
+    for platform in ("trainium", "gpu"):
+        mine = [c for c in cands if c.platform == platform]
+        ok = [c for c in mine if c.result.step_time_s <= target]
+        assert all(c.meets == (c in ok) for c in mine)
+        front = search.frontier(mine)
+        for f in front:
+            assert not any(c.cost_per_million < f.cost_per_million and c.result.step_time_s < f.result.step_time_s
+                           for c in mine)
+        if ok:
+            cheapest = min(ok, key=lambda c: c.cost_per_million)
+            assert f"cheapest meeting the target: {search._row(cheapest)}" in search.table(cands)
+
+
+def test_cli_search_needs_its_target():
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    with pytest.raises(ValueError, match="--target-tpot-ms"):
+        cli.check_estimate_arguments(p.parse_args(["--model", "llama-8b", "--mode", "decode", "--search"]),
+                                     cli.usage_error)
+
+
+def test_from_profile_reprices_the_recorded_op_mix(tmp_path):
+    """A Chrome trace as torchneuron.profiler exports it: process 1 is the host (ignored), devices are 2+. A
+    bf16 mm of 2 x 1024^3 FLOPs and 6 MiB, and an fp32 add over 4M elements (48 MiB), each run twice, priced per
+    step (2 steps) on a trn2 core compiled: the mm at TensorE's rate from the clock and the array, the add at
+    VectorE's fp32 rate or HBM, whichever is slower, plus a kernel's fixed cost per call; on an H100 eager: the
+    calibrated matmul rate and HBM, plus a launch and a kernel per call."""
+    import json
+
+    from torchneuron.costmodel import mix
+    from torchneuron.hardware.chips import GPUS
+
+    mm = {"ph": "X", "pid": 2, "cat": "tensor", "name": "aten::mm",
+          "args": {"flops": 2 * 1024**3, "bytes": 6 * 2**20, "dtypes": ["torch.bfloat16", "torch.bfloat16"]}}
+    add = {"ph": "X", "pid": 2, "cat": "vector", "name": "aten::add",
+           "args": {"flops": 4 * 2**20, "bytes": 48 * 2**20, "dtypes": ["torch.float32"]}}
+    host = {"ph": "X", "pid": 1, "cat": "host", "name": "aten::mm", "args": {}}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": [mm, add, mm, add, host]}))
+    ops = mix.load(path, steps=2)
+    assert sorted((o.name, o.calls) for o in ops) == [("aten::add", 1), ("aten::mm", 1)]
+    c = mix.price(ops, "trn2", execution="compiled")
+    hbm = TRN2.hbm_bw / TRN2.logical_cores(LNC)
+    kernel = 2 * TRN2.dma_fixed_s
+    mm_s = max(2 * 1024**3 / (2 * 128 * 128 * 2.4e9 * LNC), 6 * 2**20 / hbm) + kernel
+    add_s = max(4 * 2**20 / (TRN2.vector.rate(4) * LNC), 48 * 2**20 / hbm) + kernel
+    assert c.step_s == pytest.approx(mm_s + add_s)
+    assert c.mfu == pytest.approx(2 * 1024**3 / c.step_s / (83.4e12 * LNC))
+    assert c.cost_per_hour == pytest.approx(35.7608 / 64)
+    h = GPUS["h100"]
+    g = mix.price(ops, "h100", execution="eager")
+    fixed = h.launch_s + h.kernel_s
+    gmm = max(2 * 1024**3 / (989e12 * 0.803), 6 * 2**20 / (3.35e12 * 0.906)) + fixed
+    gadd = max(4 * 2**20 / 67e12, 48 * 2**20 / (3.35e12 * 0.906)) + fixed
+    assert g.step_s == pytest.approx(gmm + gadd)
+
+
+def test_from_profile_cli_reads_a_real_profile(tmp_path, capsys):
+    """A tiny GPT's forward on the neuron device under torchneuron.profiler, exported, then priced by the CLI:
+    the mix keeps every recorded device op and its FLOPs."""
+    import torchneuron
+    from torchneuron.costmodel import mix
+    from torchneuron.models import GPTConfig, TinyGPT, gpt_batch
+
+    cfg = GPTConfig(n_layer=1, n_embd=64, n_head=2, block_size=32)
+    x, y = gpt_batch(cfg, 2, torch.Generator().manual_seed(0))
+    model = TinyGPT(cfg).to("neuron")
+    with torchneuron.profiler.profile() as prof:
+        model(x.to("neuron"), y.to("neuron"))
+    trace_path = prof.export_chrome_trace(tmp_path / "t.json")
+    from_file, from_object = mix.load(trace_path), mix.load(prof)
+    assert sum(o.calls for o in from_object) == len(prof.events)
+    assert sum(o.flops for o in from_file) == pytest.approx(sum(e.cost.flops for e in prof.events if e.device_s))
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    assert cli.run_estimate(p.parse_args(["--from-profile", str(trace_path), "--target", "trn1"])) == 0
+    out = capsys.readouterr().out
+    assert "1 trn1 of trn1.32xlarge" in out and "1 h100 of p5.48xlarge" in out and "compiled" in out
+
+
+def test_moe_experts_cost_their_routed_tokens_and_read_only_the_hit_experts():
+    """Mixtral (8 experts, 2 per token), 2 layers: a forward over 256 tokens runs its expert GEMMs on 512 routed
+    rows: per layer 2 x 512 x 4096 x (2 x 14336) (gate and up) + 2 x 512 x 14336 x 4096 (down) FLOPs. A decode
+    step at batch 1 routes 2 rows, so it reads 2 experts' weights, not 8 (bf16)."""
+    model = presets.hf_model(presets.config("mixtral-8x7b", num_hidden_layers=2))
+    n = sum(p.numel() for p in model.parameters())
+    assert n == pytest.approx(2 * (8 * 3 * 4096 * 14336 + 4096 * (4096 + 2 * 1024 + 4096) + 8 * 4096)
+                              + 2 * 32000 * 4096, rel=0.01)
+    fwd = estimate(model, presets.lm_inputs(model, seq=256, mode="forward"), mode="forward", dtype=BF16,
+                   compare=None, execution="eager")
+    experts = [o for o in fwd.ops if o.op == "_grouped_mm"]
+    assert sum(o.flops for o in experts) == pytest.approx(2 * (2 * 512 * 4096 * 2 * 14336 + 2 * 512 * 14336 * 4096))
+    dec = estimate(model, presets.lm_inputs(model, mode="decode", context=64), mode="decode", dtype=BF16,
+                   compare=None, execution="eager")
+    read = sum(o.bytes for o in dec.ops if o.op == "_grouped_mm")
+    assert read == pytest.approx(2 * 2 * 3 * 4096 * 14336 * 2, rel=0.01)
+    assert 0 < fwd.mfu < 1 and fwd.mfu > 0.1  # the expert GEMMs count as model FLOPs
+
+
+def test_reserved_pricing_uses_the_published_ri_rate_where_there_is_one():
+    """AWS publishes RI-effective rates for trn1 only (trn1.32xlarge $8.197/h); elsewhere it is a usage error."""
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    a = p.parse_args(["--target", "trn1", "--pricing", "reserved"])
+    cli.check_estimate_arguments(a, cli.usage_error)
+    assert a.price == pytest.approx(8.197)
+    with pytest.raises(ValueError, match="no reserved rate for trn2.48xlarge"):
+        cli.check_estimate_arguments(p.parse_args(["--target", "trn2", "--pricing", "reserved"]), cli.usage_error)
