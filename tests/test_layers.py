@@ -16,7 +16,7 @@ LAYERS = (
     {"_version", "hardware"},
     {"runtime"},
     {"device"},
-    {"compiler", "distributed", "costmodel", "profiler", "migrate", "integrations", "models"},
+    {"compiler", "distributed", "costmodel", "profiler", "migrate", "integrations", "models", "nki"},
     {"torchneuron"},
     {"torch_neuronx", "cli", "demo"},  # AWS's name layer, the command line, the demo
 )
