@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..hardware.chips import CHIPS, Chip
@@ -181,7 +182,8 @@ class Allocation:
     def __init__(self, base: torch.Tensor, buffer: Buffer, run: Run | None, charge: int = 0, banks: int = 0,
                  initialised: bool = False):
         self.base, self.buffer, self.run, self.charge, self.banks = base, buffer, run, charge, banks
-        self.init = None if initialised or not buffer.on_chip else torch.zeros(base.shape, dtype=torch.bool)
+        # numpy, not torch: single-threaded, so tiny masks never wait for a thread pool
+        self.init = None if initialised or not buffer.on_chip else np.zeros(tuple(base.shape), dtype=np.bool_)
         self.written = False  # by an instruction (the timeline tracks reads only of memory that is ever written)
         self.matmul_result = False  # a PSUM tile returned by the legacy nc_matmul form (`psum += ...`)
         self.mm_read = True  # read since the last matmul wrote it: the next matmul starts a new accumulation

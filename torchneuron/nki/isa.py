@@ -10,6 +10,7 @@ import enum
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import core
@@ -97,11 +98,12 @@ def _check_access(eng: str, instr: str, reads: list, writes: list) -> None:
             _check_tile(t, instr, role)
 
 
-def _init_view(t: NkiTensor) -> torch.Tensor | None:
+def _init_view(t: NkiTensor) -> np.ndarray | None:
     init = t.alloc.init
     if init is None:
         return None
-    return init.as_strided(t.data.shape, t.data.stride(), t.data.storage_offset())
+    flat = init.reshape(-1)[t.data.storage_offset():]
+    return np.lib.stride_tricks.as_strided(flat, tuple(t.data.shape), tuple(t.data.stride()))
 
 
 def _check_initialised(instr: str, reads: list) -> None:
@@ -109,7 +111,7 @@ def _check_initialised(instr: str, reads: list) -> None:
         v = _init_view(t)
         if v is not None and not bool(v.all()):
             fail(RuntimeError, f"{instr}: {role} reads {t.buffer.name} that no instruction wrote "
-                               f"({int((~v).sum())} of {v.numel()} elements uninitialised): on hardware this is "
+                               f"({int((~v).sum())} of {v.size} elements uninitialised): on hardware this is "
                                "whatever the memory held")
         if t.buffer is PSUM:
             t.alloc.mm_read = True
@@ -119,7 +121,7 @@ def _mark_written(writes: list) -> None:
     for _, t in writes:
         v = _init_view(t)
         if v is not None:
-            v.fill_(True)
+            v[...] = True
         if t.buffer is PSUM:
             t.alloc.mm_read = False
 
@@ -334,11 +336,14 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
             x = x + _vector(bias, p, "activation", "bias")
         y = fn.fn(x)
         _store(run, dst, y)
-        if reduce_res is not None or reduce_cmd != reduce_cmd.idle:
-            regs = getattr(run, "act_regs", None)
-            if regs is None or reduce_cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
+        cmd = reduce_cmd
+        if reduce_res is not None and cmd == type(cmd).idle:
+            cmd = type(cmd).reset_reduce  # reduce_res alone: this instruction's sum (activation_reduce)
+        if cmd != type(cmd).idle:
+            regs = run.act_regs
+            if regs is None or cmd in (type(cmd).reset, type(cmd).reset_reduce):
                 regs = torch.zeros(p, 1)
-            if reduce_cmd != reduce_cmd.reset:
+            if cmd != type(cmd).reset:
                 regs = regs + value(dst).reshape(p, -1).sum(1, keepdim=True)
             run.act_regs = regs
             if reduce_res is not None:
