@@ -3,8 +3,9 @@ as nisa) interpreted over torch tensors, with Trainium's rules checked, engine n
 timeline per call (docs/nki.md).
 
 `import nki` works without AWS's package: torchneuron's autoload registers `NkiAlias`, a meta-path finder that
-serves `nki`, `nki.language` and `nki.isa` from this package only when no other `nki` is importable, so an
-installed AWS `nki` always wins. This module imports nothing heavy until a name is used."""
+serves `nki`, `nki.language` and `nki.isa` (and the earlier `neuronxcc.nki` names) from this package only when
+no other `nki` (`neuronxcc`) is importable, so an installed AWS package always wins. This module imports nothing
+heavy until a name is used."""
 from __future__ import annotations
 
 import importlib
@@ -14,11 +15,19 @@ import sys
 from typing import Any
 
 _LAZY = {
-    "jit": ("kernel", "jit"), "simulate": ("kernel", "simulate"), "Kernel": ("kernel", "Kernel"),
+    "jit": ("kernel", "jit"), "baremetal": ("kernel", "jit"), "simulate": ("kernel", "simulate"),
+    "Kernel": ("kernel", "Kernel"),
     "nki_op": ("torch_op", "nki_op"), "KernelProfile": ("cost", "KernelProfile"),
 }
-_SUBMODULES = ("language", "isa", "core", "cost", "kernel", "ops", "torch_op")
-_ALIASED = {"nki": "torchneuron.nki", "nki.language": "torchneuron.nki.language", "nki.isa": "torchneuron.nki.isa"}
+_SUBMODULES = ("language", "isa", "core", "cost", "kernel", "ops", "torch_op", "typing", "validation", "compiler")
+# `nki` is AWS's current package; `neuronxcc.nki` the earlier one inside the compiler wheel (its kernels use the
+# legacy forms this implementation also accepts). "" = an empty parent package.
+_ALIASED = {"nki": "torchneuron.nki", "nki.language": "torchneuron.nki.language", "nki.isa": "torchneuron.nki.isa",
+            "nki.typing": "torchneuron.nki.typing", "neuronxcc": "", "neuronxcc.nki": "torchneuron.nki",
+            "neuronxcc.nki.language": "torchneuron.nki.language", "neuronxcc.nki.isa": "torchneuron.nki.isa",
+            "neuronxcc.nki.typing": "torchneuron.nki.typing", "nki.compiler": "torchneuron.nki.compiler",
+            "neuronxcc.nki.compiler": "torchneuron.nki.compiler"}
+_ROOTS = ("nki", "neuronxcc")
 
 
 def __getattr__(name: str) -> Any:
@@ -31,24 +40,30 @@ def __getattr__(name: str) -> Any:
 
 
 class NkiAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves `nki` (and `nki.language`, `nki.isa`) from torchneuron.nki when nothing else provides `nki`."""
+    """Serves `nki` (and `nki.language`, `nki.isa`, and `neuronxcc.nki...`) from torchneuron.nki when nothing else
+    provides the top-level name."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in _ALIASED:
             return None
-        if fullname == "nki":
-            if importlib.machinery.PathFinder.find_spec("nki") is not None:
-                return None  # AWS's nki (or any other) is installed: it wins
-        elif sys.modules.get("nki") is not sys.modules.get(__name__):
+        if fullname in _ROOTS:
+            if importlib.machinery.PathFinder.find_spec(fullname) is not None:
+                return None  # AWS's package (or any other of that name) is installed: it wins
+        elif not getattr(sys.modules.get(fullname.split(".")[0]), "_torchneuron_alias", False) and \
+                sys.modules.get(fullname.split(".")[0]) is not sys.modules.get(__name__):
             return None
-        return importlib.machinery.ModuleSpec(fullname, self)
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
         return None
 
     def exec_module(self, module: Any) -> None:
+        target = _ALIASED[module.__name__]
+        if not target:
+            module._torchneuron_alias = True
+            return
         # The import system returns whatever sys.modules holds under the name after exec_module.
-        sys.modules[module.__name__] = importlib.import_module(_ALIASED[module.__name__])
+        sys.modules[module.__name__] = importlib.import_module(target)
 
 
 def install_alias() -> None:

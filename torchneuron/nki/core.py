@@ -138,7 +138,7 @@ class Run:
     program: tuple[int, ...] = ()
     timeline: Any = None  # cost.Timeline
     sbuf_used: int = 0  # bytes per partition
-    psum_banks: int = 0
+    psum_banks: int = 0  # bytes per partition of live PSUM
     generator: torch.Generator = field(default_factory=torch.Generator)
     shared: SharedHbm | None = None  # the launch's shared_hbm tensors (SPMD programs share them)
     act_regs: torch.Tensor | None = None  # the Scalar engine's 128 reduction registers
@@ -230,7 +230,9 @@ def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None =
             fail(ValueError, f"partition dimension {sizes[pdim]} of a {buffer.name} tensor exceeds {PMAX} "
                              f"(nl.tile_size.pmax): tile the axis into pieces of at most {PMAX}")
         free = math.prod(sizes[pdim + 1:]) * dtype.itemsize
-        blocks = math.prod(sizes[:pdim])
+        # Block axes (before an nl.par_dim): AWS's allocator may rotate fewer physical buffers than blocks, so one
+        # block is charged (docs/nki.md).
+        blocks = 1
         if run is not None and buffer is SBUF:
             charge = free * blocks
             if run.sbuf_used + charge > run.sbuf_partition_bytes:
@@ -242,11 +244,12 @@ def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None =
                 fail(ValueError, f"a PSUM tile's free size is {free} B per partition; a PSUM bank holds "
                                  f"{PSUM_BANK_BYTES} B (512 float32): split the tile")
             if run is not None:
-                banks = blocks
-                if run.psum_banks + banks > run.psum_bank_count:
-                    fail(RuntimeError, f"PSUM overflow on {run.chip.name}: {run.psum_banks} of "
-                                       f"{run.psum_bank_count} banks (2 KiB per partition each) are live and "
-                                       f"this tensor needs {banks} more")
+                banks = free * blocks  # bytes per partition (each block within one bank)
+                limit = run.psum_bank_count * PSUM_BANK_BYTES
+                if run.psum_banks + banks > limit:
+                    fail(RuntimeError, f"PSUM overflow on {run.chip.name}: {run.psum_banks} B of {limit} B per "
+                                       f"partition (8 banks of 2 KiB) are live and this {sizes} tensor needs "
+                                       f"{banks} B more")
     if data is None:
         data = torch.empty(sizes, dtype=dtype)
     alloc = Allocation(data, buffer, run, charge, banks, initialised=buffer.is_hbm)
@@ -281,6 +284,24 @@ class IndexExpr:
     __rmul__ = __mul__
     def __sub__(self, o): return self._bin(o, torch.sub)
     def __rsub__(self, o): return IndexExpr(o - self.values)
+
+    def _cmp(self, other: Any, fn: Any) -> IndexExpr:
+        return IndexExpr(fn(self.values, other.values if isinstance(other, IndexExpr) else other).long())
+
+    def __ge__(self, o): return self._cmp(o, torch.ge)
+    def __gt__(self, o): return self._cmp(o, torch.gt)
+    def __le__(self, o): return self._cmp(o, torch.le)
+    def __lt__(self, o): return self._cmp(o, torch.lt)
+    def __floordiv__(self, o): return self._bin(o, torch.floor_divide)
+    def __mod__(self, o): return self._bin(o, torch.remainder)
+
+    def is_affine(self) -> bool:
+        """Whether the indices are one increasing run along a single axis (then a slice gives a view)."""
+        v = self.values
+        if v.numel() != max(v.shape or (1,)):
+            return False
+        v = v.flatten()
+        return v.numel() == 1 or (bool((v.diff() == v[1] - v[0]).all()) and int(v[1] - v[0]) > 0)
 
     def as_slice(self) -> slice:
         v = self.values.flatten()
@@ -364,6 +385,8 @@ class NkiTensor:
             key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1:]
         if len(key) > self.ndim:
             fail(IndexError, f"too many indices ({len(key)}) for a tensor of shape {self.shape}")
+        if any(isinstance(k, IndexExpr) and not k.is_affine() for k in key):
+            return GatherTile(self, key)
         key = key + (slice(None),) * (self.ndim - len(key))
         torch_key, dims, fixed, pdim = [], [], list(self.fixed), self.pdim
         for axis, (k, size) in enumerate(zip(key, self.shape, strict=True)):
@@ -461,3 +484,37 @@ class NkiTensor:
             res = self + other
             isa.tensor_copy(dst=self, src=res)
         return self
+
+
+class GatherTile(NkiTensor):
+    """A tile addressed by general nl.arange expressions (legacy indexing, e.g. `t[i_p, i_f2 * n + i_f1]`): its
+    elements are gathered from `src` when read and scattered back when written."""
+
+    __slots__ = ("src", "idx")
+
+    def __init__(self, src: NkiTensor, key: tuple):
+        idx = []
+        for axis, (k, size) in enumerate(zip(key, src.shape, strict=True)):
+            if isinstance(k, IndexExpr):
+                v = k.values
+            elif isinstance(k, int):
+                v = torch.tensor(k)
+            else:
+                fail(IndexError, "mix general nl.arange expressions only with other nl.arange expressions or ints")
+            if v.numel() and (int(v.min()) < 0 or int(v.max()) >= size):
+                fail(IndexError, f"index expression reaches {int(v.min())}..{int(v.max())}, out of bounds for axis "
+                                 f"{axis} of size {size} (tensor shape {src.shape}, {src.buffer!r})")
+            idx.append(v)
+        self.src, self.idx = src, tuple(torch.broadcast_tensors(*idx))
+        super().__init__(src.alloc, src.data[self.idx], None, 0)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.src.data[self.idx]
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        pass
+
+    def write(self, value: torch.Tensor) -> None:
+        self.src.data.index_put_(self.idx, value.reshape(self.idx[0].shape))

@@ -29,6 +29,11 @@ class engine(enum.Enum):  # noqa: N801 (AWS's name)
     sync = "sync"
 
 
+# the earlier names of the engines
+tensor_engine, vector_engine, scalar_engine, gpsimd_engine = engine.tensor, engine.vector, engine.scalar, engine.gpsimd
+unknown_engine = engine.unknown
+
+
 class reduce_cmd(enum.Enum):  # noqa: N801
     idle = 0
     reset = 1
@@ -102,6 +107,8 @@ def _init_view(t: NkiTensor) -> np.ndarray | None:
     init = t.alloc.init
     if init is None:
         return None
+    if isinstance(t, core.GatherTile):
+        return _init_view(t.src)[tuple(i.numpy() for i in t.idx)]  # a copy: for reading only
     flat = init.reshape(-1)[t.data.storage_offset():]
     return np.lib.stride_tricks.as_strided(flat, tuple(t.data.shape), tuple(t.data.stride()))
 
@@ -119,6 +126,9 @@ def _check_initialised(instr: str, reads: list) -> None:
 
 def _mark_written(writes: list) -> None:
     for _, t in writes:
+        if isinstance(t, core.GatherTile) and t.alloc.init is not None:
+            _init_view(t.src)[tuple(i.numpy() for i in t.idx)] = True
+            continue
         v = _init_view(t)
         if v is not None:
             v[...] = True
@@ -185,7 +195,11 @@ def _store(run: core.Run, dst: NkiTensor, v: torch.Tensor) -> None:
     if not run.compute:
         return
     v = v.reshape(dst.shape) if v.numel() == dst.data.numel() else v.expand(dst.shape)
-    dst.data.copy_(round_to(v, dst.dtype, run.stochastic_rounding, run.generator))
+    v = round_to(v, dst.dtype, run.stochastic_rounding, run.generator)
+    if isinstance(dst, core.GatherTile):
+        dst.write(v)
+    else:
+        dst.data.copy_(v)
 
 
 def _new(shape: tuple, dtype: Any, buffer: Any = SBUF) -> NkiTensor:
@@ -728,4 +742,34 @@ def dma_transpose(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | Non
     if dst.shape[0] != src.free_size or dst.free_size != src.shape[0]:
         fail(ValueError, f"dma_transpose: dst must be [{src.free_size}, {src.shape[0]}], got {dst.shape}")
     _dma("dma_transpose", dst, src, transpose=True)
+    return dst if legacy else None
+
+
+def tensor_scalar_reduce(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, op0: Any = None,
+                         operand0: Any = None, reduce_op: Any = None, reduce_res: NkiTensor | None = None,
+                         reverse0: bool = False, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst = data <op0> operand0, and reduce_res[P, 1] = reduce_op over dst's free axes (Vector engine)."""
+    names = ["dst", "data", "op0", "operand0", "reduce_op", "reduce_res", "reverse0"]
+    given = dict(zip(names, args, strict=False))
+    dst, data, op0, operand0 = (given.get(k, v) for k, v in
+                                (("dst", dst), ("data", data), ("op0", op0), ("operand0", operand0)))
+    reduce_op, reduce_res = given.get("reduce_op", reduce_op), given.get("reduce_res", reduce_res)
+    reverse0 = given.get("reverse0", reverse0)
+    legacy = dst is None
+    run = core.current_run()
+    if legacy:
+        dst = _new(data.shape, dtype or data.dtype)
+    _same_shape(dst, data, "tensor_scalar_reduce")
+    if not isinstance(reduce_op, Op) or reduce_op.reduce is None:
+        fail(ValueError, f"tensor_scalar_reduce: reduce_op must reduce (nl.add, nl.max, ...), got {reduce_op!r}")
+    p = data.shape[0]
+    reads = [("data", data)] + ([("operand0", operand0)] if isinstance(operand0, NkiTensor) else [])
+    cycles = engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize) + run.chip.mm_min_cycles
+    _issue("tensor_scalar_reduce", "vector", cycles, reads, [("dst", dst), ("reduce_res", reduce_res)])
+    if run.compute:
+        x = _binary(_arith(op0, "tensor_scalar_reduce"), _rows(data),
+                    _vector(operand0, p, "tensor_scalar_reduce", "operand0"), reverse0)
+        _store(run, dst, x)
+        _store(run, reduce_res, reduce_op.reduce(value(dst).reshape(p, -1), (1,)).reshape(p, 1))
+    _mark_written([("dst", dst), ("reduce_res", reduce_res)])
     return dst if legacy else None

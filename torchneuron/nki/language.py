@@ -109,6 +109,43 @@ def arange(*args: int) -> IndexExpr:
     return IndexExpr(torch.arange(*args))
 
 
+class _MGrid:
+    """`nl.mgrid[0:p, 0:f, ...]`: index expressions for each axis, as `.p` (partitions) then `.x`, `.y`, `.z`."""
+
+    def __getitem__(self, key: Any) -> Any:
+        key = key if isinstance(key, tuple) else (key,)
+        n = len(key)
+        exprs = []
+        for i, k in enumerate(key):
+            shape = [1] * n
+            r = torch.arange(k.start or 0, k.stop, k.step or 1)
+            shape[i] = r.numel()
+            exprs.append(IndexExpr(r.reshape(shape)))
+        grid = _Grid(exprs)
+        return grid
+
+
+class _Grid(tuple):
+    def __new__(cls, exprs: list) -> _Grid:
+        return super().__new__(cls, exprs)
+
+    def __getattr__(self, name: str) -> IndexExpr:
+        order = {"p": 0, "x": 1, "y": 2, "z": 3}
+        if name not in order or order[name] >= len(self):
+            raise AttributeError(name)
+        return self[order[name]]
+
+
+mgrid = _MGrid()
+
+
+def shared_constant(value: Any, dtype: Any = None, **_: Any) -> NkiTensor:
+    """A constant HBM tensor from a host array."""
+    t = torch.as_tensor(value)
+    dtype = core.to_dtype(dtype) if dtype is not None else t.dtype
+    return core.allocate(tuple(t.shape), dtype, HBM, data=t.to(dtype).clone())
+
+
 def affine_range(*args: int, **_: Any) -> range:
     """A loop whose iterations are independent (the compiler may pipeline them; the timeline orders them only
     by their data dependencies)."""
@@ -186,6 +223,8 @@ def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False, **_: Any) -> N
     Tensor engine (through PSUM, copied back to SBUF)."""
     if not transpose_x:
         x = copy(transpose(x), dtype=x.dtype)
+    x = copy(x) if x.buffer is PSUM else x  # the compiler moves PSUM operands to SBUF for nl-level calls
+    y = copy(y) if y.buffer is PSUM else y
     out = ndarray((x.free_size, y.free_size), torch.float32, PSUM)
     isa.nc_matmul(dst=out, stationary=x, moving=y)
     return out
@@ -193,6 +232,7 @@ def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False, **_: Any) -> N
 
 def transpose(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
     """x.T into a new PSUM tile (Tensor engine)."""
+    x = copy(x) if x.buffer is PSUM else x
     out = ndarray((x.free_size, x.shape[0]), dtype or torch.float32, PSUM)
     isa.nc_transpose(dst=out, data=x)
     return out
