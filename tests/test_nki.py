@@ -330,6 +330,44 @@ def nki_package():
     return sys.modules["torchneuron.nki"]
 
 
+def test_legacy_api_kernel():
+    """The earlier NKI API (neuronxcc.nki: nl.arange / nl.mgrid indexing, nl.load / nl.store, returned tiles,
+    `psum += nc_matmul`), as public kernels written for it use."""
+    import neuronxcc.nki as lnki
+    import neuronxcc.nki.isa as lnisa
+    import neuronxcc.nki.language as lnl
+
+    if importlib.machinery.PathFinder.find_spec("neuronxcc") is not None:
+        pytest.skip("AWS's neuronxcc is installed")
+
+    @lnki.baremetal
+    def kernel(lhs_t, rhs, x):
+        k, m = lhs_t.shape
+        out = lnl.ndarray((m, rhs.shape[1]), dtype=lnl.float32, buffer=lnl.shared_hbm)
+        swapped = lnl.ndarray(x.shape, dtype=x.dtype, buffer=lnl.shared_hbm)
+        i_p = lnl.arange(128)[:, None]
+        i_f = lnl.arange(rhs.shape[1])[None, :]
+        acc = lnl.zeros((m, rhs.shape[1]), dtype=lnl.float32, buffer=lnl.psum)
+        for kk in lnl.affine_range(k // 128):
+            a = lnl.load(lhs_t[kk * 128 + i_p, lnl.arange(m)[None, :]])
+            b = lnl.load(rhs[kk * 128 + i_p, i_f])
+            acc += lnisa.nc_matmul(a, b)
+        lnl.store(out[lnl.arange(m)[:, None], i_f], value=acc)
+        # swap the two halves of each row with one index expression: j -> (j + h) mod 2h
+        h = x.shape[1] // 2
+        g = lnl.mgrid[0:128, 0:2 * h]
+        t = lnl.load(x[g.p, g.x])
+        u = lnl.ndarray(x.shape, dtype=x.dtype, buffer=lnl.sbuf)
+        u[g.p, (g.x + h) % (2 * h)] = lnl.copy(t)
+        lnl.store(swapped[g.p, g.x], value=u)
+        return out, swapped
+
+    lhs_t, rhs, x = torch.randn(256, 64), torch.randn(256, 512), torch.randn(128, 10)
+    out, swapped = kernel(lhs_t, rhs, x)
+    close(out, lhs_t.T @ rhs, 1e-4)
+    close(swapped, torch.cat([x[:, 5:], x[:, :5]], 1), 0)
+
+
 # ----------------------------------------------------------------------------------------------- the device
 def test_neuron_tensors_eager_and_queued():
     a, b = torch.randn(256, 128, device="neuron"), torch.randn(256, 128, device="neuron")
@@ -382,6 +420,77 @@ def test_nki_op_eager_and_compiled_on_neuron():
     out = compiled(xn, wn)
     assert out.device.type == "neuron"
     close(out, ref + 1, 1e-5)  # rmsnorm(2x) == rmsnorm(x)
+
+
+def _reference_cases():
+    """(kernel, host arguments, PyTorch reference, tolerance) for each tutorial kernel."""
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    a, b = r(256, 128), r(256, 128)
+    x = r(256, 384)
+    sm = r(128, 300) * 4
+    xn, w = r(128, 256), r(256)
+    ln, gm, bt = r(128, 200), r(200), r(200)
+    q, k, v = r(256, 64), r(256, 64), r(256, 64)
+    pool = r(32, 8, 8)
+    fc = r(128, 64)
+    lt, rh = r(256, 128).bfloat16(), r(256, 512).bfloat16()
+    return {
+        "add": (add_kernel[2], (a, b), a + b, 0),
+        "transpose": (transpose_kernel, (x,), x.T, 0),
+        "matmul": (validation.matmul_hoisted, (lt, rh), (lt.float().T @ rh.float()).bfloat16(), 2 ** -7),
+        "softmax": (softmax_kernel, (sm,), torch.softmax(sm, -1), 1e-6),
+        "rmsnorm": (rmsnorm_kernel, (xn, w), xn * torch.rsqrt(xn.pow(2).mean(-1, keepdim=True) + 1e-6) * w, 1e-5),
+        "layernorm": (layernorm_kernel, (ln, gm, bt), F.layer_norm(ln, (200,), gm, bt), 1e-5),
+        "attention": (attention_kernel, (q.T.contiguous(), k.T.contiguous(), v, 0.125),
+                      F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0], 2e-2),
+        "avgpool": (avgpool_kernel, (pool,), F.avg_pool2d(pool[None], 2)[0], 1e-6),
+        "fused": (fused_chain_kernel, (fc, 1.5, -0.25),
+                  F.gelu(1.5 * fc - 0.25, approximate="tanh") * torch.sigmoid(fc) - fc, 1e-5),
+    }
+
+
+_OPS: dict = {}
+
+
+def _as_op(name, kernel, args):
+    """The kernel as a custom op over its tensor arguments (its other arguments fixed)."""
+    if name not in _OPS:
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        consts = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
+        params = ", ".join(f"t{i}: torch.Tensor" for i in range(len(tensors)))
+        ns = {"torch": torch}
+        exec(f"def f({params}) -> torch.Tensor:\n    return call({', '.join(f't{i}' for i in range(len(tensors)))})",
+             ns)
+
+        def call(*ts):
+            full = list(ts)
+            for i, c in sorted(consts.items()):
+                full.insert(i, c)
+            return kernel(*full)
+
+        ns["f"].__globals__["call"] = call
+        _OPS[name] = nki.nki_op(f"nkitest::tutorial_{name}", ns["f"], mutates_args=())
+    return _OPS[name]
+
+
+@pytest.mark.parametrize("name", list(_reference_cases()))
+def test_tutorial_kernels_on_neuron_eager_and_compiled(name):
+    kernel, args, ref, tol = _reference_cases()[name]
+    dev = [a.to("neuron") if isinstance(a, torch.Tensor) else a for a in args]
+    eager = kernel(*dev)
+    assert eager.device.type == "neuron"
+    close(eager, ref, tol)
+    op = _as_op(name, kernel, args)
+    tensors = [a for a in dev if isinstance(a, torch.Tensor)]
+    torch._dynamo.reset()  # one wrapper code object serves every case
+    compiled = torch.compile(lambda *ts: op(*ts), backend="neuron", fullgraph=True)
+    out = compiled(*tensors)
+    assert out.device.type == "neuron"
+    close(out, ref, tol)
 
 
 def test_aws_name_nki_op():

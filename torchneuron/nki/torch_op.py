@@ -18,8 +18,11 @@ from .kernel import MODE
 def _shapes_only(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    # NKI kernels are specialised to their shapes (as AWS's compiler specialises them): symbolic sizes are
+    # specialised here, which guards the compiled graph on them.
+    shapes = [[int(d) for d in a.shape] if isinstance(a, torch.Tensor) else None for a in args]
     with unset_fake_temporarily():
-        host = [torch.empty(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+        host = [torch.empty(s, dtype=a.dtype) if s is not None else a for a, s in zip(args, shapes, strict=True)]
         MODE.shapes_only = True
         try:
             out = fn(*host, **kwargs)
