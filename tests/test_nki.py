@@ -758,3 +758,16 @@ def test_matmul_stages_get_faster():
     rows = validation.run(shape=shape, blocks={"BM": 4, "BN": 2, "BK": 4})
     lat = [r.modelled_ms for r in rows]
     assert lat == sorted(lat, reverse=True), rows
+
+
+def test_profiler_records_nki_calls_with_their_timeline():
+    import torchneuron.profiler as tprof
+
+    a, b = torch.randn(256, 256, device="neuron"), torch.randn(256, 256, device="neuron")
+    add_kernel[2](a, b)  # the first call (learns the shapes and the timeline)
+    with tprof.profile(ops=False) as prof:
+        add_kernel[2](a, b)  # queued
+    ev = [e for e in prof.events if e.name == "nki::add_kernel"]
+    assert len(ev) == 1
+    assert ev[0].device_s == add_kernel.last_profile.latency_s > 0
+    assert ev[0].cost.engine == "dma"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,11 @@ def _default_chip() -> str:
     if cfg is None:
         return "trn2"
     return next(k for k, c in core.CHIPS.items() if c is cfg.chip)
+
+
+# Called for each kernel call on `neuron` tensors: (kernel name, its modelled profile, device inputs, device
+# results, host start ns, host ns). Filled by torchneuron.profiler.profile while it records.
+OBSERVERS: list[Callable[[str, KernelProfile, list, list, int, int], None]] = []
 
 
 class _Mode(threading.local):
@@ -55,6 +61,7 @@ class Kernel:
         self.fn, self.target, self.stochastic_rounding, self.grid = fn, target, stochastic_rounding, grid
         self.last_profile: KernelProfile | None = None
         self._specs: dict[tuple, tuple[bool, list[tuple[tuple[int, ...], torch.dtype]]]] = {}
+        self._profiles: dict[tuple, KernelProfile] = {}  # per signature: a timeline does not depend on values
         functools.update_wrapper(self, fn)
 
     @property
@@ -65,7 +72,7 @@ class Kernel:
         """`kernel[g0, g1]`: the same kernel launched over an SPMD grid of programs."""
         grid = tuple(grid) if isinstance(grid, tuple | list) else (grid,)
         k = Kernel(self.fn, self.target, self.stochastic_rounding, tuple(int(g) for g in grid))
-        k._specs = self._specs
+        k._specs, k._profiles = self._specs, self._profiles
         k.parent = self
         return k
 
@@ -128,6 +135,16 @@ class Kernel:
         return self._specs[key]
 
     def _device_call(self, args: tuple, kwargs: dict) -> Any:
+        start = time.perf_counter_ns()
+        results, seq, key = self._device_run(args, kwargs)
+        if OBSERVERS:
+            host = time.perf_counter_ns() - start
+            ins = [a for a in args if isinstance(a, torch.Tensor)]
+            for observe in OBSERVERS:
+                observe(self.name, self._profiles[key], ins, results, start, host)
+        return tuple(results) if seq else results[0]
+
+    def _device_run(self, args: tuple, kwargs: dict) -> tuple[list, bool, tuple]:
         from .. import _C
 
         device = next(a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "neuron")
@@ -141,13 +158,13 @@ class Kernel:
             host = list(args)
             _C._host_args(host, dev_idx)  # after the stream's queued work
             outs = self.run(tuple(host), kwargs)
-            self._specs[key] = _spec(outs)
+            self._specs[key], self._profiles[key] = _spec(outs), self.last_profile
             results = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in _flat(outs)]
             views = list(results)
             _C._host_args(views, list(range(len(views))), wait=False)
             for v, o in zip(views, _flat(outs), strict=True):
                 v.copy_(o)
-            return tuple(results) if self._specs[key][0] else results[0]
+            return results, self._specs[key][0], key
         seq, specs = self._specs[key]
         results = [torch.empty(s, dtype=d, device=device) for s, d in specs]
         host, views = list(args), list(results)
@@ -156,7 +173,8 @@ class Kernel:
         _C._host_args(views, list(range(len(views))), wait=False)
         _C._queue_kernel(device.index, f"nki:{self.name}",
                          functools.partial(self._replay, tuple(host), kwargs, views, keep, results), 1)
-        return tuple(results) if seq else results[0]
+        self.last_profile = self._profiles[key]
+        return results, seq, key
 
     def _replay(self, host: tuple, kwargs: dict, views: list, *_keep: Any) -> None:
         outs = _flat(self.run(host, kwargs))
