@@ -771,3 +771,23 @@ def test_profiler_records_nki_calls_with_their_timeline():
     assert len(ev) == 1
     assert ev[0].device_s == add_kernel.last_profile.latency_s > 0
     assert ev[0].cost.engine == "dma"
+
+
+def test_nki_alias_patch_is_undone_and_redone():
+    from torchneuron.nki import ALIAS_PATCH
+    from torchneuron.runtime import patches
+
+    if importlib.machinery.PathFinder.find_spec("nki") is not None:
+        pytest.skip("AWS's nki is installed: the alias steps aside")
+    import nki as before
+
+    assert before is nki_package()
+    patches.undo(ALIAS_PATCH)
+    try:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("nki")
+    finally:
+        patches.apply(ALIAS_PATCH)
+    assert importlib.import_module("nki") is nki_package()
+    assert importlib.import_module("nki.isa") is nisa
+    assert nki_package().__spec__.name == "torchneuron.nki"  # the alias leaves our module's spec alone

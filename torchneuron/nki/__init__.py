@@ -54,19 +54,48 @@ class NkiAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
-        return None
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        """The aliased module itself (None: a new, empty parent package)."""
+        return importlib.import_module(_ALIASED[spec.name]) if _ALIASED[spec.name] else None
 
     def exec_module(self, module: Any) -> None:
-        target = _ALIASED[module.__name__]
-        if not target:
+        if not _ALIASED.get(module.__spec__.name):
             module._torchneuron_alias = True
             return
-        # The import system returns whatever sys.modules holds under the name after exec_module.
-        sys.modules[module.__name__] = importlib.import_module(target)
+        # the import system set the alias's spec on our module: give it back its own
+        module.__spec__ = importlib.machinery.PathFinder.find_spec(module.__name__, _parent_path(module.__name__))
+
+
+def _parent_path(name: str) -> Any:
+    parent = name.rpartition(".")[0]
+    return sys.modules[parent].__path__ if parent else None
+
+
+_FINDER = NkiAlias()
+
+
+def _install(done: Any) -> None:
+    sys.meta_path.insert(0, _FINDER)
+
+
+def _uninstall() -> None:
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+    for name in _ALIASED:  # forget the aliases, so `import nki` finds whatever is installed again
+        module = sys.modules.get(name)
+        if module is not None and (getattr(module, "_torchneuron_alias", False)
+                                   or module.__name__.startswith("torchneuron.")):
+            sys.modules.pop(name)
 
 
 def install_alias() -> None:
     """Register the `nki` finder (idempotent); called by torchneuron's autoload."""
-    if not any(isinstance(f, NkiAlias) for f in sys.meta_path):
-        sys.meta_path.insert(0, NkiAlias())
+    from ..runtime import patches
+
+    patches.apply(patches.REGISTRY.get(ALIAS_PATCH) or patches.declare(
+        ALIAS_PATCH, "sys.meta_path (an import hook serving nki, nki.language, nki.isa and neuronxcc.nki...)",
+        "`import nki` reaches torchneuron's NKI when AWS's nki (neuronxcc) is not installed; an installed one wins",
+        "tests/test_nki.py::test_nki_alias_patch_is_undone_and_redone", _install, undo=_uninstall))
+
+
+ALIAS_PATCH = "nki-import-alias"
