@@ -791,3 +791,17 @@ def test_nki_alias_patch_is_undone_and_redone():
     assert importlib.import_module("nki") is nki_package()
     assert importlib.import_module("nki.isa") is nisa
     assert nki_package().__spec__.name == "torchneuron.nki"  # the alias leaves our module's spec alone
+
+
+def test_fp8_round_to_nearest_even():
+    """float8_e4m3: spacing 1/8 in [1, 2). Halfway cases go to the even mantissa: 1.0625 -> 1.0,
+    1.1875 -> 1.25; others to the nearest: 1.07 -> 1.125."""
+    x = torch.tensor([[1.0625, 1.1875, 1.07, -1.0625, 1.3125]] * 128)
+
+    @nki.jit
+    def cast(x):
+        out = nl.ndarray(x.shape, dtype=nl.float8_e4m3, buffer=nl.shared_hbm)
+        nl.store(out, nl.copy(nl.load(x), dtype=nl.float8_e4m3))
+        return out
+
+    assert cast(x).float()[0].tolist() == [1.0, 1.25, 1.125, -1.0, 1.25]
