@@ -805,3 +805,35 @@ def test_fp8_round_to_nearest_even():
         return out
 
     assert cast(x).float()[0].tolist() == [1.0, 1.25, 1.125, -1.0, 1.25]
+
+
+def test_bn_stats_layernorm_and_partition_reduce():
+    """Layer norm the way AWS's layer-norm tutorial computes its statistics: bn_stats per 128-column chunk,
+    bn_aggr to (mean, var); and a cross-partition sum on GpSimd."""
+    x = torch.randn(128, 384) * 2 + 0.5
+
+    @nki.jit
+    def k(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        colsum = nl.ndarray((1, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        stats = nl.ndarray((128, 3 * 6), dtype=nl.float32, buffer=nl.sbuf)
+        for c in nl.affine_range(3):
+            nisa.bn_stats(dst=stats[:, nl.ds(c * 6, 6)], data=t[:, nl.ds(c * 128, 128)])
+        mv = nl.ndarray((128, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.bn_aggr(dst=mv, data=stats)
+        rstd = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=rstd, data=mv[:, 1:2], op0=nl.add, operand0=1e-5)
+        nisa.activation(dst=rstd, op=nl.rsqrt, data=rstd)
+        y = nl.ndarray(t.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=y, data=t, op0=nl.subtract, operand0=mv[:, 0:1], op1=nl.multiply, operand1=rstd)
+        nl.store(out, y)
+        s = nl.ndarray((1, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_partition_reduce(dst=s, op=nl.add, data=t)
+        nl.store(colsum, s)
+        return out, colsum
+
+    out, colsum = k(x)
+    close(out, F.layer_norm(x, (384,), eps=1e-5), 1e-5)
+    close(colsum, x.sum(0, keepdim=True), 1e-4)
+    assert k.last_profile.instructions["gpsimd"] == 1

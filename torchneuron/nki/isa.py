@@ -773,3 +773,83 @@ def tensor_scalar_reduce(*args: Any, dst: NkiTensor | None = None, data: NkiTens
         _store(run, reduce_res, reduce_op.reduce(value(dst).reshape(p, -1), (1,)).reshape(p, 1))
     _mark_written([("dst", dst), ("reduce_res", reduce_res)])
     return dst if legacy else None
+
+
+def bn_stats(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, dtype: Any = None,
+             **_: Any) -> NkiTensor | None:
+    """Per-partition statistics of data[P, F] (F <= 512) for bn_aggr, on the Vector engine: dst[P, 6] holds
+    (count, mean, count * variance) and three zeros (this model's layout of AWS's opaque 6-value record)."""
+    legacy = dst is None and _tiles(args) < 2
+    if legacy:
+        data = args[0] if args else data
+    else:
+        dst, data = (list(args) + [dst, data])[:2] if len(args) >= 2 else (args[0] if args else dst, data)
+    run = core.current_run()
+    if data.free_size > 512:
+        fail(ValueError, f"bn_stats: at most 512 elements per partition (nl.tile_size.bn_stats_fmax), got "
+                         f"{data.free_size}")
+    if legacy:
+        dst = _new((data.shape[0], 6), dtype or torch.float32)
+    if dst.shape[0] != data.shape[0] or dst.free_size != 6:
+        fail(ValueError, f"bn_stats: dst must be [{data.shape[0]}, 6], got {dst.shape}")
+    _issue("bn_stats", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize),
+           [("data", data)], [("dst", dst)])
+    if run.compute:
+        x = _rows(data)
+        n = torch.full((x.shape[0], 1), float(x.shape[1]))
+        mean = x.mean(1, keepdim=True)
+        m2 = ((x - mean) ** 2).sum(1, keepdim=True)
+        _store(run, dst, torch.cat([n, mean, m2, torch.zeros(x.shape[0], 3)], 1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def bn_aggr(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, dtype: Any = None,
+            **_: Any) -> NkiTensor | None:
+    """Merge bn_stats records data[P, 6k] into dst[P, 2] = (mean, variance) per partition (Vector engine)."""
+    legacy = dst is None and _tiles(args) < 2
+    if legacy:
+        data = args[0] if args else data
+    else:
+        dst, data = (list(args) + [dst, data])[:2] if len(args) >= 2 else (args[0] if args else dst, data)
+    run = core.current_run()
+    if data.free_size % 6:
+        fail(ValueError, f"bn_aggr: data must hold whole 6-value bn_stats records, got {data.free_size} per partition")
+    if legacy:
+        dst = _new((data.shape[0], 2), dtype or torch.float32)
+    if dst.shape[0] != data.shape[0] or dst.free_size != 2:
+        fail(ValueError, f"bn_aggr: dst must be [{data.shape[0]}, 2], got {dst.shape}")
+    _issue("bn_aggr", "vector", engine_cycles(run.chip, "vector", data.free_size, 4), [("data", data)],
+           [("dst", dst)])
+    if run.compute:
+        rec = _rows(data).reshape(data.shape[0], -1, 6)
+        n, mean, m2 = rec[..., 0], rec[..., 1], rec[..., 2]
+        total = n.sum(1, keepdim=True)
+        mu = (n * mean).sum(1, keepdim=True) / total
+        var = (m2.sum(1, keepdim=True) + (n * (mean - mu) ** 2).sum(1, keepdim=True)) / total
+        _store(run, dst, torch.cat([mu, var], 1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def tensor_partition_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None,
+                            data: NkiTensor | None = None, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst[1, F] = op-reduction of data[P, F] across its partitions, on the GpSimd engine."""
+    legacy = dst is None and (not args or isinstance(args[0], Op))
+    names = ["op", "data"] if legacy else ["dst", "op", "data"]
+    given = dict(zip(names, args, strict=False))
+    dst, op, data = given.get("dst", dst), given.get("op", op), given.get("data", data)
+    if not isinstance(op, Op) or op.reduce is None:
+        fail(ValueError, f"tensor_partition_reduce: op must reduce (nl.add, nl.max, ...), got {op!r}")
+    run = core.current_run()
+    if legacy:
+        dst = _new((1, *data.shape[1:]), dtype or data.dtype)
+    if dst.shape[0] != 1 or dst.free_size != data.free_size:
+        fail(ValueError, f"tensor_partition_reduce: dst must be [1, {data.free_size}], got {dst.shape}")
+    _issue(f"tensor_partition_reduce({op.name})", "gpsimd",
+           engine_cycles(run.chip, "gpsimd", data.free_size, data.dtype.itemsize) * max(1, data.shape[0] // 16),
+           [("data", data)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, op.reduce(_rows(data), (0,)).reshape(1, -1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
