@@ -138,7 +138,7 @@ class Run:
     program: tuple[int, ...] = ()
     timeline: Any = None  # cost.Timeline
     sbuf_used: int = 0  # bytes per partition
-    psum_banks: int = 0  # bytes per partition of live PSUM
+    psum_used: int = 0  # bytes per partition of live PSUM
     generator: torch.Generator = field(default_factory=torch.Generator)
     shared: SharedHbm | None = None  # the launch's shared_hbm tensors (SPMD programs share them)
     act_regs: torch.Tensor | None = None  # the Scalar engine's 128 reduction registers
@@ -176,12 +176,12 @@ PSUM_FREE_MAX = 4 * 1024  # ... from PSUM
 class Allocation:
     """The memory behind one `nl.ndarray`: a torch tensor; on-chip memory is charged to the run while alive."""
 
-    __slots__ = ("base", "buffer", "init", "run", "charge", "banks", "written", "matmul_result", "mm_read",
+    __slots__ = ("base", "buffer", "init", "run", "charge", "psum_charge", "written", "matmul_result", "mm_read",
                  "__weakref__")
 
-    def __init__(self, base: torch.Tensor, buffer: Buffer, run: Run | None, charge: int = 0, banks: int = 0,
+    def __init__(self, base: torch.Tensor, buffer: Buffer, run: Run | None, charge: int = 0, psum_charge: int = 0,
                  initialised: bool = False):
-        self.base, self.buffer, self.run, self.charge, self.banks = base, buffer, run, charge, banks
+        self.base, self.buffer, self.run, self.charge, self.psum_charge = base, buffer, run, charge, psum_charge
         # numpy, not torch: single-threaded, so tiny masks never wait for a thread pool
         self.init = None if initialised or not buffer.on_chip else np.zeros(tuple(base.shape), dtype=np.bool_)
         self.written = False  # by an instruction (the timeline tracks reads only of memory that is ever written)
@@ -191,7 +191,7 @@ class Allocation:
     def __del__(self) -> None:
         if self.run is not None:
             self.run.sbuf_used -= self.charge
-            self.run.psum_banks -= self.banks
+            self.run.psum_used -= self.psum_charge
 
 
 def _shape_of(shape: Any) -> tuple[tuple[int, ...], int]:
@@ -224,7 +224,7 @@ def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None =
         return t
     if any(s <= 0 for s in sizes):
         fail(ValueError, f"shape {sizes} has an empty axis")
-    charge = banks = 0
+    charge = psum_charge = 0
     if buffer.on_chip:
         if sizes[pdim] > PMAX:
             fail(ValueError, f"partition dimension {sizes[pdim]} of a {buffer.name} tensor exceeds {PMAX} "
@@ -244,18 +244,18 @@ def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None =
                 fail(ValueError, f"a PSUM tile's free size is {free} B per partition; a PSUM bank holds "
                                  f"{PSUM_BANK_BYTES} B (512 float32): split the tile")
             if run is not None:
-                banks = free * blocks  # bytes per partition (each block within one bank)
+                psum_charge = free * blocks  # bytes per partition (each block within one bank)
                 limit = run.psum_bank_count * PSUM_BANK_BYTES
-                if run.psum_banks + banks > limit:
-                    fail(RuntimeError, f"PSUM overflow on {run.chip.name}: {run.psum_banks} B of {limit} B per "
+                if run.psum_used + psum_charge > limit:
+                    fail(RuntimeError, f"PSUM overflow on {run.chip.name}: {run.psum_used} B of {limit} B per "
                                        f"partition (8 banks of 2 KiB) are live and this {sizes} tensor needs "
-                                       f"{banks} B more")
+                                       f"{psum_charge} B more")
     if data is None:
         data = torch.empty(sizes, dtype=dtype)
-    alloc = Allocation(data, buffer, run, charge, banks, initialised=buffer.is_hbm)
+    alloc = Allocation(data, buffer, run, charge, psum_charge, initialised=buffer.is_hbm)
     if run is not None:
         run.sbuf_used += charge
-        run.psum_banks += banks
+        run.psum_used += psum_charge
     return NkiTensor(alloc, data, tuple((d, 0, 1, s) for d, s in enumerate(sizes)), pdim if buffer.on_chip else 0)
 
 
