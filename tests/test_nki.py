@@ -837,3 +837,11 @@ def test_bn_stats_layernorm_and_partition_reduce():
     close(out, F.layer_norm(x, (384,), eps=1e-5), 1e-5)
     close(colsum, x.sum(0, keepdim=True), 1e-4)
     assert k.last_profile.instructions["gpsimd"] == 1
+
+
+def test_matmul_tutorial_optimised_stage_against_aws_measurement():
+    """The tutorial's fully optimised kernel at its published size (trn1, bf16 [4096, 8192] x [8192, 8192]):
+    AWS measured 6.97 ms; the model must stay within 30% (docs/nki.md has all four stages; cost only)."""
+    (row,) = validation.run(("optimized",))
+    assert row.bottleneck == "tensor"
+    assert abs(row.error) < 0.30, row
