@@ -452,10 +452,6 @@ class NkiTensor:
 
     view = reshape
 
-    # ---- values (for tests and the interpreter)
-    def numpy(self) -> Any:
-        return self.data.float().numpy() if self.dtype in (torch.bfloat16,) else self.data.numpy()
-
     # ---- operators (nl functions)
     def _op(self, name: str, other: Any, reverse: bool = False) -> NkiTensor:
         from . import language as nl

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import core
@@ -43,14 +44,7 @@ MODE = _Mode()
 
 
 def _to_host_tensor(a: Any) -> Any:
-    try:
-        import numpy as np
-
-        if isinstance(a, np.ndarray):
-            return torch.from_numpy(a)
-    except ImportError:
-        pass
-    return a
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
 
 
 class Kernel:
@@ -60,6 +54,7 @@ class Kernel:
                  grid: tuple[int, ...] = ()):
         self.fn, self.target, self.stochastic_rounding, self.grid = fn, target, stochastic_rounding, grid
         self.last_profile: KernelProfile | None = None
+        self.parent: Kernel | None = None  # the kernel a grid launch (`kernel[g]`) was made from
         self._specs: dict[tuple, tuple[bool, list[tuple[tuple[int, ...], torch.dtype]]]] = {}
         self._profiles: dict[tuple, KernelProfile] = {}  # per signature: a timeline does not depend on values
         functools.update_wrapper(self, fn)
@@ -85,7 +80,7 @@ class Kernel:
     def run(self, args: tuple, kwargs: dict, compute: bool = True, target: str | None = None) -> Any:
         """Interpret the kernel on host tensors (CPU torch tensors or NumPy arrays)."""
         chip = core.chip_named(target or self.target or _default_chip())
-        numpy_in = any(type(a).__module__ == "numpy" for a in args)
+        numpy_in = any(isinstance(a, np.ndarray) for a in args)
         timeline = Timeline(chip, self.name)
         outer = core.CURRENT.run
         grid = self.grid or (1,)
@@ -105,7 +100,7 @@ class Kernel:
             core.CURRENT.run = outer
         profile = timeline.profile()
         self.last_profile = profile
-        if hasattr(self, "parent"):
+        if self.parent is not None:
             self.parent.last_profile = profile
         return _outputs(result, numpy_in)
 
@@ -125,15 +120,6 @@ class Kernel:
         return self.last_profile
 
     # ---- device execution
-    def output_specs(self, args: tuple, kwargs: dict) -> tuple[bool, list[tuple[tuple[int, ...], torch.dtype]]]:
-        """Whether the kernel returns a sequence, and its results' shapes and dtypes for these arguments (learnt
-        without computing)."""
-        key = _signature(args, kwargs)
-        if key not in self._specs:
-            host = [torch.empty(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
-            self._specs[key] = _spec(self.run(tuple(host), kwargs, compute=False))
-        return self._specs[key]
-
     def _device_call(self, args: tuple, kwargs: dict) -> Any:
         start = time.perf_counter_ns()
         results, seq, key = self._device_run(args, kwargs)
@@ -153,7 +139,7 @@ class Kernel:
             if args[i].device != device:
                 raise RuntimeError(f"NKI kernel {self.name}: expected all tensors on {device}, argument {i} is on "
                                    f"{args[i].device}")
-        key = _signature(args, kwargs)
+        key = (self.grid, *_signature(args, kwargs))
         if key not in self._specs or _C._launch_blocking():
             host = list(args)
             _C._host_args(host, dev_idx)  # after the stream's queued work
@@ -174,6 +160,8 @@ class Kernel:
         _C._queue_kernel(device.index, f"nki:{self.name}",
                          functools.partial(self._replay, tuple(host), kwargs, views, keep, results), 1)
         self.last_profile = self._profiles[key]
+        if self.parent is not None:
+            self.parent.last_profile = self.last_profile
         return results, seq, key
 
     def _replay(self, host: tuple, kwargs: dict, views: list, *_keep: Any) -> None:

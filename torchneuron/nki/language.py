@@ -48,7 +48,7 @@ maximum, minimum, power = OPS["maximum"], OPS["minimum"], OPS["power"]
 exp, log, tanh, sigmoid, relu, gelu = OPS["exp"], OPS["log"], OPS["tanh"], OPS["sigmoid"], OPS["relu"], OPS["gelu"]
 rsqrt, sqrt, square, silu = OPS["rsqrt"], OPS["sqrt"], OPS["square"], OPS["silu"]
 sum, max, min, mean, prod = OPS["sum"], OPS["max"], OPS["min"], OPS["mean"], OPS["prod"]  # noqa: A001
-abs, negative, reciprocal_op = OPS["abs"], OPS["negative"], OPS["reciprocal"]  # noqa: A001
+abs, negative = OPS["abs"], OPS["negative"]  # noqa: A001
 equal, greater, greater_equal, less, less_equal = (OPS["equal"], OPS["greater"], OPS["greater_equal"],
                                                    OPS["less"], OPS["less_equal"])
 
