@@ -845,3 +845,32 @@ def test_matmul_tutorial_optimised_stage_against_aws_measurement():
     (row,) = validation.run(("optimized",))
     assert row.bottleneck == "tensor"
     assert abs(row.error) < 0.30, row
+
+
+def test_iota_identity_select_and_language_matmul():
+    x, y = torch.randn(64, 128), torch.randn(64, 256)
+
+    @nki.jit
+    def k(x, y):
+        ramp = nl.ndarray((128, 4, 8), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.iota(dst=ramp, pattern=[[8, 4], [1, 8]], offset=5, channel_multiplier=100)
+        ident = nl.shared_identity_matrix(128, dtype=nl.float32)
+        xt = nl.load(x)
+        prod = nl.matmul(xt, nl.load(y[:, :]), transpose_x=True)  # x.T @ y (x's partitions contract)
+        back = nl.matmul(ident, nl.copy(prod))  # transposes ident first: identity again
+        positive = nl.greater(xt, 0.0)
+        kept = nl.where(positive, xt, -1.0)
+        acc = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=acc, src=x)
+        nisa.dma_copy(dst=acc, src=x, dst_rmw_op=nl.add)
+        outs = [nl.ndarray(t.shape, dtype=t.dtype, buffer=nl.shared_hbm) for t in (ramp, back, kept)]
+        for o, t in zip(outs, (ramp, back, kept), strict=True):
+            nl.store(o, nl.copy(t) if t.buffer is nl.psum else t)
+        return (*outs, acc)
+
+    ramp, back, kept, acc = k(x, y)
+    c, w, z = torch.meshgrid(torch.arange(128), torch.arange(4), torch.arange(8), indexing="ij")
+    assert torch.equal(ramp, (5 + 100 * c + 8 * w + z).int())
+    close(back, x.T @ y, 1e-4)
+    close(kept, torch.where(x > 0, x, -1.0), 0)
+    close(acc, 2 * x, 0)
