@@ -874,3 +874,29 @@ def test_iota_identity_select_and_language_matmul():
     close(back, x.T @ y, 1e-4)
     close(kept, torch.where(x > 0, x, -1.0), 0)
     close(acc, 2 * x, 0)
+
+
+def test_scan_broadcast_and_block_axes():
+    """A linear recurrence r[t] = a[t] * r[t-1] + b[t] * c[t] with the earlier API: NumPy ufuncs as ops, a
+    [1, F] row broadcast to all partitions, a zero-filled tensor with a block axis accumulated with `+=`."""
+    import numpy as np
+
+    a, b, c = torch.rand(256, 64), torch.randn(256, 64), torch.randn(1, 64)
+
+    @nki.jit
+    def k(a, b, c):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        acc = nl.zeros((2, nl.par_dim(128), 64), dtype=nl.float32)
+        crow = nl.load(c)
+        for t in nl.affine_range(2):
+            at, bt = nl.load(a[nl.ds(t * 128, 128), :]), nl.load(b[nl.ds(t * 128, 128), :])
+            bc = nisa.tensor_tensor(bt, crow.broadcast_to((128, 64)), op=np.multiply)
+            acc[t, :, :] += nisa.tensor_tensor_scan(at, bc, initial=0.0, op0=np.multiply, op1=np.add)
+            nl.store(out[nl.ds(t * 128, 128), :], acc[t, :, :])
+        return out
+
+    r, cols = torch.zeros(256), []
+    for t in range(64):
+        r = a[:, t] * r + b[:, t] * c[0, t]
+        cols.append(r)
+    close(k(a, b, c), torch.stack(cols, 1), 1e-5)

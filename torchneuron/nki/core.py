@@ -441,6 +441,15 @@ class NkiTensor:
         else:
             isa.memset(dst=dst, value=value)
 
+    def broadcast_to(self, shape: Any) -> NkiTensor:
+        """A view repeating this tile's size-1 axes (e.g. one partition read by all 128: stride 0)."""
+        shape = tuple(shape)
+        if len(shape) != self.ndim or any(s != n and s != 1 for s, n in zip(self.shape, shape, strict=True)):
+            fail(ValueError, f"cannot broadcast a {self.shape} tile to {shape}: only size-1 axes repeat")
+        dims = None if self.dims is None else tuple(
+            (d, start, step if size == n else 0, n) for (d, start, step, size), n in zip(self.dims, shape, strict=True))
+        return NkiTensor(self.alloc, self.data.expand(shape), dims, self.pdim, self.fixed)
+
     def reshape(self, *shape: Any) -> NkiTensor:
         if len(shape) == 1 and isinstance(shape[0], tuple | list):
             shape = tuple(shape[0])

@@ -16,7 +16,7 @@ import torch
 from . import core
 from .core import PMAX, PSUM, PSUM_FREE_MAX, SBUF, SBUF_FREE_MAX, NkiTensor, fail
 from .cost import engine_cycles, matmul_cycles, row_bytes
-from .ops import OPS, Op
+from .ops import OPS, Op, as_op
 
 
 class engine(enum.Enum):  # noqa: N801 (AWS's name)
@@ -308,6 +308,7 @@ def nc_transpose(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | Non
 
 # --------------------------------------------------------------------------------------------- Scalar engine
 def _act_fn(op: Any, instr: str) -> Op:
+    op = as_op(op)
     if getattr(op, "__name__", "") == "copy":  # nl.copy, the function, names the identity activation too
         return OPS["copy"]
     if isinstance(op, Op) and (op.kind == "act" or op.name in ("exp", "copy")):
@@ -376,6 +377,7 @@ def activation_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, 
 
 # --------------------------------------------------------------------------------------------- Vector engine
 def _arith(op: Any, instr: str) -> Op:
+    op = as_op(op)
     if not isinstance(op, Op) or op.kind == "act":
         fail(ValueError, f"{instr}: op must be a binary operator (nl.add, nl.multiply, nl.maximum, ...), got {op!r}")
     return op
@@ -501,6 +503,7 @@ def tensor_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, data
     given = dict(zip(names, args, strict=False))
     dst, op, data, axis = given.get("dst", dst), given.get("op", op), given.get("data", data), given.get("axis", axis)
     negate, keepdims = given.get("negate", negate), given.get("keepdims", keepdims)
+    op = as_op(op)
     if not isinstance(op, Op) or op.reduce is None:
         fail(ValueError, f"tensor_reduce: op must reduce (nl.add, nl.max, nl.min, nl.multiply), got {op!r}")
     axes = tuple(sorted({a % data.ndim for a in ((axis,) if isinstance(axis, int) else tuple(axis))}))
@@ -851,5 +854,39 @@ def tensor_partition_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = 
            [("data", data)], [("dst", dst)])
     if run.compute:
         _store(run, dst, op.reduce(_rows(data), (0,)).reshape(1, -1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def tensor_tensor_scan(*args: Any, dst: NkiTensor | None = None, data0: NkiTensor | None = None,
+                       data1: NkiTensor | None = None, initial: Any = 0.0, op0: Any = None, op1: Any = None,
+                       reverse0: bool = False, reverse1: bool = False, dtype: Any = None,
+                       **_: Any) -> NkiTensor | None:
+    """A scan along the free axis on the Vector engine: r[i] = (data0[i] <op0> r[i-1]) <op1> data1[i], r[-1] =
+    initial (a scalar or a [P, 1] tile)."""
+    legacy = dst is None and _tiles(args[:3]) < 3
+    names = ["data0", "data1", "initial", "op0", "op1"] if legacy else ["dst", "data0", "data1", "initial", "op0",
+                                                                        "op1"]
+    given = dict(zip(names, args, strict=False))
+    dst, data0, data1 = given.get("dst", dst), given.get("data0", data0), given.get("data1", data1)
+    initial, op0, op1 = given.get("initial", initial), given.get("op0", op0), given.get("op1", op1)
+    op0, op1 = _arith(op0, "tensor_tensor_scan"), _arith(op1, "tensor_tensor_scan")
+    run = core.current_run()
+    if legacy:
+        dst = _new(data0.shape, dtype or data0.dtype)
+    _same_shape(dst, data0, "tensor_tensor_scan")
+    _same_shape(dst, data1, "tensor_tensor_scan")
+    reads = [("data0", data0), ("data1", data1)] + ([("initial", initial)] if isinstance(initial, NkiTensor) else [])
+    _issue("tensor_tensor_scan", "vector",
+           engine_cycles(run.chip, "vector", data0.free_size, data0.dtype.itemsize, inputs=2), reads, [("dst", dst)])
+    if run.compute:
+        a, b = _rows(data0), _rows(data1)
+        r = _vector(initial, a.shape[0], "tensor_tensor_scan", "initial")
+        r = r if isinstance(r, torch.Tensor) else torch.full((a.shape[0], 1), float(r))
+        cols = []
+        for i in range(a.shape[1]):
+            r = _binary(op1, _binary(op0, a[:, i:i + 1], r, reverse0), b[:, i:i + 1], reverse1)
+            cols.append(r)
+        _store(run, dst, torch.cat(cols, 1))
     _mark_written([("dst", dst)])
     return dst if legacy else None

@@ -4,6 +4,7 @@ the NKI compiler does (math on the Scalar engine's activation, binary ops on the
 by DMA)."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,9 @@ def full(shape: Any, fill_value: float, dtype: Any, buffer: core.Buffer = SBUF, 
     t = ndarray(shape, dtype, buffer)
     if buffer.is_hbm:
         t.data.fill_(fill_value)
-    else:
-        isa.memset(dst=t, value=fill_value)
+    else:  # one memset per block (the axes before an nl.par_dim), as the compiler emits them
+        for block in itertools.product(*(range(n) for n in t.shape[:t.pdim])):
+            isa.memset(dst=t[block] if block else t, value=fill_value)
     return t
 
 

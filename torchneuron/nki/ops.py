@@ -106,3 +106,11 @@ OPS["sum"] = Op("sum", "reduce", torch.add, _sum)
 OPS["mean"] = Op("mean", "reduce", torch.add, lambda x, d: x.mean(d))
 OPS["prod"] = Op("prod", "reduce", torch.mul, BINARY["multiply"][2])
 OPS["bypass"] = Op("bypass", "arith", lambda a, b: a)
+
+
+def as_op(op: Any) -> Any:
+    """An Op from an Op or a NumPy ufunc of the same name (`np.add`, `np.multiply`: what earlier kernels pass)."""
+    if isinstance(op, Op):
+        return op
+    name = getattr(op, "__name__", None)
+    return OPS.get(name, op) if type(op).__name__ == "ufunc" else op
