@@ -169,7 +169,7 @@ def chip_named(name: str) -> Chip:
 # ----------------------------------------------------------------------------------------------- hardware rules
 PMAX = 128  # partitions of SBUF/PSUM and rows of the PE array: S12
 PSUM_BANK_BYTES = 2048  # per partition: 8 banks x 2 KiB of PSUM, S12
-SBUF_FREE_MAX = 64 * 1024  # elements per partition an engine instruction reads from SBUF: S12/S23
+SBUF_FREE_MAX = 64 * 1024  # elements per partition an engine instruction reads from SBUF: S12
 PSUM_FREE_MAX = 4 * 1024  # ... from PSUM
 
 
