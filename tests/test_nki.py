@@ -900,3 +900,11 @@ def test_scan_broadcast_and_block_axes():
         r = a[:, t] * r + b[:, t] * c[0, t]
         cols.append(r)
     close(k(a, b, c), torch.stack(cols, 1), 1e-5)
+
+
+def test_direct_kernel_call_inside_compile_runs_as_a_graph_break():
+    """Without nki_op, a kernel called inside torch.compile runs eagerly between two compiled graphs."""
+    x = torch.randn(128, 64, device="neuron")
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: softmax_kernel(t * 2) + 1, backend="neuron")
+    close(f(x), torch.softmax(2 * x.cpu(), -1) + 1, 1e-6)

@@ -72,6 +72,11 @@ class Kernel:
         return k
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced by Dynamo: run it as an opaque call (a graph break)
+            return _opaque()(self, args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         if any(isinstance(a, torch.Tensor) and a.device.type == "neuron" for a in args):
             return self._device_call(args, kwargs)
         return self.run(args, kwargs, compute=not MODE.shapes_only)
@@ -168,6 +173,20 @@ class Kernel:
         outs = _flat(self.run(host, kwargs))
         for v, o in zip(views, outs, strict=True):
             v.copy_(o)
+
+
+_OPAQUE: list[Callable[..., Any]] = []
+
+
+def _opaque() -> Callable[..., Any]:
+    """Kernel._call hidden from Dynamo (made at the first compiled call: Dynamo is loaded by then). Inside
+    torch.compile, `nki_op` makes a kernel one graph node instead."""
+    if not _OPAQUE:
+        import torch._dynamo
+
+        _OPAQUE.append(torch._dynamo.disable(lambda k, args, kwargs: k._call(args, kwargs),
+                                             reason="an NKI kernel called directly (register it with nki_op)"))
+    return _OPAQUE[0]
 
 
 def _programs(grid: tuple[int, ...]) -> list[tuple[int, ...]]:
