@@ -189,9 +189,10 @@ class Allocation:
         self.mm_read = True  # read since the last matmul wrote it: the next matmul starts a new accumulation
 
     def __del__(self) -> None:
-        if self.run is not None:
-            self.run.sbuf_used -= self.charge
-            self.run.psum_used -= self.psum_charge
+        run = getattr(self, "run", None)  # unset if __init__ did not finish
+        if run is not None:
+            run.sbuf_used -= self.charge
+            run.psum_used -= self.psum_charge
 
 
 def _shape_of(shape: Any) -> tuple[tuple[int, ...], int]:
