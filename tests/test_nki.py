@@ -908,3 +908,16 @@ def test_direct_kernel_call_inside_compile_runs_as_a_graph_break():
     torch._dynamo.reset()
     f = torch.compile(lambda t: softmax_kernel(t * 2) + 1, backend="neuron")
     close(f(x), torch.softmax(2 * x.cpu(), -1) + 1, 1e-6)
+
+
+def test_porting_report_lists_nki_kernels():
+    from torchneuron.integrations import porting_report
+
+    x = torch.randn(128, 96, device="neuron")
+    softmax_kernel(x)
+    softmax_kernel(x)
+    r = porting_report.collect()
+    k = r["nki_kernels"]["softmax_kernel"]
+    assert k["calls"] >= 2 and k["bottleneck"] == softmax_kernel.last_profile.bottleneck
+    assert k["modelled_s"] >= 2 * softmax_kernel.last_profile.latency_s * 0.999
+    assert "softmax_kernel:" in porting_report.render_text(r)

@@ -12,6 +12,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,20 @@ def _default_chip() -> str:
 # Called for each kernel call on `neuron` tensors: (kernel name, its modelled profile, device inputs, device
 # results, host start ns, host ns). Filled by torchneuron.profiler.profile while it records.
 OBSERVERS: list[Callable[[str, KernelProfile, list, list, int, int], None]] = []
+
+
+@dataclass
+class CallStats:
+    """Calls of one kernel on `neuron` in this process, for the porting report: the modelled time of its last
+    signature's timeline, its bottleneck engine and that engine's utilisation."""
+
+    calls: int = 0
+    modelled_s: float = 0.0  # summed over the calls
+    bottleneck: str = ""
+    utilisation: float = 0.0
+
+
+CALLS: dict[str, CallStats] = {}
 
 
 class _Mode(threading.local):
@@ -128,6 +143,12 @@ class Kernel:
     def _device_call(self, args: tuple, kwargs: dict) -> Any:
         start = time.perf_counter_ns()
         results, seq, key = self._device_run(args, kwargs)
+        profile = self._profiles[key]
+        stats = CALLS.setdefault(self.name, CallStats())
+        stats.calls += 1
+        stats.modelled_s += profile.latency_s
+        stats.bottleneck = profile.bottleneck
+        stats.utilisation = profile.utilisation.get(profile.bottleneck, 0.0)
         if OBSERVERS:
             host = time.perf_counter_ns() - start
             ins = [a for a in args if isinstance(a, torch.Tensor)]
