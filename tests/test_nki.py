@@ -921,3 +921,11 @@ def test_porting_report_lists_nki_kernels():
     assert k["calls"] >= 2 and k["bottleneck"] == softmax_kernel.last_profile.bottleneck
     assert k["modelled_s"] >= 2 * softmax_kernel.last_profile.latency_s * 0.999
     assert "softmax_kernel:" in porting_report.render_text(r)
+
+
+def test_masks_are_refused_not_ignored():
+    @nki.jit
+    def k(x):
+        return nl.load(x, mask=nl.arange(128)[:, None] < 64)
+
+    _raises(NotImplementedError, "mask= is not implemented", k, torch.zeros(128, 4))

@@ -524,3 +524,23 @@ class GatherTile(NkiTensor):
 
     def write(self, value: torch.Tensor) -> None:
         self.src.data.index_put_(self.idx, value.reshape(self.idx[0].shape))
+
+
+def refuse_masks(namespace: dict) -> None:
+    """Wrap the public functions of a module so that a legacy `mask=` argument raises instead of being ignored
+    (masks are not implemented: a kernel would compute outside its intended region)."""
+    import functools
+    import types
+
+    def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("mask") is not None:
+                fail(NotImplementedError, f"{fn.__name__}: mask= is not implemented here: slice the tiles to the "
+                                          "region instead")
+            return fn(*args, **kwargs)
+        return checked
+
+    for name, obj in list(namespace.items()):
+        if isinstance(obj, types.FunctionType) and not name.startswith("_") and obj.__module__ == namespace["__name__"]:
+            namespace[name] = wrap(obj)

@@ -890,3 +890,6 @@ def tensor_tensor_scan(*args: Any, dst: NkiTensor | None = None, data0: NkiTenso
         _store(run, dst, torch.cat(cols, 1))
     _mark_written([("dst", dst)])
     return dst if legacy else None
+
+
+core.refuse_masks(globals())

@@ -257,6 +257,8 @@ def _is_vector(t: Any, p: int) -> bool:
 def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: bool = False, **_: Any) -> Any:
     """`nl.<op>(...)` on tiles: activations on the Scalar engine, binary ops on the Vector engine (tensor_scalar
     when one side is a scalar or a [P, 1] column), reductions with tensor_reduce."""
+    if _.get("mask") is not None:
+        fail(NotImplementedError, f"nl.{op.name}: mask= is not implemented here: slice the tiles to the region instead")
     if op.kind == "act":
         (x,) = args[:1]
         if op.name == "reciprocal":
@@ -297,3 +299,6 @@ def softmax(x: NkiTensor, axis: int = -1, dtype: Any = None, **_: Any) -> NkiTen
     isa.activation(dst=e, op=OPS["exp"], data=x, bias=m, reduce_op=OPS["add"], reduce_res=s)
     r = isa.reciprocal(s)
     return isa.tensor_scalar(e, OPS["multiply"], r, dtype=dtype or x.dtype)
+
+
+core.refuse_masks(globals())
