@@ -16,7 +16,7 @@ LAYERS = (
     {"_version", "hardware"},
     {"runtime"},
     {"device"},
-    {"compiler", "distributed", "costmodel", "profiler", "migrate", "integrations", "models"},
+    {"compiler", "distributed", "costmodel", "profiler", "migrate", "integrations", "models", "nki"},
     {"torchneuron"},
     {"torch_neuronx", "cli", "demo"},  # AWS's name layer, the command line, the demo
 )
@@ -24,6 +24,8 @@ LAYERS = (
 ALLOWED = {
     ("profiler", "costmodel"): "the profiler prices what ran with the cost model",
     ("compiler", "profiler"): "a compiled kernel under torch.profiler is recorded by the profiler's kineto bridge",
+    ("profiler", "nki"): "the profiler records NKI kernel calls with their own modelled timeline",
+    ("integrations", "nki"): "the porting report lists the NKI kernels called, with their modelled cost",
 }
 RANK = {c: i for i, layer in enumerate(LAYERS) for c in layer}
 

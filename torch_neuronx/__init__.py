@@ -53,6 +53,10 @@ NOT_PROVIDED = {
 def __getattr__(name: str) -> Any:
     if name in _DEVICE_NAMES:
         return getattr(torch.neuron, name)
+    if name == "nki_op":  # AWS's name for registering an NKI kernel as a custom op (docs/nki.md)
+        from torchneuron.nki.torch_op import nki_op
+
+        return nki_op
     if name in NOT_PROVIDED:
         raise AttributeError(f"torch_neuronx.{name} is not provided by torchneuron: use {NOT_PROVIDED[name]}")
     raise AttributeError(f"module 'torch_neuronx' (torchneuron's stand-in) has no attribute {name!r}: it provides "
@@ -63,4 +67,4 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-__all__ = ["clear_op_tracking", "get_executed_ops", "get_fallback_ops", *_DEVICE_NAMES]
+__all__ = ["clear_op_tracking", "get_executed_ops", "get_fallback_ops", "nki_op", *_DEVICE_NAMES]

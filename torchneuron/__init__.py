@@ -51,13 +51,18 @@ if _aws.installed() is None:  # ours owns the `neuron` device
     from .integrations import install as _install_integrations
 
     _install_integrations()  # Lightning learns accelerator="neuron" when (and if) it is imported
+
+    from .nki import install_alias as _install_nki_alias
+
+    _install_nki_alias()  # `import nki` serves torchneuron.nki unless another nki (AWS's) is installed
 else:  # AWS's torch-neuronx owns it: register nothing, load no kernels (docs/ecosystem.md)
     import warnings
 
     warnings.warn(_aws.stand_down_message(), RuntimeWarning, stacklevel=2)
 
 
-_LAZY = {"estimate": ("torchneuron.costmodel.estimate", "estimate"), "profiler": ("torchneuron.profiler", None)}
+_LAZY = {"estimate": ("torchneuron.costmodel.estimate", "estimate"), "profiler": ("torchneuron.profiler", None),
+         "nki_op": ("torchneuron.nki.torch_op", "nki_op"), "nki": ("torchneuron.nki", None)}
 
 
 def __getattr__(name: str) -> Any:

@@ -85,6 +85,12 @@ class Chip:
     instr_cycles: int = 60  # fixed cycles to start each vector/scalar SBUF/PSUM access: S12, S15
     dma_fixed_s: float = 1.3e-6  # fixed cost per DMA transfer (cross-engine semaphore): S15
     launch_s: float = 30e-6  # [assumption] eager op: host dispatch + runtime submission of one kernel
+    # NKI kernel timeline (torchneuron/nki/cost.py, docs/nki.md).
+    dma_engines: int = 16  # DMA engines (queues) per core: S12, S13, S14
+    # [assumption] a DMA's efficiency is row / (row + this) for `row` contiguous bytes per partition, fitted to
+    # S15/S16 (under 256 B per partition overhead-bound, 2 KiB the recommended minimum, 4 KiB+ near peak)
+    dma_row_overhead_bytes: int = 1024
+    gpsimd_fixed_cycles: int = 150  # affine_select / iota: 150 + N GpSimd cycles, S22 (nki.isa.affine_select)
     fabric: Fabric = NEURON_FABRIC
 
     def logical_cores(self, lnc: int) -> int:

@@ -1,5 +1,6 @@
 """The porting report of a run under CUDA compatibility mode: what was redirected (by API, with call sites),
-what ran on `neuron` and what fell back to the host, dtype-policy events, and graph breaks and recompiles.
+what ran on `neuron` and what fell back to the host, dtype-policy events, graph breaks and recompiles, and the NKI
+kernels called with their modelled time and bottleneck.
 Text by default; `write(path)` picks JSON or Markdown by the suffix ("-" prints text)."""
 from __future__ import annotations
 
@@ -28,7 +29,18 @@ def collect() -> dict[str, Any]:
                    for i in range(torch.neuron.device_count())},
         "compiled_graphs": [{k: g.get(k) for k in ("name", "nodes", "recompiles", "graph_break", "fallback", "error")}
                             for g in graphs],
+        "nki_kernels": _nki_kernels(),
     }
+
+
+def _nki_kernels() -> dict[str, dict[str, Any]]:
+    """NKI kernels called on neuron: calls, modelled time, bottleneck engine (their own timelines, docs/nki.md)."""
+    if "torchneuron.nki.kernel" not in sys.modules:
+        return {}
+    from ..nki.kernel import CALLS
+
+    return {name: {"calls": c.calls, "modelled_s": c.modelled_s, "bottleneck": c.bottleneck,
+                   "utilisation": c.utilisation} for name, c in CALLS.items()}
 
 
 def _top(d: dict[str, int], n: int = 10) -> str:
@@ -51,9 +63,11 @@ def _sections(r: dict[str, Any]) -> list[tuple[str, list[str]]]:
     graphs = [f"{g['name']}: {g['nodes']} nodes, {g['recompiles']} recompiles"
               + (f", graph break: {g['graph_break']}" if g["graph_break"] else "")
               + (f", fallback: {g['fallback']}" if g["fallback"] else "") for g in r["compiled_graphs"]] or ["none"]
+    nki = [f"{name}: {k['calls']} calls, {k['modelled_s'] * 1e6:,.1f} us modelled in all, bottleneck "
+           f"{k['bottleneck']} ({k['utilisation']:.0%} busy)" for name, k in r.get("nki_kernels", {}).items()]
     return [(f"CUDA calls redirected ({sum(sum(s.values()) for s in r['redirects'].values())})", red),
             ("Ops", ops), ("Dtype-policy events", [_top(r["dtype_events"]) or "none"]), ("Memory", mem),
-            ("Compiled graphs", graphs)]
+            ("Compiled graphs", graphs), *([("NKI kernels", nki)] if nki else [])]
 
 
 def render_text(r: dict[str, Any]) -> str:

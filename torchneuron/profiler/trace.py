@@ -118,6 +118,10 @@ class profile:
     def __enter__(self) -> profile:
         self._t0: int | None = None  # the first op's start: the trace's time zero
         self._unwrap = self._wrap_compiled_kernels()
+        from ..nki.kernel import OBSERVERS as nki_observers
+
+        nki_observers.append(self._nki_call)
+        self._nki_observers = nki_observers
         self._mode = _Mode(self) if self.ops else None
         if self._mode:
             self._mode.__enter__()
@@ -127,6 +131,14 @@ class profile:
         if self._mode:
             self._mode.__exit__(*exc)
         self._unwrap()
+        self._nki_observers.remove(self._nki_call)
+
+    def _nki_call(self, name: str, kp: Any, ins: list, outs: list, start: int, host: int) -> None:
+        """An NKI kernel call on `neuron`: one event, its time the kernel's own modelled timeline (docs/nki.md)."""
+        engine = kp.bottleneck if kp.bottleneck in ENGINES else "none"
+        self._add(f"nki::{name}", ins, outs, start, host,
+                  lambda: OpCost(f"nki::{name}", engine, float(kp.matmul_flops), float(kp.dma_bytes),
+                                 float(kp.dma_bytes), kp.latency_s, 0.0, 0.0, 0.0, 0.0))
 
     def _wrap_compiled_kernels(self):
         def profiled(kernel, args: list) -> list:

@@ -1,0 +1,931 @@
+"""NKI kernels on torchneuron: kernels written from the NKI documentation's tutorials, each equal to a PyTorch
+reference on CPU tensors, on `neuron` tensors, under torch.compile(backend="neuron") and autograd; every hardware
+rule broken once; the engines' numerics; the modelled timeline."""
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchneuron.nki as nki
+from torchneuron.nki import isa as nisa
+from torchneuron.nki import language as nl
+from torchneuron.nki import validation
+
+HERE = "test_nki.py:"
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
+    torch.testing.assert_close(a.cpu().float(), b.cpu().float(), atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@nki.jit
+def add_kernel(a, b):
+    """Tensor add over an SPMD grid: program i adds rows [i * n, (i + 1) * n)."""
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    n = a.shape[0] // nl.num_programs(0)
+    i = nl.program_id(0)
+    for r in nl.affine_range(n // 128):
+        rows = nl.ds(i * n + r * 128, 128)
+        x = nl.ndarray((128, a.shape[1]), dtype=a.dtype, buffer=nl.sbuf)
+        y = nl.ndarray((128, a.shape[1]), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(dst=x, src=a[rows, :])
+        nisa.dma_copy(dst=y, src=b[rows, :])
+        z = nl.ndarray((128, a.shape[1]), dtype=a.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=z, data1=x, data2=y, op=nl.add)
+        nisa.dma_copy(dst=out[rows, :], src=z)
+    return out
+
+
+@nki.jit
+def transpose_kernel(x):
+    """[P, F] -> [F, P] per 128 x 128 block on the Tensor engine (through PSUM)."""
+    p, f = x.shape
+    out = nl.ndarray((f, p), dtype=x.dtype, buffer=nl.shared_hbm)
+    for i in nl.affine_range(p // 128):
+        for j in nl.affine_range(f // 128):
+            t = nl.load(x[nl.ds(i * 128, 128), nl.ds(j * 128, 128)])
+            tp = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_transpose(dst=tp, data=t)
+            nl.store(out[nl.ds(j * 128, 128), nl.ds(i * 128, 128)], nl.copy(tp, dtype=x.dtype))
+    return out
+
+
+@nki.jit
+def dma_transpose_kernel(x):
+    out = nl.ndarray((x.shape[1], x.shape[0]), dtype=x.dtype, buffer=nl.shared_hbm)
+    t = nl.ndarray((x.shape[1], x.shape[0]), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t, src=x)
+    nisa.dma_copy(dst=out, src=t)
+    return out
+
+
+@nki.jit
+def softmax_kernel(x):
+    """Row softmax: max (Vector), exp(x - max) with its row sum in the same Scalar instruction, 1 / sum, scale."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    for r in nl.affine_range(x.shape[0] // 128):
+        t = nl.load(x[nl.ds(r * 128, 128), :])
+        neg_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=neg_max, op=nl.max, data=t, axis=1, negate=True, keepdims=True)
+        e = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+        s = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=e, op=nl.exp, data=t, bias=neg_max, reduce_op=nl.add, reduce_res=s)
+        inv = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=inv, data=s)
+        y = nl.ndarray(t.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=y, data=e, op0=nl.multiply, operand0=inv)
+        nl.store(out[nl.ds(r * 128, 128), :], y)
+    return out
+
+
+def _broadcast_rows(w, d):
+    """A [1, d] HBM vector onto all 128 partitions: a ones[1, 128] x w[1, d] matmul (K = 1) into PSUM."""
+    ones = nl.ndarray((1, 128), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=ones, value=1.0)
+    row = nl.ndarray((1, d), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(dst=row, src=w.reshape((1, d)))
+    bc = nl.ndarray((128, d), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=bc, stationary=ones, moving=row)
+    out = nl.ndarray((128, d), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=out, src=bc)
+    return out
+
+
+@nki.jit
+def rmsnorm_kernel(x, w, eps=1e-6):
+    n, d = x.shape
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    wt = _broadcast_rows(w, d)
+    for r in nl.affine_range(n // 128):
+        t = nl.load(x[nl.ds(r * 128, 128), :])
+        sq = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+        ss = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq, op=nl.square, data=t, reduce_op=nl.add, reduce_res=ss)
+        ms = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=ms, data=ss, op0=nl.multiply, operand0=1.0 / d, op1=nl.add, operand1=eps)
+        rs = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=rs, op=nl.rsqrt, data=ms)
+        y = nl.ndarray(t.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=y, data=t, op0=nl.multiply, operand0=rs, op1=nl.multiply, operand1=wt)
+        nl.store(out[nl.ds(r * 128, 128), :], y)
+    return out
+
+
+@nki.jit
+def layernorm_kernel(x, gamma, beta, eps=1e-5):
+    n, d = x.shape
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    g, b = _broadcast_rows(gamma, d), _broadcast_rows(beta, d)
+    for r in nl.affine_range(n // 128):
+        t = nl.load(x[nl.ds(r * 128, 128), :])
+        s = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        cp = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=cp, op=nl.copy, data=t, reduce_op=nl.add, reduce_res=s)
+        neg_mean = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=neg_mean, data=s, op0=nl.multiply, operand0=-1.0 / d)
+        xc = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=xc, data=t, op0=nl.add, operand0=neg_mean)
+        sq = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+        v = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=sq, op=nl.square, data=xc, reduce_op=nl.add, reduce_res=v)
+        rstd = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=rstd, data=v, op0=nl.multiply, operand0=1.0 / d, op1=nl.add, operand1=eps)
+        nisa.activation(dst=rstd, op=nl.rsqrt, data=rstd)
+        y = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+        nisa.scalar_tensor_tensor(dst=y, data=xc, op0=nl.multiply, operand0=rstd, op1=nl.multiply, operand1=g)
+        z = nl.ndarray(t.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_tensor(dst=z, data1=y, data2=b, op=nl.add)
+        nl.store(out[nl.ds(r * 128, 128), :], z)
+    return out
+
+
+@nki.jit
+def attention_kernel(q_t, k_t, v, scale):
+    """Causal attention forward for one head: q_t, k_t [d, S] (the contraction on partitions), v [S, d]."""
+    d, s = q_t.shape
+    out = nl.ndarray((s, d), dtype=v.dtype, buffer=nl.shared_hbm)
+    kt = nl.load(k_t)
+    v_tiles = [nl.load(v[nl.ds(j * 128, 128), :]) for j in range(s // 128)]
+    for i in nl.affine_range(s // 128):
+        qt = nl.load(q_t[:, nl.ds(i * 128, 128)])
+        scores = nl.ndarray((128, s), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=scores, stationary=qt, moving=kt)
+        scores_sb = nl.ndarray((128, s), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=scores_sb, src=scores)  # GpSimd (affine_select) cannot read PSUM
+        masked = nl.ndarray((128, s), dtype=nl.float32, buffer=nl.sbuf)
+        # keep key j <= query (i * 128 + p): (i * 128 + p) - j >= 0
+        nisa.affine_select(dst=masked, pattern=[[-1, s]], offset=i * 128, channel_multiplier=1,
+                           on_true_tile=scores_sb, on_false_value=-3e38, cmp_op=nl.greater_equal)
+        neg_max = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_reduce(dst=neg_max, op=nl.max, data=masked, axis=1, negate=True, keepdims=True)
+        nisa.tensor_scalar(dst=neg_max, data=neg_max, op0=nl.multiply, operand0=scale)
+        probs = nl.ndarray((128, s), dtype=nl.bfloat16, buffer=nl.sbuf)
+        total = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.activation(dst=probs, op=nl.exp, data=masked, scale=scale, bias=neg_max, reduce_op=nl.add,
+                        reduce_res=total)
+        acc = nl.ndarray((128, d), dtype=nl.float32, buffer=nl.psum)
+        for j in nl.affine_range(s // 128):
+            pt_psum = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.psum)
+            nisa.nc_transpose(dst=pt_psum, data=probs[:, nl.ds(j * 128, 128)])
+            pt = nl.ndarray((128, 128), dtype=nl.bfloat16, buffer=nl.sbuf)
+            nisa.tensor_copy(dst=pt, src=pt_psum)
+            nisa.nc_matmul(dst=acc, stationary=pt, moving=v_tiles[j])
+        inv = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.reciprocal(dst=inv, data=total)
+        o = nl.ndarray((128, d), dtype=v.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=o, data=acc, op0=nl.multiply, operand0=inv)
+        nl.store(out[nl.ds(i * 128, 128), :], o)
+    return out
+
+
+@nki.jit
+def avgpool_kernel(x):
+    """2 x 2 average pooling, stride 2: channels on partitions, the four strided taps summed on the Vector
+    engine."""
+    c, h, w = x.shape
+    out = nl.ndarray((c, h // 2, w // 2), dtype=x.dtype, buffer=nl.shared_hbm)
+    t = nl.load(x)
+    acc = nl.ndarray((c, h // 2, w // 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_tensor(dst=acc, data1=t[:, 0::2, 0::2], data2=t[:, 0::2, 1::2], op=nl.add)
+    nisa.tensor_tensor(dst=acc, data1=acc, data2=t[:, 1::2, 0::2], op=nl.add)
+    nisa.tensor_tensor(dst=acc, data1=acc, data2=t[:, 1::2, 1::2], op=nl.add)
+    res = nl.ndarray((c, h // 2, w // 2), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=res, data=acc, op0=nl.multiply, operand0=0.25)
+    nl.store(out, res)
+    return out
+
+
+@nki.jit
+def fused_chain_kernel(x, a, b):
+    """y = gelu_tanh(a * x + b) * sigmoid(x) - x, one Scalar activation for the affine + GELU."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    t = nl.load(x)
+    g = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+    bias = nl.full((t.shape[0], 1), b, dtype=nl.float32)
+    nisa.activation(dst=g, op=nl.gelu_apprx_tanh, data=t, scale=a, bias=bias)
+    s = nl.sigmoid(t)
+    y = nl.ndarray(t.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=y, data=g, op0=nl.multiply, operand0=1.0, op1=nl.multiply, operand1=s)
+    nl.store(out, y - t)
+    return out
+
+
+@nki.jit
+def silu_kernel(x):
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    t = nl.load(x)
+    nl.store(out, nl.silu(t))
+    return out
+
+
+@nki.jit
+def silu_backward_kernel(x, dy):
+    """d silu / dx = s * (1 + x * (1 - s)), s = sigmoid(x)."""
+    dx = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    t, g = nl.load(x), nl.load(dy)
+    s = nl.sigmoid(t)
+    one_minus = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=one_minus, data=s, op0=nl.subtract, operand0=1.0, reverse0=True)
+    u = nl.ndarray(t.shape, dtype=nl.float32, buffer=nl.sbuf)
+    nisa.scalar_tensor_tensor(dst=u, data=one_minus, op0=nl.multiply, operand0=1.0, op1=nl.multiply, operand1=t)
+    nisa.tensor_scalar(dst=u, data=u, op0=nl.add, operand0=1.0)
+    nl.store(dx, u * s * g)
+    return dx
+
+
+# ----------------------------------------------------------------------------------------------- CPU references
+def test_add_spmd_grid():
+    a, b = torch.randn(512, 384), torch.randn(512, 384)
+    close(add_kernel[2](a, b), a + b, 0)
+    close(add_kernel[4](a, b), a + b, 0)
+
+
+def test_transposes():
+    x = torch.randn(256, 384)
+    close(transpose_kernel(x), x.T, 0)
+    y = torch.randn(96, 64)
+    close(dma_transpose_kernel(y), y.T, 0)
+
+
+@pytest.mark.parametrize("stage", list(validation.STAGES))
+def test_matmul_stages(stage):
+    k, m, n = 512, 256, 1024
+    lhs_t, rhs = torch.randn(k, m).bfloat16(), torch.randn(k, n).bfloat16()
+    kw = {"BM": 2, "BN": 1, "BK": 2} if stage == "optimized" else {}
+    out = validation.STAGES[stage](lhs_t, rhs, **kw)
+    assert out.dtype == torch.bfloat16
+    if stage != "optimized":  # fp32 accumulation in PSUM, one rounding to bf16
+        ref = (lhs_t.float().T @ rhs.float()).bfloat16()
+    else:  # the tutorial's optimised kernel sums each K block's fp32 partial into bf16 SBUF tiles
+        ref = torch.zeros(m, n).bfloat16()
+        for kb in range(0, k, 256):
+            ref = (ref.float() + lhs_t[kb:kb + 256].float().T @ rhs[kb:kb + 256].float()).bfloat16()
+        # fp32 sums in another order may round a few elements to the neighbouring bf16 value (ulp 0.25 at 32-64)
+        assert (out.float() != ref.float()).float().mean() < 1e-3
+        assert (out.float() - ref.float()).abs().max() <= 0.25
+        return
+    close(out, ref, 2 ** -7)
+
+
+def test_softmax():
+    x = torch.randn(256, 300) * 4
+    close(softmax_kernel(x), torch.softmax(x, -1), 1e-6)
+
+
+def test_rmsnorm():
+    x, w = torch.randn(256, 512), torch.randn(512)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    close(rmsnorm_kernel(x, w), ref, 1e-5)
+
+
+def test_layernorm():
+    x, g, b = torch.randn(128, 200) * 3 + 1, torch.randn(200), torch.randn(200)
+    close(layernorm_kernel(x, g, b), F.layer_norm(x, (200,), g, b), 1e-5)
+
+
+def test_attention_forward():
+    s, d = 256, 64
+    q, k, v = (torch.randn(s, d) for _ in range(3))
+    out = attention_kernel(q.T.contiguous(), k.T.contiguous(), v, 1 / math.sqrt(d))
+    ref = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+    close(out, ref, 2e-2)  # probabilities in bf16 for the second matmul, as the kernel chose
+
+
+def test_average_pooling():
+    x = torch.randn(64, 16, 24)
+    close(avgpool_kernel(x), F.avg_pool2d(x[None], 2)[0], 1e-6)
+
+
+def test_fused_elementwise_chain():
+    x = torch.randn(128, 256)
+    ref = F.gelu(1.5 * x - 0.25, approximate="tanh") * torch.sigmoid(x) - x
+    close(fused_chain_kernel(x, 1.5, -0.25), ref, 1e-5)
+
+
+def test_numpy_arrays_and_simulate():
+    a, b = torch.randn(128, 64).numpy(), torch.randn(128, 64).numpy()
+    out = nki.simulate(add_kernel)(a, b)
+    assert type(out).__module__ == "numpy"
+    assert (out == a + b).all()
+
+
+def test_import_nki_alias():
+    """`import nki` is this package when AWS's is absent (it is here), and nki.language / nki.isa alias ours."""
+    assert importlib.util.find_spec("nki") is not None
+    import nki as aliased
+    import nki.isa
+    import nki.language
+
+    if importlib.machinery.PathFinder.find_spec("nki") is None:
+        assert aliased is nki_package() and nki.language is nl and nki.isa is nisa
+
+
+def nki_package():
+    return sys.modules["torchneuron.nki"]
+
+
+def test_legacy_api_kernel():
+    """The earlier NKI API (neuronxcc.nki: nl.arange / nl.mgrid indexing, nl.load / nl.store, returned tiles,
+    `psum += nc_matmul`), as public kernels written for it use."""
+    import neuronxcc.nki as lnki
+    import neuronxcc.nki.isa as lnisa
+    import neuronxcc.nki.language as lnl
+
+    if importlib.machinery.PathFinder.find_spec("neuronxcc") is not None:
+        pytest.skip("AWS's neuronxcc is installed")
+
+    @lnki.baremetal
+    def kernel(lhs_t, rhs, x):
+        k, m = lhs_t.shape
+        out = lnl.ndarray((m, rhs.shape[1]), dtype=lnl.float32, buffer=lnl.shared_hbm)
+        swapped = lnl.ndarray(x.shape, dtype=x.dtype, buffer=lnl.shared_hbm)
+        i_p = lnl.arange(128)[:, None]
+        i_f = lnl.arange(rhs.shape[1])[None, :]
+        acc = lnl.zeros((m, rhs.shape[1]), dtype=lnl.float32, buffer=lnl.psum)
+        for kk in lnl.affine_range(k // 128):
+            a = lnl.load(lhs_t[kk * 128 + i_p, lnl.arange(m)[None, :]])
+            b = lnl.load(rhs[kk * 128 + i_p, i_f])
+            acc += lnisa.nc_matmul(a, b)
+        lnl.store(out[lnl.arange(m)[:, None], i_f], value=acc)
+        # swap the two halves of each row with one index expression: j -> (j + h) mod 2h
+        h = x.shape[1] // 2
+        g = lnl.mgrid[0:128, 0:2 * h]
+        t = lnl.load(x[g.p, g.x])
+        u = lnl.ndarray(x.shape, dtype=x.dtype, buffer=lnl.sbuf)
+        u[g.p, (g.x + h) % (2 * h)] = lnl.copy(t)
+        lnl.store(swapped[g.p, g.x], value=u)
+        return out, swapped
+
+    lhs_t, rhs, x = torch.randn(256, 64), torch.randn(256, 512), torch.randn(128, 10)
+    out, swapped = kernel(lhs_t, rhs, x)
+    close(out, lhs_t.T @ rhs, 1e-4)
+    close(swapped, torch.cat([x[:, 5:], x[:, :5]], 1), 0)
+
+
+# ----------------------------------------------------------------------------------------------- the device
+def test_neuron_tensors_eager_and_queued():
+    a, b = torch.randn(256, 128, device="neuron"), torch.randn(256, 128, device="neuron")
+    first = add_kernel[2](a, b)  # learns the output shape, runs now
+    second = add_kernel[2](a * 2, b)  # queued on the stream
+    assert first.device.type == second.device.type == "neuron"
+    close(first, a.cpu() + b.cpu(), 0)
+    close(second, 2 * a.cpu() + b.cpu(), 0)
+
+
+@nki.nki_op("nkitest::rmsnorm", mutates_args=())
+def nki_rmsnorm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return rmsnorm_kernel(x, w)
+
+
+@nki.nki_op("nkitest::silu", mutates_args=())
+def nki_silu(x: torch.Tensor) -> torch.Tensor:
+    return silu_kernel(x)
+
+
+@nki.nki_op("nkitest::silu_backward", mutates_args=())
+def nki_silu_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    return silu_backward_kernel(x, dy)
+
+
+def _silu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _silu_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return nki_silu_backward(x, grad.contiguous())
+
+
+nki_silu.register_autograd(_silu_backward, setup_context=_silu_setup)
+
+
+def test_nki_op_eager_and_compiled_on_neuron():
+    x, w = torch.randn(256, 256), torch.randn(256)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    xn, wn = x.to("neuron"), w.to("neuron")
+    eager = nki_rmsnorm(xn, wn)
+    assert eager.device.type == "neuron"
+    close(eager, ref, 1e-5)
+
+    def f(x, w):
+        return nki_rmsnorm(x * 2, w) + 1
+
+    compiled = torch.compile(f, backend="neuron", fullgraph=True)  # the op is one node: no graph break
+    out = compiled(xn, wn)
+    assert out.device.type == "neuron"
+    close(out, ref + 1, 1e-5)  # rmsnorm(2x) == rmsnorm(x)
+
+
+def _reference_cases():
+    """(kernel, host arguments, PyTorch reference, tolerance) for each tutorial kernel."""
+    g = torch.Generator().manual_seed(1)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
+    a, b = r(256, 128), r(256, 128)
+    x = r(256, 384)
+    sm = r(128, 300) * 4
+    xn, w = r(128, 256), r(256)
+    ln, gm, bt = r(128, 200), r(200), r(200)
+    q, k, v = r(256, 64), r(256, 64), r(256, 64)
+    pool = r(32, 8, 8)
+    fc = r(128, 64)
+    lt, rh = r(256, 128).bfloat16(), r(256, 512).bfloat16()
+    return {
+        "add": (add_kernel[2], (a, b), a + b, 0),
+        "transpose": (transpose_kernel, (x,), x.T, 0),
+        "matmul": (validation.matmul_hoisted, (lt, rh), (lt.float().T @ rh.float()).bfloat16(), 2 ** -7),
+        "softmax": (softmax_kernel, (sm,), torch.softmax(sm, -1), 1e-6),
+        "rmsnorm": (rmsnorm_kernel, (xn, w), xn * torch.rsqrt(xn.pow(2).mean(-1, keepdim=True) + 1e-6) * w, 1e-5),
+        "layernorm": (layernorm_kernel, (ln, gm, bt), F.layer_norm(ln, (200,), gm, bt), 1e-5),
+        "attention": (attention_kernel, (q.T.contiguous(), k.T.contiguous(), v, 0.125),
+                      F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0], 2e-2),
+        "avgpool": (avgpool_kernel, (pool,), F.avg_pool2d(pool[None], 2)[0], 1e-6),
+        "fused": (fused_chain_kernel, (fc, 1.5, -0.25),
+                  F.gelu(1.5 * fc - 0.25, approximate="tanh") * torch.sigmoid(fc) - fc, 1e-5),
+    }
+
+
+_OPS: dict = {}
+
+
+def _as_op(name, kernel, args):
+    """The kernel as a custom op over its tensor arguments (its other arguments fixed)."""
+    if name not in _OPS:
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        consts = {i: a for i, a in enumerate(args) if not isinstance(a, torch.Tensor)}
+        params = ", ".join(f"t{i}: torch.Tensor" for i in range(len(tensors)))
+        ns = {"torch": torch}
+        exec(f"def f({params}) -> torch.Tensor:\n    return call({', '.join(f't{i}' for i in range(len(tensors)))})",
+             ns)
+
+        def call(*ts):
+            full = list(ts)
+            for i, c in sorted(consts.items()):
+                full.insert(i, c)
+            return kernel(*full)
+
+        ns["f"].__globals__["call"] = call
+        _OPS[name] = nki.nki_op(f"nkitest::tutorial_{name}", ns["f"], mutates_args=())
+    return _OPS[name]
+
+
+@pytest.mark.parametrize("name", list(_reference_cases()))
+def test_tutorial_kernels_on_neuron_eager_and_compiled(name):
+    kernel, args, ref, tol = _reference_cases()[name]
+    dev = [a.to("neuron") if isinstance(a, torch.Tensor) else a for a in args]
+    eager = kernel(*dev)
+    assert eager.device.type == "neuron"
+    close(eager, ref, tol)
+    op = _as_op(name, kernel, args)
+    tensors = [a for a in dev if isinstance(a, torch.Tensor)]
+    torch._dynamo.reset()  # one wrapper code object serves every case
+    compiled = torch.compile(lambda *ts: op(*ts), backend="neuron", fullgraph=True)
+    out = compiled(*tensors)
+    assert out.device.type == "neuron"
+    close(out, ref, tol)
+
+
+def test_aws_name_nki_op():
+    import torch_neuronx
+
+    assert torch_neuronx.nki_op is nki.nki_op
+
+
+def test_autograd_training_step_through_backward_kernel():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    ref_lin = torch.nn.Linear(64, 64)
+    ref_lin.load_state_dict(lin.state_dict())
+    lin = lin.to("neuron")
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    x = torch.randn(128, 64)
+    loss = nki_silu(lin(x.to("neuron"))).pow(2).sum()
+    loss.backward()
+    ref_loss = F.silu(ref_lin(x)).pow(2).sum()
+    ref_loss.backward()
+    close(loss, ref_loss, 1e-4)
+    close(lin.weight.grad, ref_lin.weight.grad, 1e-4)
+    opt.step()
+    close(lin.weight, ref_lin.weight - 0.1 * ref_lin.weight.grad, 1e-4)
+
+
+def test_autograd_under_compile():
+    x = torch.randn(128, 32, requires_grad=True)
+    xn = x.detach().to("neuron").requires_grad_()
+    compiled = torch.compile(lambda t: nki_silu(t).sum(), backend="neuron", fullgraph=True)
+    compiled(xn).backward()
+    F.silu(x).sum().backward()
+    close(xn.grad, x.grad, 1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- hardware rules
+def _raises(exc, match, kernel, *args, **kwargs):
+    with pytest.raises(exc, match=match) as info:
+        kernel(*args, **kwargs)
+    assert HERE in str(info.value), str(info.value)  # the error names the kernel's line
+    return str(info.value)
+
+
+def test_rule_partition_dimension():
+    @nki.jit
+    def k(x):
+        nl.ndarray((256, 4), dtype=nl.float32, buffer=nl.sbuf)
+
+    msg = _raises(ValueError, "partition dimension 256", k, torch.zeros(1))
+    assert "nl.ndarray((256, 4)" in msg
+
+
+def test_rule_partition_start_alignment():
+    @nki.jit
+    def k(x):
+        t = nl.load(x)
+        u = nl.ndarray((64, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=u, src=t[16:80, :])
+
+    _raises(ValueError, "must start at partition 0", k, torch.zeros(128, 8))
+
+
+def test_rule_sbuf_capacity_per_chip():
+    def k(x):
+        nl.ndarray((128, 60_000), dtype=nl.float32, buffer=nl.sbuf)  # 240,000 B per partition
+
+    _raises(RuntimeError, "SBUF overflow on Trainium1", nki.jit(k, target="trn1"), torch.zeros(1))
+    nki.jit(k, target="trn3")(torch.zeros(1))  # 256 KiB per partition on trn3: fits
+
+
+def test_rule_psum_capacity():
+    @nki.jit
+    def k(x):
+        return [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum) for _ in range(9)]
+
+    _raises(RuntimeError, "PSUM overflow", k, torch.zeros(1))
+
+
+def test_rule_psum_bank_free_size():
+    @nki.jit
+    def k(x):
+        nl.ndarray((128, 1024), dtype=nl.float32, buffer=nl.psum)
+
+    _raises(ValueError, "PSUM bank holds 2048 B", k, torch.zeros(1))
+
+
+def test_rule_matmul_operand_limits():
+    @nki.jit
+    def moving_too_wide(a, b):
+        acc = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=nl.load(a), moving=nl.load(b))
+
+    _raises(ValueError, "moving free size 1024 exceeds 512", moving_too_wide, torch.zeros(128, 128),
+            torch.zeros(128, 1024))
+
+    @nki.jit
+    def stationary_too_wide(a, b):
+        acc = nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=nl.load(a), moving=nl.load(b))
+
+    _raises(ValueError, "stationary free size 256 exceeds 128", stationary_too_wide, torch.zeros(128, 256),
+            torch.zeros(128, 512))
+
+
+def test_rule_engine_buffers():
+    @nki.jit
+    def matmul_from_psum(a):
+        p = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.psum)
+        nisa.memset(dst=p, value=1.0)
+        acc = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=acc, stationary=p, moving=nl.load(a))
+
+    _raises(ValueError, "tensor engine cannot read psum", matmul_from_psum, torch.zeros(128, 128))
+
+    @nki.jit
+    def dma_into_psum(a):
+        p = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.psum)
+        nisa.dma_copy(dst=p, src=a)
+
+    _raises(ValueError, "dma engine cannot write psum", dma_into_psum, torch.zeros(128, 128))
+
+    @nki.jit
+    def vector_reads_hbm(a):
+        t = nl.ndarray((128, 128), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(dst=t, src=a)
+
+    _raises(ValueError, "vector engine cannot read hbm", vector_reads_hbm, torch.zeros(128, 128))
+
+
+def test_rule_dtypes():
+    _raises(TypeError, "float64", add_kernel, torch.zeros(128, 4, dtype=torch.float64),
+            torch.zeros(128, 4, dtype=torch.float64))
+
+    @nki.jit
+    def k(x):
+        nl.ndarray((128, 4), dtype=nl.int32 if False else torch.int64, buffer=nl.sbuf)
+
+    _raises(TypeError, "int64", k, torch.zeros(1))
+
+
+def test_rule_out_of_bounds():
+    @nki.jit
+    def k(x):
+        return nl.load(x[nl.ds(64, 128), :])
+
+    _raises(IndexError, "out of bounds for axis 0 of size 128", k, torch.zeros(128, 8))
+
+
+def test_rule_uninitialised_sbuf():
+    @nki.jit
+    def k(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray((128, 8), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.memset(dst=t[:, 0:4], value=0.0)
+        nl.store(out, nl.exp(t))
+        return out
+
+    _raises(RuntimeError, "512 of 1024 elements uninitialised", k, torch.zeros(128, 8))
+
+
+# ----------------------------------------------------------------------------------------------- numerics
+def test_matmul_accumulates_in_fp32_psum():
+    """Four K tiles accumulate in one fp32 PSUM tile: the result is the fp32 sum of exact bf16 products."""
+    k, m, n = 512, 128, 512
+    a, b = torch.randn(k, m).bfloat16(), torch.randn(k, n).bfloat16()
+
+    @nki.jit
+    def kernel(a, b):
+        out = nl.ndarray((m, n), dtype=nl.float32, buffer=nl.shared_hbm)
+        acc = nl.ndarray((m, n), dtype=nl.float32, buffer=nl.psum)
+        for i in nl.affine_range(k // 128):
+            nisa.nc_matmul(dst=acc, stationary=nl.load(a[nl.ds(i * 128, 128), :]),
+                           moving=nl.load(b[nl.ds(i * 128, 128), :]))
+        nl.store(out, acc)
+        return out
+
+    ref = (a.double().T @ b.double())
+    out = kernel(a, b).double()
+    assert (out - ref).abs().max() < 1e-4  # fp32 accumulation; a bf16 accumulator would be off by ~0.1
+    assert (out - ref).abs().max() > 0  # and not float64
+
+
+def _rne_bf16(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even into bf16 by integer arithmetic on the float32 bits (independent of torch's cast)."""
+    bits = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    lsb = (bits >> 16) & 1
+    rounded = (bits + 0x7FFF + lsb) >> 16
+    return (rounded << 16).to(torch.int64).to(torch.int32).view(torch.float32)
+
+
+def test_bf16_round_to_nearest_even():
+    x = torch.randn(128, 512) * 10
+
+    @nki.jit
+    def cast(x):
+        out = nl.ndarray(x.shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nl.store(out, nl.copy(nl.load(x), dtype=nl.bfloat16))
+        return out
+
+    assert torch.equal(cast(x).float(), _rne_bf16(x))
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = torch.full((128, 512), 1 + 2 ** -10)  # bf16 spacing at 1 is 2^-7: RNE always gives 1.0
+
+    def cast(x):
+        out = nl.ndarray(x.shape, dtype=nl.bfloat16, buffer=nl.shared_hbm)
+        nl.store(out, nl.copy(nl.load(x), dtype=nl.bfloat16))
+        return out
+
+    rne = nki.jit(cast)(x).float()
+    assert (rne == 1.0).all()
+    sr = nki.jit(cast, stochastic_rounding=True)(x).float()
+    assert set(sr.unique().tolist()) == {1.0, 1 + 2 ** -7}
+    assert abs(sr.mean().item() - (1 + 2 ** -10)) < 2e-5  # 65,536 draws: the mean is the value
+
+
+def test_gelu_tanh_approximation_is_the_documented_formula():
+    x = torch.linspace(-6, 6, 128 * 64).reshape(128, 64)
+
+    @nki.jit
+    def k(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, nl.gelu_apprx_tanh(nl.load(x)))
+        return out
+
+    y = k(x)
+    ref = 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    close(y, ref, 1e-6)
+    assert (y - F.gelu(x)).abs().max() > 1e-5  # not the exact erf GELU
+
+
+# ----------------------------------------------------------------------------------------------- cost
+def test_profile_engines_and_bottleneck():
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    add_kernel[2](a, b)
+    p = add_kernel.last_profile
+    assert p.bottleneck == "dma" and p.instructions["vector"] == 4 and p.instructions["dma"] == 12
+    assert p.dma_bytes == 3 * 512 * 512 * 4
+    bf16 = torch.bfloat16
+    q = validation.matmul_optimized.estimate(((2048, 2048), bf16), ((2048, 1024), bf16), target="trn1")
+    assert q.bottleneck == "tensor"
+    assert q.matmul_flops == 2 * 2048 * 2048 * 1024
+    assert q.instructions["tensor"] == (2048 // 128) * (2048 // 128) * (1024 // 512)
+    # each [128 x 128] x [128 x 512] bf16 matmul issues in 512 cycles at 2.8 GHz (S12)
+    assert q.busy_s["tensor"] == pytest.approx(q.instructions["tensor"] * 512 / 2.8e9)
+    trace = q.chrome_trace()
+    assert len([e for e in trace["traceEvents"] if e["ph"] == "X"]) == sum(q.instructions.values())
+
+
+def test_dependencies_order_the_timeline():
+    """An instruction starts after the one that wrote its input ends; independent engines overlap."""
+    x = torch.randn(128, 512)
+    softmax_kernel(x)
+    tl = softmax_kernel.last_profile.timeline
+    load = next(i for i in tl if i.engine == "dma")
+    first_compute = next(i for i in tl if i.engine != "dma")
+    store = [i for i in tl if i.engine == "dma"][-1]
+    assert first_compute.start >= load.end
+    assert store.start >= max(i.end for i in tl if i.engine != "dma")
+
+
+def test_matmul_stages_get_faster():
+    shape = (1024, 512, 2048)
+    rows = validation.run(shape=shape, blocks={"BM": 4, "BN": 2, "BK": 4})
+    lat = [r.modelled_ms for r in rows]
+    assert lat == sorted(lat, reverse=True), rows
+
+
+def test_profiler_records_nki_calls_with_their_timeline():
+    import torchneuron.profiler as tprof
+
+    a, b = torch.randn(256, 256, device="neuron"), torch.randn(256, 256, device="neuron")
+    add_kernel[2](a, b)  # the first call (learns the shapes and the timeline)
+    with tprof.profile(ops=False) as prof:
+        add_kernel[2](a, b)  # queued
+    ev = [e for e in prof.events if e.name == "nki::add_kernel"]
+    assert len(ev) == 1
+    assert ev[0].device_s == add_kernel.last_profile.latency_s > 0
+    assert ev[0].cost.engine == "dma"
+
+
+def test_nki_alias_patch_is_undone_and_redone():
+    from torchneuron.nki import ALIAS_PATCH
+    from torchneuron.runtime import patches
+
+    if importlib.machinery.PathFinder.find_spec("nki") is not None:
+        pytest.skip("AWS's nki is installed: the alias steps aside")
+    import nki as before
+
+    assert before is nki_package()
+    patches.undo(ALIAS_PATCH)
+    try:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module("nki")
+    finally:
+        patches.apply(ALIAS_PATCH)
+    assert importlib.import_module("nki") is nki_package()
+    assert importlib.import_module("nki.isa") is nisa
+    assert nki_package().__spec__.name == "torchneuron.nki"  # the alias leaves our module's spec alone
+
+
+def test_fp8_round_to_nearest_even():
+    """float8_e4m3: spacing 1/8 in [1, 2). Halfway cases go to the even mantissa: 1.0625 -> 1.0,
+    1.1875 -> 1.25; others to the nearest: 1.07 -> 1.125."""
+    x = torch.tensor([[1.0625, 1.1875, 1.07, -1.0625, 1.3125]] * 128)
+
+    @nki.jit
+    def cast(x):
+        out = nl.ndarray(x.shape, dtype=nl.float8_e4m3, buffer=nl.shared_hbm)
+        nl.store(out, nl.copy(nl.load(x), dtype=nl.float8_e4m3))
+        return out
+
+    assert cast(x).float()[0].tolist() == [1.0, 1.25, 1.125, -1.0, 1.25]
+
+
+def test_bn_stats_layernorm_and_partition_reduce():
+    """Layer norm the way AWS's layer-norm tutorial computes its statistics: bn_stats per 128-column chunk,
+    bn_aggr to (mean, var); and a cross-partition sum on GpSimd."""
+    x = torch.randn(128, 384) * 2 + 0.5
+
+    @nki.jit
+    def k(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        colsum = nl.ndarray((1, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        stats = nl.ndarray((128, 3 * 6), dtype=nl.float32, buffer=nl.sbuf)
+        for c in nl.affine_range(3):
+            nisa.bn_stats(dst=stats[:, nl.ds(c * 6, 6)], data=t[:, nl.ds(c * 128, 128)])
+        mv = nl.ndarray((128, 2), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.bn_aggr(dst=mv, data=stats)
+        rstd = nl.ndarray((128, 1), dtype=nl.float32, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=rstd, data=mv[:, 1:2], op0=nl.add, operand0=1e-5)
+        nisa.activation(dst=rstd, op=nl.rsqrt, data=rstd)
+        y = nl.ndarray(t.shape, dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_scalar(dst=y, data=t, op0=nl.subtract, operand0=mv[:, 0:1], op1=nl.multiply, operand1=rstd)
+        nl.store(out, y)
+        s = nl.ndarray((1, x.shape[1]), dtype=x.dtype, buffer=nl.sbuf)
+        nisa.tensor_partition_reduce(dst=s, op=nl.add, data=t)
+        nl.store(colsum, s)
+        return out, colsum
+
+    out, colsum = k(x)
+    close(out, F.layer_norm(x, (384,), eps=1e-5), 1e-5)
+    close(colsum, x.sum(0, keepdim=True), 1e-4)
+    assert k.last_profile.instructions["gpsimd"] == 1
+
+
+def test_matmul_tutorial_optimised_stage_against_aws_measurement():
+    """The tutorial's fully optimised kernel at its published size (trn1, bf16 [4096, 8192] x [8192, 8192]):
+    AWS measured 6.97 ms; the model must stay within 30% (docs/nki.md has all four stages; cost only)."""
+    (row,) = validation.run(("optimized",))
+    assert row.bottleneck == "tensor"
+    assert abs(row.error) < 0.30, row
+
+
+def test_iota_identity_select_and_language_matmul():
+    x, y = torch.randn(64, 128), torch.randn(64, 256)
+
+    @nki.jit
+    def k(x, y):
+        ramp = nl.ndarray((128, 4, 8), dtype=nl.int32, buffer=nl.sbuf)
+        nisa.iota(dst=ramp, pattern=[[8, 4], [1, 8]], offset=5, channel_multiplier=100)
+        ident = nl.shared_identity_matrix(128, dtype=nl.float32)
+        xt = nl.load(x)
+        prod = nl.matmul(xt, nl.load(y[:, :]), transpose_x=True)  # x.T @ y (x's partitions contract)
+        back = nl.matmul(ident, nl.copy(prod))  # transposes ident first: identity again
+        positive = nl.greater(xt, 0.0)
+        kept = nl.where(positive, xt, -1.0)
+        acc = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=acc, src=x)
+        nisa.dma_copy(dst=acc, src=x, dst_rmw_op=nl.add)
+        outs = [nl.ndarray(t.shape, dtype=t.dtype, buffer=nl.shared_hbm) for t in (ramp, back, kept)]
+        for o, t in zip(outs, (ramp, back, kept), strict=True):
+            nl.store(o, nl.copy(t) if t.buffer is nl.psum else t)
+        return (*outs, acc)
+
+    ramp, back, kept, acc = k(x, y)
+    c, w, z = torch.meshgrid(torch.arange(128), torch.arange(4), torch.arange(8), indexing="ij")
+    assert torch.equal(ramp, (5 + 100 * c + 8 * w + z).int())
+    close(back, x.T @ y, 1e-4)
+    close(kept, torch.where(x > 0, x, -1.0), 0)
+    close(acc, 2 * x, 0)
+
+
+def test_scan_broadcast_and_block_axes():
+    """A linear recurrence r[t] = a[t] * r[t-1] + b[t] * c[t] with the earlier API: NumPy ufuncs as ops, a
+    [1, F] row broadcast to all partitions, a zero-filled tensor with a block axis accumulated with `+=`."""
+    import numpy as np
+
+    a, b, c = torch.rand(256, 64), torch.randn(256, 64), torch.randn(1, 64)
+
+    @nki.jit
+    def k(a, b, c):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        acc = nl.zeros((2, nl.par_dim(128), 64), dtype=nl.float32)
+        crow = nl.load(c)
+        for t in nl.affine_range(2):
+            at, bt = nl.load(a[nl.ds(t * 128, 128), :]), nl.load(b[nl.ds(t * 128, 128), :])
+            bc = nisa.tensor_tensor(bt, crow.broadcast_to((128, 64)), op=np.multiply)
+            acc[t, :, :] += nisa.tensor_tensor_scan(at, bc, initial=0.0, op0=np.multiply, op1=np.add)
+            nl.store(out[nl.ds(t * 128, 128), :], acc[t, :, :])
+        return out
+
+    r, cols = torch.zeros(256), []
+    for t in range(64):
+        r = a[:, t] * r + b[:, t] * c[0, t]
+        cols.append(r)
+    close(k(a, b, c), torch.stack(cols, 1), 1e-5)
+
+
+def test_direct_kernel_call_inside_compile_runs_as_a_graph_break():
+    """Without nki_op, a kernel called inside torch.compile runs eagerly between two compiled graphs."""
+    x = torch.randn(128, 64, device="neuron")
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: softmax_kernel(t * 2) + 1, backend="neuron")
+    close(f(x), torch.softmax(2 * x.cpu(), -1) + 1, 1e-6)
+
+
+def test_porting_report_lists_nki_kernels():
+    from torchneuron.integrations import porting_report
+
+    x = torch.randn(128, 96, device="neuron")
+    softmax_kernel(x)
+    softmax_kernel(x)
+    r = porting_report.collect()
+    k = r["nki_kernels"]["softmax_kernel"]
+    assert k["calls"] >= 2 and k["bottleneck"] == softmax_kernel.last_profile.bottleneck
+    assert k["modelled_s"] >= 2 * softmax_kernel.last_profile.latency_s * 0.999
+    assert "softmax_kernel:" in porting_report.render_text(r)
+
+
+def test_masks_are_refused_not_ignored():
+    @nki.jit
+    def k(x):
+        return nl.load(x, mask=nl.arange(128)[:, None] < 64)
+
+    _raises(NotImplementedError, "mask= is not implemented", k, torch.zeros(128, 4))

@@ -1,0 +1,546 @@
+"""The NKI machine state of one kernel call: buffers, tiles (views of torch tensors), the hardware rules and the
+error that names the kernel's line.
+
+A tile is an `NkiTensor`: a torch CPU view of its allocation, the buffer it lives in, its partition axis and the
+box it covers (for the cost model's dependencies). SBUF/PSUM allocations carry an "initialised" mask, so a read of
+memory no instruction wrote is an error, as on hardware it would be garbage. Capacities and limits come from
+`hardware/chips.py`."""
+from __future__ import annotations
+
+import linecache
+import math
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..hardware.chips import CHIPS, Chip
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ----------------------------------------------------------------------------------------------- dtypes
+FORBIDDEN_DTYPES = {torch.float64: "float64", torch.int64: "int64", torch.complex64: "complex64",
+                    torch.complex128: "complex128"}
+_BY_NAME = {"float32": torch.float32, "tfloat32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16, "float8_e4m3": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+            "float8_e5m2": torch.float8_e5m2, "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16,
+            "uint16": torch.uint16, "int32": torch.int32, "uint32": torch.uint32, "bool": torch.bool,
+            "bool_": torch.bool, "float64": torch.float64, "int64": torch.int64}
+
+
+def to_dtype(d: Any) -> torch.dtype:
+    """A torch dtype from a torch dtype, numpy dtype or type, ml_dtypes type, or name."""
+    if isinstance(d, torch.dtype):
+        return d
+    name = getattr(d, "name", None) or getattr(d, "__name__", None) or str(d)
+    try:
+        import numpy as np
+
+        name = np.dtype(d).name
+    except TypeError:
+        pass
+    if name not in _BY_NAME:
+        fail(TypeError, f"unsupported NKI dtype {d!r}")
+    return _BY_NAME[name]
+
+
+def check_dtype(dtype: torch.dtype, what: str) -> None:
+    if dtype in FORBIDDEN_DTYPES:
+        fail(TypeError, f"{what} has dtype {FORBIDDEN_DTYPES[dtype]}, which NeuronCore engines do not compute: "
+                        "cast to float32/bfloat16 (int32 for integers) before the kernel")
+
+
+# ----------------------------------------------------------------------------------------------- buffers
+@dataclass(frozen=True)
+class Buffer:
+    """A memory of the NeuronCore: HBM (device memory; shared between logical-core programs or private to one),
+    or the on-chip SBUF and PSUM, both 128 partitions wide."""
+
+    name: str
+
+    @property
+    def on_chip(self) -> bool:
+        return self.name in ("sbuf", "psum")
+
+    @property
+    def is_hbm(self) -> bool:
+        return not self.on_chip
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+
+HBM, SHARED_HBM, PRIVATE_HBM = Buffer("hbm"), Buffer("shared_hbm"), Buffer("private_hbm")
+SBUF, PSUM = Buffer("sbuf"), Buffer("psum")
+
+
+@dataclass(frozen=True)
+class ParDim:
+    """`nl.par_dim(n)`: marks the partition axis of an on-chip shape (the axes before it are block axes)."""
+
+    size: int
+
+
+# ----------------------------------------------------------------------------------------------- errors
+class KernelFrame(threading.local):
+    """The kernel call running on this thread (kernels queued on a stream run on its worker thread)."""
+
+    run: Run | None = None
+
+
+CURRENT = KernelFrame()
+
+
+def _user_frame() -> tuple[str, int, str]:
+    """The innermost frame outside this package: the kernel's line."""
+    f = sys._getframe(1)
+    while f is not None and (os.path.dirname(os.path.abspath(f.f_code.co_filename)) == _HERE):
+        f = f.f_back
+    if f is None:
+        return "<unknown>", 0, ""
+    return f.f_code.co_filename, f.f_lineno, linecache.getline(f.f_code.co_filename, f.f_lineno).strip()
+
+
+def where() -> str:
+    path, line, src = _user_frame()
+    run = CURRENT.run
+    name = run.kernel_name if run else "kernel"
+    return f"NKI kernel {name!r}, {os.path.basename(path)}:{line} `{src}`"
+
+
+def fail(exc: type[BaseException], message: str) -> None:
+    """Raise `exc` naming the kernel's source line."""
+    raise exc(f"{where()}: {message}")
+
+
+def current_run() -> Run:
+    run = CURRENT.run
+    if run is None:
+        fail(RuntimeError, "NKI language calls run only inside an @nki.jit kernel call")
+    return run
+
+
+# ----------------------------------------------------------------------------------------------- run state
+@dataclass
+class Run:
+    """One kernel call (one SPMD program at a time): the modelled chip, the timeline, live on-chip memory."""
+
+    kernel_name: str
+    chip: Chip
+    compute: bool = True  # False: shapes, rules and cost only (values are not computed)
+    stochastic_rounding: bool = False
+    grid: tuple[int, ...] = ()
+    program: tuple[int, ...] = ()
+    timeline: Any = None  # cost.Timeline
+    sbuf_used: int = 0  # bytes per partition
+    psum_used: int = 0  # bytes per partition of live PSUM
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    shared: SharedHbm | None = None  # the launch's shared_hbm tensors (SPMD programs share them)
+    act_regs: torch.Tensor | None = None  # the Scalar engine's 128 reduction registers
+
+    @property
+    def sbuf_partition_bytes(self) -> int:
+        return self.chip.sbuf_bytes // PMAX
+
+    @property
+    def psum_bank_count(self) -> int:
+        return self.chip.psum_bytes // PMAX // PSUM_BANK_BYTES
+
+
+class SharedHbm:
+    """The shared_hbm tensors of an SPMD launch: every program's i-th shared_hbm allocation is the same tensor."""
+
+    def __init__(self) -> None:
+        self.tensors: list[NkiTensor] = []
+        self.next = 0
+
+
+def chip_named(name: str) -> Chip:
+    if name not in CHIPS:
+        raise ValueError(f"unknown NKI target {name!r}: choose one of {', '.join(CHIPS)}")
+    return CHIPS[name]
+
+
+# ----------------------------------------------------------------------------------------------- hardware rules
+PMAX = 128  # partitions of SBUF/PSUM and rows of the PE array: S12
+PSUM_BANK_BYTES = 2048  # per partition: 8 banks x 2 KiB of PSUM, S12
+SBUF_FREE_MAX = 64 * 1024  # elements per partition an engine instruction reads from SBUF: S12
+PSUM_FREE_MAX = 4 * 1024  # ... from PSUM
+
+
+class Allocation:
+    """The memory behind one `nl.ndarray`: a torch tensor; on-chip memory is charged to the run while alive."""
+
+    __slots__ = ("base", "buffer", "init", "run", "charge", "psum_charge", "written", "matmul_result", "mm_read",
+                 "__weakref__")
+
+    def __init__(self, base: torch.Tensor, buffer: Buffer, run: Run | None, charge: int = 0, psum_charge: int = 0,
+                 initialised: bool = False):
+        self.base, self.buffer, self.run, self.charge, self.psum_charge = base, buffer, run, charge, psum_charge
+        # numpy, not torch: single-threaded, so tiny masks never wait for a thread pool
+        self.init = None if initialised or not buffer.on_chip else np.zeros(tuple(base.shape), dtype=np.bool_)
+        self.written = False  # by an instruction (the timeline tracks reads only of memory that is ever written)
+        self.matmul_result = False  # a PSUM tile returned by the legacy nc_matmul form (`psum += ...`)
+        self.mm_read = True  # read since the last matmul wrote it: the next matmul starts a new accumulation
+
+    def __del__(self) -> None:
+        run = getattr(self, "run", None)  # unset if __init__ did not finish
+        if run is not None:
+            run.sbuf_used -= self.charge
+            run.psum_used -= self.psum_charge
+
+
+def _shape_of(shape: Any) -> tuple[tuple[int, ...], int]:
+    """(sizes, index of the partition axis) of a shape that may hold an nl.par_dim marker."""
+    if isinstance(shape, int | ParDim):
+        shape = (shape,)
+    sizes, pdim = [], 0
+    for i, s in enumerate(shape):
+        if isinstance(s, ParDim):
+            pdim, s = i, s.size
+        sizes.append(int(s))
+    return tuple(sizes), pdim
+
+
+def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None = None) -> NkiTensor:
+    """A new tensor in `buffer` (checked against the chip's partition count and capacities)."""
+    dtype = to_dtype(dtype)
+    sizes, pdim = _shape_of(shape)
+    check_dtype(dtype, f"nl.ndarray{sizes}")
+    run = CURRENT.run
+    if buffer is SHARED_HBM and run is not None and run.shared is not None and data is None:
+        shared = run.shared
+        shared.next += 1
+        if shared.next <= len(shared.tensors):
+            t = shared.tensors[shared.next - 1]
+            if sizes != t.shape or dtype != t.dtype:
+                fail(ValueError, "SPMD programs must allocate the same shared_hbm tensors in the same order")
+            return t
+        shared.tensors.append(t := allocate(shape, dtype, HBM))
+        return t
+    if any(s <= 0 for s in sizes):
+        fail(ValueError, f"shape {sizes} has an empty axis")
+    charge = psum_charge = 0
+    if buffer.on_chip:
+        if sizes[pdim] > PMAX:
+            fail(ValueError, f"partition dimension {sizes[pdim]} of a {buffer.name} tensor exceeds {PMAX} "
+                             f"(nl.tile_size.pmax): tile the axis into pieces of at most {PMAX}")
+        free = math.prod(sizes[pdim + 1:]) * dtype.itemsize
+        # Block axes (before an nl.par_dim): AWS's allocator may rotate fewer physical buffers than blocks, so one
+        # block is charged (docs/nki.md).
+        blocks = 1
+        if run is not None and buffer is SBUF:
+            charge = free * blocks
+            if run.sbuf_used + charge > run.sbuf_partition_bytes:
+                fail(RuntimeError, f"SBUF overflow on {run.chip.name}: this {sizes} {_dn(dtype)} tensor needs "
+                                   f"{charge} B per partition, {run.sbuf_used} B of "
+                                   f"{run.sbuf_partition_bytes} B are live (nl.sbuf capacity)")
+        if buffer is PSUM:
+            if free > PSUM_BANK_BYTES:
+                fail(ValueError, f"a PSUM tile's free size is {free} B per partition; a PSUM bank holds "
+                                 f"{PSUM_BANK_BYTES} B (512 float32): split the tile")
+            if run is not None:
+                psum_charge = free * blocks  # bytes per partition (each block within one bank)
+                limit = run.psum_bank_count * PSUM_BANK_BYTES
+                if run.psum_used + psum_charge > limit:
+                    fail(RuntimeError, f"PSUM overflow on {run.chip.name}: {run.psum_used} B of {limit} B per "
+                                       f"partition (8 banks of 2 KiB) are live and this {sizes} tensor needs "
+                                       f"{psum_charge} B more")
+    if data is None:
+        data = torch.empty(sizes, dtype=dtype)
+    alloc = Allocation(data, buffer, run, charge, psum_charge, initialised=buffer.is_hbm)
+    if run is not None:
+        run.sbuf_used += charge
+        run.psum_used += psum_charge
+    return NkiTensor(alloc, data, tuple((d, 0, 1, s) for d, s in enumerate(sizes)), pdim if buffer.on_chip else 0)
+
+
+def _dn(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------------------------- tensors
+class IndexExpr:
+    """`nl.arange(n)` and affine expressions of it (legacy indexing): an integer tensor of indices."""
+
+    __array_priority__ = 100
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+
+    def __getitem__(self, key: Any) -> IndexExpr:
+        return IndexExpr(self.values[key])
+
+    def _bin(self, other: Any, fn: Any) -> IndexExpr:
+        return IndexExpr(fn(self.values, other.values if isinstance(other, IndexExpr) else other))
+
+    def __add__(self, o): return self._bin(o, torch.add)
+    __radd__ = __add__
+    def __mul__(self, o): return self._bin(o, torch.mul)
+    __rmul__ = __mul__
+    def __sub__(self, o): return self._bin(o, torch.sub)
+    def __rsub__(self, o): return IndexExpr(o - self.values)
+
+    def _cmp(self, other: Any, fn: Any) -> IndexExpr:
+        return IndexExpr(fn(self.values, other.values if isinstance(other, IndexExpr) else other).long())
+
+    def __ge__(self, o): return self._cmp(o, torch.ge)
+    def __gt__(self, o): return self._cmp(o, torch.gt)
+    def __le__(self, o): return self._cmp(o, torch.le)
+    def __lt__(self, o): return self._cmp(o, torch.lt)
+    def __floordiv__(self, o): return self._bin(o, torch.floor_divide)
+    def __mod__(self, o): return self._bin(o, torch.remainder)
+
+    def is_affine(self) -> bool:
+        """Whether the indices are one increasing run along a single axis (then a slice gives a view)."""
+        v = self.values
+        if v.numel() != max(v.shape or (1,)):
+            return False
+        v = v.flatten()
+        return v.numel() == 1 or (bool((v.diff() == v[1] - v[0]).all()) and int(v[1] - v[0]) > 0)
+
+    def as_slice(self) -> slice:
+        v = self.values.flatten()
+        if v.numel() != max(self.values.shape) or (v.numel() > 1 and not bool((v.diff() == v[1] - v[0]).all())) \
+                or (v.numel() > 1 and int(v[1] - v[0]) <= 0):
+            fail(IndexError, "only increasing affine nl.arange index expressions are supported")
+        step = int(v[1] - v[0]) if v.numel() > 1 else 1
+        return slice(int(v[0]), int(v[-1]) + 1, step)
+
+
+@dataclass(frozen=True)
+class DynSlice:
+    """`nl.ds(start, size)`."""
+
+    start: int
+    size: int
+    step: int = 1
+
+
+class NkiTensor:
+    """A tensor or tile of an NKI kernel: a view of its allocation's torch tensor."""
+
+    __slots__ = ("alloc", "data", "dims", "fixed", "pdim")
+
+    def __init__(self, alloc: Allocation, data: torch.Tensor, dims: tuple, pdim: int, fixed: tuple = ()):
+        self.alloc, self.data, self.dims, self.pdim, self.fixed = alloc, data, dims, pdim, fixed
+
+    # ---- metadata
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.data.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def buffer(self) -> Buffer:
+        return self.alloc.buffer
+
+    @property
+    def ndim(self) -> int:
+        return self.data.dim()
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"NkiTensor(shape={self.shape}, dtype={_dn(self.dtype)}, buffer={self.buffer!r})"
+
+    def box(self) -> tuple:
+        """The region of the allocation this view covers, per allocation axis (start, stop)."""
+        out = [(0, s) for s in self.alloc.base.shape] if self.dims is None else [None] * self.alloc.base.dim()
+        if self.dims is not None:
+            for d, i in self.fixed:
+                out[d] = (i, i + 1)
+            for d, start, step, size in self.dims:
+                out[d] = (start, start + step * (size - 1) + 1)
+            out = [o if o is not None else (0, s) for o, s in zip(out, self.alloc.base.shape, strict=True)]
+        return tuple(out)
+
+    # ---- tiles
+    @property
+    def partitions(self) -> tuple[int, int]:
+        """(first partition, partition count) of an on-chip tile."""
+        if self.dims is None:
+            return 0, self.shape[0]
+        d, start, step, size = self.dims[0]
+        return start, size
+
+    @property
+    def free_size(self) -> int:
+        return math.prod(self.shape[1:]) if self.ndim > 1 else 1
+
+    # ---- indexing
+    def __getitem__(self, key: Any) -> NkiTensor:
+        if not isinstance(key, tuple):
+            key = (key,)
+        if any(k is Ellipsis for k in key):
+            i = next(i for i, k in enumerate(key) if k is Ellipsis)
+            key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1:]
+        if len(key) > self.ndim:
+            fail(IndexError, f"too many indices ({len(key)}) for a tensor of shape {self.shape}")
+        if any(isinstance(k, IndexExpr) and not k.is_affine() for k in key):
+            return GatherTile(self, key)
+        key = key + (slice(None),) * (self.ndim - len(key))
+        torch_key, dims, fixed, pdim = [], [], list(self.fixed), self.pdim
+        for axis, (k, size) in enumerate(zip(key, self.shape, strict=True)):
+            dim = self.dims[axis] if self.dims is not None else None
+            if isinstance(k, IndexExpr):
+                k = k.as_slice()
+            if isinstance(k, DynSlice):
+                k = slice(k.start, k.start + k.size * k.step, k.step)
+            keep_partition = self.buffer.on_chip and axis == self.pdim
+            if isinstance(k, int) or (hasattr(k, "__index__") and not isinstance(k, slice)):
+                i = int(k)
+                j = i + size if i < 0 else i
+                if not 0 <= j < size:
+                    fail(IndexError, f"index {i} is out of bounds for axis {axis} of size {size} "
+                                     f"(tensor shape {self.shape}, {self.buffer!r})")
+                if keep_partition:
+                    k = slice(j, j + 1)
+                else:
+                    torch_key.append(j)
+                    if dim is not None:
+                        fixed.append((dim[0], dim[1] + dim[2] * j))
+                    if axis < self.pdim:
+                        pdim -= 1
+                    continue
+            if not isinstance(k, slice):
+                fail(TypeError, f"unsupported index {k!r}: use ints, slices, nl.ds or nl.arange expressions")
+            start, stop, step = k.start, k.stop, k.step
+            step = 1 if step is None else int(step)
+            if step <= 0:
+                fail(IndexError, "slices must have a positive step")
+            start = 0 if start is None else int(start)
+            stop = size if stop is None else int(stop)
+            if start < 0 or stop > size or start >= stop:
+                fail(IndexError, f"slice [{start}:{stop}] is out of bounds for axis {axis} of size {size} "
+                                 f"(tensor shape {self.shape}, {self.buffer!r})")
+            n = len(range(start, stop, step))
+            torch_key.append(slice(start, stop, step))
+            if dim is not None:
+                dims.append((dim[0], dim[1] + dim[2] * start, dim[2] * step, n))
+        data = self.data[tuple(torch_key)]
+        return NkiTensor(self.alloc, data, tuple(dims) if self.dims is not None else None, pdim, tuple(fixed))
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        from . import isa
+
+        dst = self[key]
+        if isinstance(value, NkiTensor):
+            if value.buffer.is_hbm or dst.buffer.is_hbm:
+                isa.dma_copy(dst=dst, src=value)
+            else:
+                isa.tensor_copy(dst=dst, src=value)
+        else:
+            isa.memset(dst=dst, value=value)
+
+    def broadcast_to(self, shape: Any) -> NkiTensor:
+        """A view repeating this tile's size-1 axes (e.g. one partition read by all 128: stride 0)."""
+        shape = tuple(shape)
+        if len(shape) != self.ndim or any(s != n and s != 1 for s, n in zip(self.shape, shape, strict=True)):
+            fail(ValueError, f"cannot broadcast a {self.shape} tile to {shape}: only size-1 axes repeat")
+        dims = None if self.dims is None else tuple(
+            (d, start, step if size == n else 0, n) for (d, start, step, size), n in zip(self.dims, shape, strict=True))
+        return NkiTensor(self.alloc, self.data.expand(shape), dims, self.pdim, self.fixed)
+
+    def reshape(self, *shape: Any) -> NkiTensor:
+        if len(shape) == 1 and isinstance(shape[0], tuple | list):
+            shape = tuple(shape[0])
+        if not self.data.is_contiguous():
+            fail(ValueError, "reshape needs a contiguous tensor")
+        if math.prod(shape) != self.data.numel():
+            fail(ValueError, f"cannot reshape {self.shape} into {tuple(shape)}")
+        return NkiTensor(self.alloc, self.data.view(*shape), None, 0 if self.buffer.is_hbm else self.pdim)
+
+    view = reshape
+
+    # ---- operators (nl functions)
+    def _op(self, name: str, other: Any, reverse: bool = False) -> NkiTensor:
+        from . import language as nl
+
+        fn = getattr(nl, name)
+        return fn(other, self) if reverse else fn(self, other)
+
+    def __add__(self, o): return self._op("add", o)
+    def __radd__(self, o): return self._op("add", o, True)
+    def __sub__(self, o): return self._op("subtract", o)
+    def __rsub__(self, o): return self._op("subtract", o, True)
+    def __mul__(self, o): return self._op("multiply", o)
+    def __rmul__(self, o): return self._op("multiply", o, True)
+    def __truediv__(self, o): return self._op("divide", o)
+    def __rtruediv__(self, o): return self._op("divide", o, True)
+    def __neg__(self): return self._op("multiply", -1.0)
+
+    def __iadd__(self, other: Any) -> NkiTensor:
+        """`psum += matmul(...)` accumulates (the Tensor engine's accumulate); elsewhere an in-place add."""
+        from . import isa
+
+        if isinstance(other, NkiTensor) and self.buffer is PSUM and other.buffer is PSUM \
+                and getattr(other.alloc, "matmul_result", False):
+            isa.accumulate_psum(self, other)
+        else:
+            res = self + other
+            isa.tensor_copy(dst=self, src=res)
+        return self
+
+
+class GatherTile(NkiTensor):
+    """A tile addressed by general nl.arange expressions (legacy indexing, e.g. `t[i_p, i_f2 * n + i_f1]`): its
+    elements are gathered from `src` when read and scattered back when written."""
+
+    __slots__ = ("src", "idx")
+
+    def __init__(self, src: NkiTensor, key: tuple):
+        idx = []
+        for axis, (k, size) in enumerate(zip(key, src.shape, strict=True)):
+            if isinstance(k, IndexExpr):
+                v = k.values
+            elif isinstance(k, int):
+                v = torch.tensor(k)
+            else:
+                fail(IndexError, "mix general nl.arange expressions only with other nl.arange expressions or ints")
+            if v.numel() and (int(v.min()) < 0 or int(v.max()) >= size):
+                fail(IndexError, f"index expression reaches {int(v.min())}..{int(v.max())}, out of bounds for axis "
+                                 f"{axis} of size {size} (tensor shape {src.shape}, {src.buffer!r})")
+            idx.append(v)
+        self.src, self.idx = src, tuple(torch.broadcast_tensors(*idx))
+        super().__init__(src.alloc, src.data[self.idx], None, 0)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self.src.data[self.idx]
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        pass
+
+    def write(self, value: torch.Tensor) -> None:
+        self.src.data.index_put_(self.idx, value.reshape(self.idx[0].shape))
+
+
+def refuse_masks(namespace: dict) -> None:
+    """Wrap the public functions of a module so that a legacy `mask=` argument raises instead of being ignored
+    (masks are not implemented: a kernel would compute outside its intended region)."""
+    import functools
+    import types
+
+    def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("mask") is not None:
+                fail(NotImplementedError, f"{fn.__name__}: mask= is not implemented here: slice the tiles to the "
+                                          "region instead")
+            return fn(*args, **kwargs)
+        return checked
+
+    for name, obj in list(namespace.items()):
+        if isinstance(obj, types.FunctionType) and not name.startswith("_") and obj.__module__ == namespace["__name__"]:
+            namespace[name] = wrap(obj)

@@ -1,0 +1,895 @@
+"""`nki.isa` (imported as `nisa`): the NeuronCore instructions, each checked against the hardware's rules,
+computed as the engine computes it (float32 inside, the result rounded to the destination's dtype), and placed
+on the kernel's per-engine timeline.
+
+Both forms of AWS's API are accepted: the current one, where the destination comes first (`dst=`), and the
+earlier one, where the instruction returns a new tile (`nisa.nc_matmul(stationary, moving)`)."""
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import core
+from .core import PMAX, PSUM, PSUM_FREE_MAX, SBUF, SBUF_FREE_MAX, NkiTensor, fail
+from .cost import engine_cycles, matmul_cycles, row_bytes
+from .ops import OPS, Op, as_op
+
+
+class engine(enum.Enum):  # noqa: N801 (AWS's name)
+    unknown = "unknown"
+    tensor = "tensor"
+    vector = "vector"
+    scalar = "scalar"
+    gpsimd = "gpsimd"
+    activation = "scalar"
+    sync = "sync"
+
+
+# the earlier names of the engines
+tensor_engine, vector_engine, scalar_engine, gpsimd_engine = engine.tensor, engine.vector, engine.scalar, engine.gpsimd
+unknown_engine = engine.unknown
+
+
+class reduce_cmd(enum.Enum):  # noqa: N801
+    idle = 0
+    reset = 1
+    reduce = 2
+    reset_reduce = 3
+
+
+class nc_version(enum.IntEnum):  # noqa: N801
+    gen2 = 2
+    gen3 = 3
+    gen4 = 4
+
+
+_VERSION = {"NeuronCore-v2": nc_version.gen2, "NeuronCore-v3": nc_version.gen3, "NeuronCore-v4": nc_version.gen4}
+
+
+def get_nc_version() -> nc_version:
+    return _VERSION[core.current_run().chip.core_version]
+
+
+# Which buffers each engine reads and writes (S12): TensorE reads SBUF and writes PSUM; Vector and Scalar read and
+# write both; GpSimd cannot reach PSUM; only DMA reaches HBM (and never PSUM).
+ACCESS = {
+    "tensor": ({"sbuf"}, {"psum"}),
+    "vector": ({"sbuf", "psum"}, {"sbuf", "psum"}),
+    "scalar": ({"sbuf", "psum"}, {"sbuf", "psum"}),
+    "gpsimd": ({"sbuf"}, {"sbuf"}),
+    "dma": ({"hbm", "shared_hbm", "private_hbm", "sbuf"}, {"hbm", "shared_hbm", "private_hbm", "sbuf"}),
+}
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+# --------------------------------------------------------------------------------------------- checks
+def _engine_name(e: Any, default: str) -> str:
+    if isinstance(e, engine):
+        e = e.value
+    return default if e in (None, "unknown") else e
+
+
+def _check_tile(t: NkiTensor, instr: str, role: str, free_max: int | None = None) -> None:
+    """An on-chip operand of a compute instruction: partition axis first, <= 128 partitions, aligned start."""
+    if t.pdim != 0:
+        fail(ValueError, f"{instr}: {role} still has {t.pdim} block axes before its partition axis: index them")
+    start, n = t.partitions
+    if n > PMAX:
+        fail(ValueError, f"{instr}: {role} spans {n} partitions, more than {PMAX}")
+    ok = start == 0 if n > 64 else (start in (0, 64) if n > 32 else start % 32 == 0)
+    if not ok:
+        fail(ValueError, f"{instr}: {role} covers partitions {start}..{start + n - 1}; an access of {n} partitions "
+                         "must start at partition 0 (more than 64), 0 or 64 (33-64), or a multiple of 32 (1-32)")
+    limit = free_max or (PSUM_FREE_MAX if t.buffer is PSUM else SBUF_FREE_MAX)
+    if t.free_size > limit:
+        fail(ValueError, f"{instr}: {role} has {t.free_size} elements per partition; an engine reads at most "
+                         f"{limit} from {t.buffer.name}")
+
+
+def _check_access(eng: str, instr: str, reads: list, writes: list) -> None:
+    can_read, can_write = ACCESS[eng]
+    for role, t, allowed, verb in [*((r, t, can_read, "read") for r, t in reads),
+                                   *((r, t, can_write, "write") for r, t in writes)]:
+        if not isinstance(t, NkiTensor):
+            fail(TypeError, f"{instr}: {role} must be a tile (an nl.ndarray or a slice of one), got {type(t).__name__}")
+        if t.buffer.name not in allowed:
+            fail(ValueError, f"{instr}: the {eng} engine cannot {verb} {t.buffer.name} ({role}); it can {verb} "
+                             f"{', '.join(sorted(allowed))}")
+        if eng != "dma" and t.buffer.on_chip:
+            _check_tile(t, instr, role)
+
+
+def _init_view(t: NkiTensor) -> np.ndarray | None:
+    init = t.alloc.init
+    if init is None:
+        return None
+    if isinstance(t, core.GatherTile):
+        return _init_view(t.src)[tuple(i.numpy() for i in t.idx)]  # a copy: for reading only
+    flat = init.reshape(-1)[t.data.storage_offset():]
+    return np.lib.stride_tricks.as_strided(flat, tuple(t.data.shape), tuple(t.data.stride()))
+
+
+def _check_initialised(instr: str, reads: list) -> None:
+    for role, t in reads:
+        v = _init_view(t)
+        if v is not None and not bool(v.all()):
+            fail(RuntimeError, f"{instr}: {role} reads {t.buffer.name} that no instruction wrote "
+                               f"({int((~v).sum())} of {v.size} elements uninitialised): on hardware this is "
+                               "whatever the memory held")
+        if t.buffer is PSUM:
+            t.alloc.mm_read = True
+
+
+def _mark_written(writes: list) -> None:
+    for _, t in writes:
+        if isinstance(t, core.GatherTile) and t.alloc.init is not None:
+            _init_view(t.src)[tuple(i.numpy() for i in t.idx)] = True
+            continue
+        v = _init_view(t)
+        if v is not None:
+            v[...] = True
+        if t.buffer is PSUM:
+            t.alloc.mm_read = False
+
+
+def _issue(instr: str, eng: str, cycles: float, reads: list, writes: list, flops: int = 0) -> core.Run:
+    run = core.current_run()
+    _check_access(eng, instr, reads, writes)
+    _check_initialised(instr, reads)
+    line = core._user_frame()[1]
+    run.timeline.compute(instr, eng, cycles, [t for _, t in reads], [t for _, t in writes], line, flops)
+    return run
+
+
+# --------------------------------------------------------------------------------------------- values
+def value(t: Any) -> torch.Tensor:
+    """An operand as the engines see it: float32 (integers stay integers for bit operations)."""
+    if isinstance(t, NkiTensor):
+        d = t.data
+        return d if not d.is_floating_point() and d.dtype != torch.bool else d.float()
+    return torch.tensor(t, dtype=torch.float32)
+
+
+def _rows(t: NkiTensor) -> torch.Tensor:
+    """A tile's values as [partitions, elements per partition]."""
+    return value(t).reshape(t.shape[0], -1)
+
+
+def _vector(x: Any, p: int, instr: str, role: str) -> Any:
+    """A scalar, or a [P, 1] tile broadcast along the free axis."""
+    if isinstance(x, NkiTensor):
+        if x.shape[0] != p or x.free_size != 1:
+            fail(ValueError, f"{instr}: {role} must be a scalar or a [{p}, 1] tile, got shape {x.shape}")
+        return value(x).reshape(p, 1)
+    return x
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype, stochastic: bool = False,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """float32 results into `dtype`: round to nearest even (the engines' default), or stochastically: up with
+    probability equal to the distance from the value below, in units of the gap between the two."""
+    if not dtype.is_floating_point or dtype == torch.float32:
+        if not dtype.is_floating_point and x.is_floating_point():
+            x = torch.round(x)
+        return x.to(dtype)
+    near = x.to(dtype)
+    if not stochastic:
+        return near
+    back = near.float()
+    ibits = {1: torch.int8, 2: torch.int16}[dtype.itemsize]
+    bits = near.view(ibits)
+    step = torch.where(back.abs() > x.abs(), -1, 1).to(ibits)
+    other = (bits + step).view(dtype).float()
+    gap = (other - back).abs()
+    p = torch.where(gap > 0, (x - back).abs() / gap, torch.zeros_like(gap))
+    u = torch.rand(x.shape, generator=generator)
+    pick = (u < p) & torch.isfinite(other) & (back != x)
+    return torch.where(pick, other, back).to(dtype)
+
+
+def _store(run: core.Run, dst: NkiTensor, v: torch.Tensor) -> None:
+    if not run.compute:
+        return
+    v = v.reshape(dst.shape) if v.numel() == dst.data.numel() else v.expand(dst.shape)
+    v = round_to(v, dst.dtype, run.stochastic_rounding, run.generator)
+    if isinstance(dst, core.GatherTile):
+        dst.write(v)
+    else:
+        dst.data.copy_(v)
+
+
+def _new(shape: tuple, dtype: Any, buffer: Any = SBUF) -> NkiTensor:
+    return core.allocate(shape, dtype, buffer)
+
+
+def _tiles(args: tuple) -> int:
+    return sum(isinstance(a, NkiTensor) for a in args)
+
+
+# --------------------------------------------------------------------------------------------- TensorE
+def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | None = None,
+              moving: NkiTensor | None = None, is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
+              is_transpose: bool = False, accumulate: bool | None = None, **_: Any) -> NkiTensor | None:
+    """dst[M, N] (PSUM, float32) = stationary[K, M].T @ moving[K, N] on the Tensor engine; K <= 128 partitions,
+    M <= 128, N <= 512 (one PSUM bank). Into an initialised PSUM tile not read since the last matmul the product
+    accumulates (accumulate=None), as consecutive matmuls into one bank do."""
+    legacy = dst is None and len(args) < 3
+    if legacy:
+        stationary, moving = (list(args) + [stationary, moving])[:2] if args else (stationary, moving)
+    else:
+        names = ["dst", "stationary", "moving"]
+        given = dict(zip(names, args, strict=False))
+        dst, stationary = given.get("dst", dst), given.get("stationary", stationary)
+        moving = given.get("moving", moving)
+    run = core.current_run()
+    for role, t in (("stationary", stationary), ("moving", moving)):
+        if not isinstance(t, NkiTensor):
+            fail(TypeError, f"nc_matmul: {role} must be a tile")
+        if t.dtype not in MATMUL_DTYPES:
+            fail(TypeError, f"nc_matmul: {role} has dtype {t.dtype}; the Tensor engine multiplies float8/bfloat16/"
+                            "float16/float32")
+    k, m = stationary.shape[0], stationary.free_size
+    k2, n = moving.shape[0], moving.free_size
+    if k != k2:
+        fail(ValueError, f"nc_matmul: stationary and moving must share the partition (contraction) size, got "
+                         f"{k} and {k2}")
+    if m > 128:
+        fail(ValueError, f"nc_matmul: stationary free size {m} exceeds 128 (nl.tile_size.gemm_stationary_fmax)")
+    if n > 512:
+        fail(ValueError, f"nc_matmul: moving free size {n} exceeds 512 (nl.tile_size.gemm_moving_fmax)")
+    if legacy:
+        dst = _new((m, n), torch.float32, PSUM)
+        dst.alloc.matmul_result = True
+    if dst.shape[0] != m or dst.free_size != n:
+        fail(ValueError, f"nc_matmul: dst must be [{m}, {n}] (stationary free x moving free), got {dst.shape}")
+    if dst.dtype not in (torch.float32, torch.bfloat16):
+        fail(TypeError, f"nc_matmul: a PSUM result is float32 (or bfloat16), got {dst.dtype}")
+    init = _init_view(dst)
+    acc = accumulate if accumulate is not None else (init is not None and bool(init.all())
+                                                      and not dst.alloc.mm_read)
+    reads = [("stationary", stationary), ("moving", moving)] + ([("dst", dst)] if acc and accumulate else [])
+    fp32 = torch.float32 in (stationary.dtype, moving.dtype) and not (is_stationary_onezero or is_moving_onezero)
+    _issue("nc_matmul", "tensor", matmul_cycles(run.chip, n, fp32), reads, [("dst", dst)], flops=2 * k * m * n)
+    if run.compute:
+        prod = _rows(stationary).T @ _rows(moving)
+        if is_transpose:
+            prod = _rows(stationary).T
+        if acc:
+            prod = prod + value(dst).reshape(m, n)
+        _store(run, dst, prod)
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def accumulate_psum(dst: NkiTensor, src: NkiTensor) -> None:
+    """`psum += nisa.nc_matmul(...)` (legacy form): the product lands in dst, accumulating (no extra instruction)."""
+    run = core.current_run()
+    init = _init_view(dst)
+    if run.compute:
+        v = value(src).reshape(dst.shape)
+        if init is not None and bool(init.all()) and not dst.alloc.mm_read:
+            v = v + value(dst)
+        _store(run, dst, v)
+    _mark_written([("dst", dst)])
+
+
+def nc_transpose(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, engine: Any = None,
+                 **_: Any) -> NkiTensor | None:
+    """dst[F, P] = data[P, F]: on the Tensor engine (a matmul against the identity, SBUF -> PSUM, P and F <= 128)
+    or the Vector engine (at most 32 x 32)."""
+    legacy = dst is None and _tiles(args) < 2
+    if legacy:
+        data = args[0] if args else data
+    else:
+        dst, data = (list(args) + [dst, data])[:2] if len(args) >= 2 else (args[0] if args else dst, data)
+    run = core.current_run()
+    p, f = data.shape[0], data.free_size
+    eng = _engine_name(engine, "tensor")
+    if eng == "tensor" and f > 128:
+        fail(ValueError, f"nc_transpose: the Tensor engine transposes at most 128 x 128, got [{p}, {f}]")
+    if eng == "vector" and (p > 32 or f > 32):
+        fail(ValueError, f"nc_transpose: the Vector engine transposes at most 32 x 32, got [{p}, {f}]")
+    if legacy:
+        dst = _new((f, p), data.dtype if eng == "vector" else torch.float32, PSUM if eng == "tensor" else SBUF)
+    if dst.shape[0] != f or dst.free_size != p:
+        fail(ValueError, f"nc_transpose: dst must be [{f}, {p}], got {dst.shape}")
+    cycles = matmul_cycles(run.chip, p, data.dtype == torch.float32) if eng == "tensor" else \
+        engine_cycles(run.chip, eng, p, data.dtype.itemsize)
+    _issue("nc_transpose", eng, cycles, [("data", data)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, _rows(data).T)
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+# --------------------------------------------------------------------------------------------- Scalar engine
+def _act_fn(op: Any, instr: str) -> Op:
+    op = as_op(op)
+    if getattr(op, "__name__", "") == "copy":  # nl.copy, the function, names the identity activation too
+        return OPS["copy"]
+    if isinstance(op, Op) and (op.kind == "act" or op.name in ("exp", "copy")):
+        return op
+    fail(ValueError, f"{instr}: op must be an activation function (nl.exp, nl.tanh, nl.gelu, nl.copy, ...), "
+                     f"got {op!r}")
+
+
+def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: NkiTensor | None = None,
+               bias: Any = None, scale: Any = 1.0, reduce_op: Any = None, reduce_res: NkiTensor | None = None,
+               reduce_cmd: reduce_cmd = reduce_cmd.idle, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst = op(data * scale + bias) on the Scalar engine; scale a scalar or a [P, 1] tile, bias a [P, 1] tile.
+    With reduce_res (reduce_op nl.add) the free-axis sum of the result is also written ([P, 1])."""
+    legacy = dst is None and (not args or isinstance(args[0], Op))
+    if legacy:
+        op, data = (list(args) + [op, data])[:2] if len(args) >= 2 else (args[0] if args else op, data)
+    else:
+        names = ["dst", "op", "data", "bias", "scale"]
+        given = dict(zip(names, args, strict=False))
+        dst, op, data = given.get("dst", dst), given.get("op", op), given.get("data", data)
+        bias, scale = given.get("bias", bias), given.get("scale", scale)
+    fn = _act_fn(op, "activation")
+    run = core.current_run()
+    if legacy:
+        dst = _new(data.shape, dtype or data.dtype)
+    p = data.shape[0]
+    if dst.shape[0] != p or dst.free_size != data.free_size:
+        fail(ValueError, f"activation: dst {dst.shape} and data {data.shape} must have the same partition and free "
+                         "sizes")
+    reads = [("data", data)] + [(r, t) for r, t in (("bias", bias), ("scale", scale)) if isinstance(t, NkiTensor)]
+    writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
+    if reduce_op is not None and getattr(reduce_op, "name", None) not in ("add", "sum"):
+        fail(ValueError, "activation: the Scalar engine's reduction registers only sum (reduce_op=nl.add)")
+    cycles = engine_cycles(run.chip, "scalar", data.free_size, data.dtype.itemsize)
+    cycles += run.chip.mm_min_cycles if reduce_res is not None else 0
+    _issue(f"activation({fn.name})", "scalar", cycles, reads, writes)
+    if run.compute:
+        x = _rows(data) * _vector(scale, p, "activation", "scale")
+        if bias is not None:
+            x = x + _vector(bias, p, "activation", "bias")
+        y = fn.fn(x)
+        _store(run, dst, y)
+        cmd = reduce_cmd
+        if reduce_res is not None and cmd == type(cmd).idle:
+            cmd = type(cmd).reset_reduce  # reduce_res alone: this instruction's sum (activation_reduce)
+        if cmd != type(cmd).idle:
+            regs = run.act_regs
+            if regs is None or cmd in (type(cmd).reset, type(cmd).reset_reduce):
+                regs = torch.zeros(p, 1)
+            if cmd != type(cmd).reset:
+                regs = regs + value(dst).reshape(p, -1).sum(1, keepdim=True)
+            run.act_regs = regs
+            if reduce_res is not None:
+                _store(run, reduce_res, regs)
+    _mark_written(writes)
+    return dst if legacy else None
+
+
+def activation_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: NkiTensor | None = None,
+                      reduce_op: Any = None, reduce_res: NkiTensor | None = None, bias: Any = None,
+                      scale: Any = 1.0, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """activation with the free-axis sum of its result written to reduce_res."""
+    return activation(*args, dst=dst, op=op, data=data, bias=bias, scale=scale, reduce_op=reduce_op,
+                      reduce_res=reduce_res, reduce_cmd=reduce_cmd.reset_reduce, dtype=dtype)
+
+
+# --------------------------------------------------------------------------------------------- Vector engine
+def _arith(op: Any, instr: str) -> Op:
+    op = as_op(op)
+    if not isinstance(op, Op) or op.kind == "act":
+        fail(ValueError, f"{instr}: op must be a binary operator (nl.add, nl.multiply, nl.maximum, ...), got {op!r}")
+    return op
+
+
+def _same_shape(dst: NkiTensor, data: NkiTensor, instr: str) -> None:
+    if dst.shape[0] != data.shape[0] or dst.free_size != data.free_size:
+        fail(ValueError, f"{instr}: dst {dst.shape} and input {data.shape} must have the same partition size and "
+                         "elements per partition")
+
+
+def tensor_tensor(*args: Any, dst: NkiTensor | None = None, data1: NkiTensor | None = None,
+                  data2: NkiTensor | None = None, op: Any = None, engine: Any = None, dtype: Any = None,
+                  **_: Any) -> NkiTensor | None:
+    """dst = data1 <op> data2, elementwise, on the Vector engine (GpSimd for nl.power); the inputs may not both be
+    in PSUM."""
+    legacy = dst is None and _tiles(args) < 3
+    names = ["data1", "data2", "op"] if legacy else ["dst", "data1", "data2", "op"]
+    given = dict(zip(names, args, strict=False))
+    dst, data1, data2, op = given.get("dst", dst), given.get("data1", data1), given.get("data2", data2), \
+        given.get("op", op)
+    op = _arith(op, "tensor_tensor")
+    run = core.current_run()
+    eng = _engine_name(engine, "gpsimd" if op.name == "power" else "vector")
+    if legacy:
+        dst = _new(data1.shape, dtype or _wider(data1.dtype, data2.dtype))
+    if data1.buffer is PSUM and data2.buffer is PSUM:
+        fail(ValueError, "tensor_tensor: data1 and data2 cannot both be in PSUM (one engine read port reaches PSUM)")
+    _same_shape(dst, data1, "tensor_tensor")
+    _same_shape(dst, data2, "tensor_tensor")
+    cycles = engine_cycles(run.chip, eng, data1.free_size, data1.dtype.itemsize, inputs=2)
+    _issue(f"tensor_tensor({op.name})", eng, cycles, [("data1", data1), ("data2", data2)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, op.fn(_rows(data1), _rows(data2)))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def _wider(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return a if a.itemsize >= b.itemsize else b
+
+
+def _binary(op: Op, x: torch.Tensor, y: Any, reverse: bool) -> torch.Tensor:
+    if not isinstance(y, torch.Tensor):
+        y = torch.tensor(y, dtype=x.dtype if op.kind == "bitvec" else torch.float32)
+    return op.fn(y, x) if reverse else op.fn(x, y)
+
+
+def tensor_scalar(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, op0: Any = None,
+                  operand0: Any = None, reverse0: bool = False, op1: Any = None, operand1: Any = None,
+                  reverse1: bool = False, engine: Any = None, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst = (data <op0> operand0) <op1> operand1, operands scalars or [P, 1] tiles broadcast along the free axis;
+    Vector engine by default (Scalar or GpSimd when asked)."""
+    legacy = dst is None and (len(args) < 2 or not isinstance(args[1], NkiTensor))
+    names = ["data", "op0", "operand0", "reverse0", "op1", "operand1", "reverse1"]
+    if not legacy:
+        names = ["dst", *names]
+    given = dict(zip(names, args, strict=False))
+    dst, data = given.get("dst", dst), given.get("data", data)
+    op0, operand0, reverse0 = given.get("op0", op0), given.get("operand0", operand0), given.get("reverse0", reverse0)
+    op1, operand1, reverse1 = given.get("op1", op1), given.get("operand1", operand1), given.get("reverse1", reverse1)
+    run = core.current_run()
+    eng = _engine_name(engine, "vector")
+    if legacy:
+        dst = _new(data.shape, dtype or data.dtype)
+    _same_shape(dst, data, "tensor_scalar")
+    p = data.shape[0]
+    ops = [(_arith(op0, "tensor_scalar"), operand0, reverse0)]
+    if op1 is not None:
+        ops.append((_arith(op1, "tensor_scalar"), operand1, reverse1))
+    reads = [("data", data)] + [(f"operand{i}", o) for i, (_, o, _) in enumerate(ops) if isinstance(o, NkiTensor)]
+    cycles = engine_cycles(run.chip, eng, data.free_size, data.dtype.itemsize)
+    _issue("tensor_scalar", eng, cycles, reads, [("dst", dst)])
+    if run.compute:
+        x = _rows(data)
+        for i, (op, operand, rev) in enumerate(ops):
+            x = _binary(op, x, _vector(operand, p, "tensor_scalar", f"operand{i}"), rev)
+        _store(run, dst, x)
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def scalar_tensor_tensor(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, op0: Any = None,
+                         operand0: Any = None, op1: Any = None, operand1: NkiTensor | None = None,
+                         reverse0: bool = False, reverse1: bool = False, dtype: Any = None,
+                         **_: Any) -> NkiTensor | None:
+    """dst = (data <op0> operand0) <op1> operand1 on the Vector engine: operand0 a scalar or [P, 1] tile,
+    operand1 a tile shaped like data."""
+    names = ["dst", "data", "op0", "operand0", "op1", "operand1", "reverse0", "reverse1"]
+    given = dict(zip(names, args, strict=False))
+    dst, data = given.get("dst", dst), given.get("data", data)
+    op0, operand0, op1, operand1 = (given.get(k, v) for k, v in
+                                    (("op0", op0), ("operand0", operand0), ("op1", op1), ("operand1", operand1)))
+    reverse0, reverse1 = given.get("reverse0", reverse0), given.get("reverse1", reverse1)
+    legacy = dst is None
+    run = core.current_run()
+    if legacy:
+        dst = _new(data.shape, dtype or data.dtype)
+    _same_shape(dst, data, "scalar_tensor_tensor")
+    _same_shape(operand1, data, "scalar_tensor_tensor")
+    if data.buffer is PSUM and operand1.buffer is PSUM:
+        fail(ValueError, "scalar_tensor_tensor: data and operand1 cannot both be in PSUM")
+    reads = [("data", data), ("operand1", operand1)] + ([("operand0", operand0)]
+                                                         if isinstance(operand0, NkiTensor) else [])
+    cycles = engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize, inputs=2)
+    _issue("scalar_tensor_tensor", "vector", cycles, reads, [("dst", dst)])
+    if run.compute:
+        x = _binary(_arith(op0, "scalar_tensor_tensor"), _rows(data),
+                    _vector(operand0, data.shape[0], "scalar_tensor_tensor", "operand0"), reverse0)
+        x = _binary(_arith(op1, "scalar_tensor_tensor"), x, _rows(operand1), reverse1)
+        _store(run, dst, x)
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def tensor_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: NkiTensor | None = None,
+                  axis: Any = None, negate: bool = False, keepdims: bool = False, dtype: Any = None,
+                  **_: Any) -> NkiTensor | None:
+    """dst = op-reduction of data over free axes (never the partition axis 0) on the Vector engine."""
+    legacy = dst is None and (not args or isinstance(args[0], Op))
+    names = ["op", "data", "axis", "negate", "keepdims"] if legacy else ["dst", "op", "data", "axis", "negate",
+                                                                          "keepdims"]
+    given = dict(zip(names, args, strict=False))
+    dst, op, data, axis = given.get("dst", dst), given.get("op", op), given.get("data", data), given.get("axis", axis)
+    negate, keepdims = given.get("negate", negate), given.get("keepdims", keepdims)
+    op = as_op(op)
+    if not isinstance(op, Op) or op.reduce is None:
+        fail(ValueError, f"tensor_reduce: op must reduce (nl.add, nl.max, nl.min, nl.multiply), got {op!r}")
+    axes = tuple(sorted({a % data.ndim for a in ((axis,) if isinstance(axis, int) else tuple(axis))}))
+    if 0 in axes:
+        fail(ValueError, "tensor_reduce reduces free axes only; reduce across partitions with a matmul or "
+                         "nc_transpose first")
+    run = core.current_run()
+    shape = tuple(1 if i in axes else s for i, s in enumerate(data.shape)) if keepdims else \
+        tuple(s for i, s in enumerate(data.shape) if i not in axes)
+    if legacy:
+        dst = _new(shape if len(shape) > 1 else (shape[0], 1), dtype or data.dtype)
+    if dst.shape[0] != data.shape[0] or dst.data.numel() != math.prod(shape):
+        fail(ValueError, f"tensor_reduce: dst must hold {shape}, got {dst.shape}")
+    cycles = engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize)
+    _issue(f"tensor_reduce({op.name})", "vector", cycles, [("data", data)], [("dst", dst)])
+    if run.compute:
+        r = op.reduce(value(data), axes)
+        _store(run, dst, -r if negate else r)
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def tensor_copy(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None, engine: Any = None,
+                dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst = src (cast to dst's dtype) on the Vector engine (or Scalar/GpSimd when asked): PSUM -> SBUF
+    evacuation, casts, copies between tiles."""
+    legacy = dst is None and _tiles(args) < 2
+    if legacy:
+        src = args[0] if args else src
+    else:
+        dst, src = (list(args) + [dst, src])[:2] if len(args) >= 2 else (args[0] if args else dst, src)
+    run = core.current_run()
+    eng = _engine_name(engine, "vector")
+    if legacy:
+        dst = _new(src.shape, dtype or src.dtype)
+    _same_shape(dst, src, "tensor_copy")
+    _issue("tensor_copy", eng, engine_cycles(run.chip, eng, src.free_size, src.dtype.itemsize),
+           [("src", src)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, value(src))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def reciprocal(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, dtype: Any = None,
+               **_: Any) -> NkiTensor | None:
+    """dst = 1 / data on the Vector engine."""
+    legacy = dst is None and _tiles(args) < 2
+    if legacy:
+        data = args[0] if args else data
+    else:
+        dst, data = (list(args) + [dst, data])[:2] if len(args) >= 2 else (args[0] if args else dst, data)
+    run = core.current_run()
+    if legacy:
+        dst = _new(data.shape, dtype or data.dtype)
+    _same_shape(dst, data, "reciprocal")
+    _issue("reciprocal", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize),
+           [("data", data)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, 1.0 / value(data))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def memset(*args: Any, dst: NkiTensor | None = None, value: Any = None, engine: Any = None, dtype: Any = None,
+           shape: Any = None, **_: Any) -> NkiTensor | None:
+    """Fill dst with a constant (Vector engine)."""
+    legacy = dst is None and (not args or not isinstance(args[0], NkiTensor))
+    if legacy:
+        shape, value, dtype = (list(args) + [shape, value, dtype])[:3] if len(args) >= 3 else \
+            (*(list(args) + [shape, value][len(args):]), dtype)
+    elif args:
+        dst = args[0]
+        value = args[1] if len(args) > 1 else value
+    run = core.current_run()
+    eng = _engine_name(engine, "vector")
+    if legacy:
+        dst = _new(tuple(shape), dtype)
+    _issue("memset", eng, engine_cycles(run.chip, eng, dst.free_size, dst.dtype.itemsize), [], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, torch.tensor(float(value)))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+# --------------------------------------------------------------------------------------------- GpSimd engine
+def _affine(shape: tuple, pattern: list, offset: int, channel_multiplier: int, instr: str) -> torch.Tensor:
+    p = shape[0]
+    free = math.prod(shape[1:]) if len(shape) > 1 else 1
+    pattern = [list(x) for x in pattern]
+    if math.prod(n for _, n in pattern) != free:
+        fail(ValueError, f"{instr}: pattern {pattern} generates {math.prod(n for _, n in pattern)} elements per "
+                         f"partition, dst has {free}")
+    vals = torch.zeros([n for _, n in pattern], dtype=torch.int64)
+    for i, (step, n) in enumerate(pattern):
+        shape_i = [1] * len(pattern)
+        shape_i[i] = n
+        vals = vals + (torch.arange(n) * step).reshape(shape_i)
+    chan = torch.arange(p).reshape(p, 1) * channel_multiplier
+    return (offset + chan + vals.reshape(1, -1)).float()
+
+
+def iota(*args: Any, dst: NkiTensor | None = None, pattern: Any = None, offset: int = 0,
+         channel_multiplier: int = 0, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst[c, i...] = offset + c * channel_multiplier + sum(step_k * i_k) on the GpSimd engine (into SBUF).
+    Legacy form: iota(nl.arange expression, dtype) returns its values as a tile."""
+    if args and isinstance(args[0], core.IndexExpr):
+        expr = args[0]
+        dt = args[1] if len(args) > 1 else dtype
+        v = expr.values
+        v = v.reshape(v.shape[0], -1) if v.dim() > 1 else v.reshape(1, -1)
+        dst = _new(tuple(v.shape), dt)
+        run = core.current_run()
+        _issue("iota", "gpsimd", engine_cycles(run.chip, "gpsimd", dst.free_size, 4), [], [("dst", dst)])
+        if run.compute:
+            _store(run, dst, v.float())
+        _mark_written([("dst", dst)])
+        return dst
+    names = ["dst", "pattern", "offset", "channel_multiplier"]
+    given = dict(zip(names, args, strict=False))
+    dst, pattern = given.get("dst", dst), given.get("pattern", pattern)
+    offset, channel_multiplier = given.get("offset", offset), given.get("channel_multiplier", channel_multiplier)
+    run = core.current_run()
+    vals = _affine(dst.shape, pattern, offset, channel_multiplier, "iota")
+    _issue("iota", "gpsimd", engine_cycles(run.chip, "gpsimd", dst.free_size, 4), [], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, vals)
+    _mark_written([("dst", dst)])
+    return None
+
+
+def affine_select(*args: Any, dst: NkiTensor | None = None, pattern: Any = None, offset: int = 0,
+                  channel_multiplier: int = 0, on_true_tile: NkiTensor | None = None, on_false_value: float = 0.0,
+                  cmp_op: Any = None, pred: Any = None, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst = on_true_tile where cmp_op(offset + c * channel_multiplier + pattern . i, 0) else on_false_value, on
+    the GpSimd engine (the causal mask of attention). Legacy form: affine_select(pred, on_true_tile,
+    on_false_value), pred an nl.arange comparison."""
+    run = core.current_run()
+    if args and isinstance(args[0], core.IndexExpr) or isinstance(pred, core.IndexExpr):
+        pred, on_true_tile, on_false_value = (list(args) + [None, None, 0.0])[:3] if args else \
+            (pred, on_true_tile, on_false_value)
+        dst = _new(on_true_tile.shape, dtype or on_true_tile.dtype)
+        mask = pred.values.expand(on_true_tile.shape[0], -1).reshape(on_true_tile.shape[0], -1).bool()
+        legacy = True
+    else:
+        names = ["dst", "pattern", "offset", "channel_multiplier", "on_true_tile", "on_false_value", "cmp_op"]
+        given = dict(zip(names, args, strict=False))
+        dst, pattern = given.get("dst", dst), given.get("pattern", pattern)
+        offset, channel_multiplier = given.get("offset", offset), given.get("channel_multiplier", channel_multiplier)
+        on_true_tile, on_false_value = given.get("on_true_tile", on_true_tile), given.get("on_false_value",
+                                                                                          on_false_value)
+        cmp = given.get("cmp_op", cmp_op) or OPS["equal"]
+        mask = cmp.fn(_affine(dst.shape, pattern, offset, channel_multiplier, "affine_select"),
+                      torch.tensor(0.0)).bool()
+        legacy = False
+    _same_shape(dst, on_true_tile, "affine_select")
+    _issue("affine_select", "gpsimd", engine_cycles(run.chip, "gpsimd", dst.free_size, dst.dtype.itemsize),
+           [("on_true_tile", on_true_tile)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, torch.where(mask, _rows(on_true_tile), torch.tensor(float(on_false_value))))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def select(*args: Any, dst: NkiTensor | None = None, predicate: NkiTensor | None = None,
+           on_true: NkiTensor | None = None, on_false: Any = None, **_: Any) -> NkiTensor | None:
+    """dst = on_true where predicate != 0 else on_false (a tile, a [P, 1] tile or a scalar), Vector engine."""
+    names = ["dst", "predicate", "on_true", "on_false"]
+    given = dict(zip(names, args, strict=False))
+    dst, predicate = given.get("dst", dst), given.get("predicate", predicate)
+    on_true, on_false = given.get("on_true", on_true), given.get("on_false", on_false)
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new(on_true.shape, on_true.dtype)
+    _same_shape(dst, on_true, "select")
+    _same_shape(dst, predicate, "select")
+    reads = [("predicate", predicate), ("on_true", on_true)]
+    if isinstance(on_false, NkiTensor):
+        reads.append(("on_false", on_false))
+    _issue("select", "vector", engine_cycles(run.chip, "vector", dst.free_size, dst.dtype.itemsize, inputs=2),
+           reads, [("dst", dst)])
+    if run.compute:
+        p = dst.shape[0]
+        f = _rows(on_false) if isinstance(on_false, NkiTensor) and on_false.free_size == dst.free_size else \
+            _vector(on_false, p, "select", "on_false")
+        f = f if isinstance(f, torch.Tensor) else torch.tensor(float(f))
+        _store(run, dst, torch.where(_rows(predicate) != 0, _rows(on_true), f))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+# --------------------------------------------------------------------------------------------- DMA
+def dma_copy(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None, dst_rmw_op: Any = None,
+             **_: Any) -> None:
+    """dst = src (or dst <dst_rmw_op> src) by a DMA engine: HBM <-> SBUF, HBM <-> HBM, SBUF <-> SBUF; never PSUM.
+    The element counts must match; a dtype change is cast as the DMA's data path does."""
+    dst, src = (list(args) + [dst, src])[:2] if len(args) >= 2 else (args[0] if args else dst, src)
+    _dma("dma_copy", dst, src, dst_rmw_op)
+
+
+def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, transpose: bool = False) -> None:
+    run = core.current_run()
+    _check_access("dma", instr, [("src", src)], [("dst", dst)])
+    if dst.data.numel() != src.data.numel():
+        fail(ValueError, f"{instr}: dst {dst.shape} and src {src.shape} hold different element counts")
+    if src.buffer.on_chip or dst.buffer.on_chip:
+        for role, t in (("src", src), ("dst", dst)):
+            if t.buffer.on_chip and t.pdim != 0:
+                fail(ValueError, f"{instr}: {role} still has block axes before its partition axis: index them")
+    _check_initialised(instr, [("src", src)])
+    reads = [src] + ([dst] if rmw is not None else [])
+    line = core._user_frame()[1]
+    nbytes = src.data.numel() * src.dtype.itemsize
+    eff = 1.0
+    if transpose:
+        eff = 0.9 if src.buffer.is_hbm else 0.5  # DMA transpose: ~90% of DMA throughput from HBM, ~50% SBUF->SBUF
+    run.timeline.dma(instr, nbytes, min(row_bytes(src), row_bytes(dst)), reads, [dst], line, eff)
+    if run.compute:
+        v = value(src)
+        if transpose:
+            v = v.reshape(src.shape[0], -1).T
+        v = v.reshape(dst.shape)
+        if rmw is not None:
+            v = _binary(rmw, value(dst), v, False)
+        _store(run, dst, v)
+    _mark_written([("dst", dst)])
+
+
+def dma_transpose(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None, axes: Any = None,
+                  **_: Any) -> NkiTensor | None:
+    """dst[F, P] = src[P, F] by the DMA engine (a 2-D transpose while moving)."""
+    legacy = dst is None and _tiles(args) < 2
+    if legacy:
+        src = args[0] if args else src
+        dst = _new((src.free_size, src.shape[0]), src.dtype)
+    else:
+        dst, src = (list(args) + [dst, src])[:2] if len(args) >= 2 else (args[0] if args else dst, src)
+    if dst.shape[0] != src.free_size or dst.free_size != src.shape[0]:
+        fail(ValueError, f"dma_transpose: dst must be [{src.free_size}, {src.shape[0]}], got {dst.shape}")
+    _dma("dma_transpose", dst, src, transpose=True)
+    return dst if legacy else None
+
+
+def tensor_scalar_reduce(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, op0: Any = None,
+                         operand0: Any = None, reduce_op: Any = None, reduce_res: NkiTensor | None = None,
+                         reverse0: bool = False, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst = data <op0> operand0, and reduce_res[P, 1] = reduce_op over dst's free axes (Vector engine)."""
+    names = ["dst", "data", "op0", "operand0", "reduce_op", "reduce_res", "reverse0"]
+    given = dict(zip(names, args, strict=False))
+    dst, data, op0, operand0 = (given.get(k, v) for k, v in
+                                (("dst", dst), ("data", data), ("op0", op0), ("operand0", operand0)))
+    reduce_op, reduce_res = given.get("reduce_op", reduce_op), given.get("reduce_res", reduce_res)
+    reverse0 = given.get("reverse0", reverse0)
+    legacy = dst is None
+    run = core.current_run()
+    if legacy:
+        dst = _new(data.shape, dtype or data.dtype)
+    _same_shape(dst, data, "tensor_scalar_reduce")
+    if not isinstance(reduce_op, Op) or reduce_op.reduce is None:
+        fail(ValueError, f"tensor_scalar_reduce: reduce_op must reduce (nl.add, nl.max, ...), got {reduce_op!r}")
+    p = data.shape[0]
+    reads = [("data", data)] + ([("operand0", operand0)] if isinstance(operand0, NkiTensor) else [])
+    cycles = engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize) + run.chip.mm_min_cycles
+    _issue("tensor_scalar_reduce", "vector", cycles, reads, [("dst", dst), ("reduce_res", reduce_res)])
+    if run.compute:
+        x = _binary(_arith(op0, "tensor_scalar_reduce"), _rows(data),
+                    _vector(operand0, p, "tensor_scalar_reduce", "operand0"), reverse0)
+        _store(run, dst, x)
+        _store(run, reduce_res, reduce_op.reduce(value(dst).reshape(p, -1), (1,)).reshape(p, 1))
+    _mark_written([("dst", dst), ("reduce_res", reduce_res)])
+    return dst if legacy else None
+
+
+def bn_stats(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, dtype: Any = None,
+             **_: Any) -> NkiTensor | None:
+    """Per-partition statistics of data[P, F] (F <= 512) for bn_aggr, on the Vector engine: dst[P, 6] holds
+    (count, mean, count * variance) and three zeros (this model's layout of AWS's opaque 6-value record)."""
+    legacy = dst is None and _tiles(args) < 2
+    if legacy:
+        data = args[0] if args else data
+    else:
+        dst, data = (list(args) + [dst, data])[:2] if len(args) >= 2 else (args[0] if args else dst, data)
+    run = core.current_run()
+    if data.free_size > 512:
+        fail(ValueError, f"bn_stats: at most 512 elements per partition (nl.tile_size.bn_stats_fmax), got "
+                         f"{data.free_size}")
+    if legacy:
+        dst = _new((data.shape[0], 6), dtype or torch.float32)
+    if dst.shape[0] != data.shape[0] or dst.free_size != 6:
+        fail(ValueError, f"bn_stats: dst must be [{data.shape[0]}, 6], got {dst.shape}")
+    _issue("bn_stats", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize),
+           [("data", data)], [("dst", dst)])
+    if run.compute:
+        x = _rows(data)
+        n = torch.full((x.shape[0], 1), float(x.shape[1]))
+        mean = x.mean(1, keepdim=True)
+        m2 = ((x - mean) ** 2).sum(1, keepdim=True)
+        _store(run, dst, torch.cat([n, mean, m2, torch.zeros(x.shape[0], 3)], 1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def bn_aggr(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, dtype: Any = None,
+            **_: Any) -> NkiTensor | None:
+    """Merge bn_stats records data[P, 6k] into dst[P, 2] = (mean, variance) per partition (Vector engine)."""
+    legacy = dst is None and _tiles(args) < 2
+    if legacy:
+        data = args[0] if args else data
+    else:
+        dst, data = (list(args) + [dst, data])[:2] if len(args) >= 2 else (args[0] if args else dst, data)
+    run = core.current_run()
+    if data.free_size % 6:
+        fail(ValueError, f"bn_aggr: data must hold whole 6-value bn_stats records, got {data.free_size} per partition")
+    if legacy:
+        dst = _new((data.shape[0], 2), dtype or torch.float32)
+    if dst.shape[0] != data.shape[0] or dst.free_size != 2:
+        fail(ValueError, f"bn_aggr: dst must be [{data.shape[0]}, 2], got {dst.shape}")
+    _issue("bn_aggr", "vector", engine_cycles(run.chip, "vector", data.free_size, 4), [("data", data)],
+           [("dst", dst)])
+    if run.compute:
+        rec = _rows(data).reshape(data.shape[0], -1, 6)
+        n, mean, m2 = rec[..., 0], rec[..., 1], rec[..., 2]
+        total = n.sum(1, keepdim=True)
+        mu = (n * mean).sum(1, keepdim=True) / total
+        var = (m2.sum(1, keepdim=True) + (n * (mean - mu) ** 2).sum(1, keepdim=True)) / total
+        _store(run, dst, torch.cat([mu, var], 1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def tensor_partition_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None,
+                            data: NkiTensor | None = None, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst[1, F] = op-reduction of data[P, F] across its partitions, on the GpSimd engine."""
+    legacy = dst is None and (not args or isinstance(args[0], Op))
+    names = ["op", "data"] if legacy else ["dst", "op", "data"]
+    given = dict(zip(names, args, strict=False))
+    dst, op, data = given.get("dst", dst), given.get("op", op), given.get("data", data)
+    if not isinstance(op, Op) or op.reduce is None:
+        fail(ValueError, f"tensor_partition_reduce: op must reduce (nl.add, nl.max, ...), got {op!r}")
+    run = core.current_run()
+    if legacy:
+        dst = _new((1, *data.shape[1:]), dtype or data.dtype)
+    if dst.shape[0] != 1 or dst.free_size != data.free_size:
+        fail(ValueError, f"tensor_partition_reduce: dst must be [1, {data.free_size}], got {dst.shape}")
+    _issue(f"tensor_partition_reduce({op.name})", "gpsimd",
+           engine_cycles(run.chip, "gpsimd", data.free_size, data.dtype.itemsize) * max(1, data.shape[0] // 16),
+           [("data", data)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, op.reduce(_rows(data), (0,)).reshape(1, -1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def tensor_tensor_scan(*args: Any, dst: NkiTensor | None = None, data0: NkiTensor | None = None,
+                       data1: NkiTensor | None = None, initial: Any = 0.0, op0: Any = None, op1: Any = None,
+                       reverse0: bool = False, reverse1: bool = False, dtype: Any = None,
+                       **_: Any) -> NkiTensor | None:
+    """A scan along the free axis on the Vector engine: r[i] = (data0[i] <op0> r[i-1]) <op1> data1[i], r[-1] =
+    initial (a scalar or a [P, 1] tile)."""
+    legacy = dst is None and _tiles(args[:3]) < 3
+    names = ["data0", "data1", "initial", "op0", "op1"] if legacy else ["dst", "data0", "data1", "initial", "op0",
+                                                                        "op1"]
+    given = dict(zip(names, args, strict=False))
+    dst, data0, data1 = given.get("dst", dst), given.get("data0", data0), given.get("data1", data1)
+    initial, op0, op1 = given.get("initial", initial), given.get("op0", op0), given.get("op1", op1)
+    op0, op1 = _arith(op0, "tensor_tensor_scan"), _arith(op1, "tensor_tensor_scan")
+    run = core.current_run()
+    if legacy:
+        dst = _new(data0.shape, dtype or data0.dtype)
+    _same_shape(dst, data0, "tensor_tensor_scan")
+    _same_shape(dst, data1, "tensor_tensor_scan")
+    reads = [("data0", data0), ("data1", data1)] + ([("initial", initial)] if isinstance(initial, NkiTensor) else [])
+    _issue("tensor_tensor_scan", "vector",
+           engine_cycles(run.chip, "vector", data0.free_size, data0.dtype.itemsize, inputs=2), reads, [("dst", dst)])
+    if run.compute:
+        a, b = _rows(data0), _rows(data1)
+        r = _vector(initial, a.shape[0], "tensor_tensor_scan", "initial")
+        r = r if isinstance(r, torch.Tensor) else torch.full((a.shape[0], 1), float(r))
+        cols = []
+        for i in range(a.shape[1]):
+            r = _binary(op1, _binary(op0, a[:, i:i + 1], r, reverse0), b[:, i:i + 1], reverse1)
+            cols.append(r)
+        _store(run, dst, torch.cat(cols, 1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+core.refuse_masks(globals())

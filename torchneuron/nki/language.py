@@ -1,0 +1,304 @@
+"""`nki.language` (imported as `nl`): dtypes, buffers, tensor creation, indexing helpers, loop ranges, the SPMD
+program ids, and the elementwise / reduction / memory operators, each lowered onto `nki.isa` instructions the way
+the NKI compiler does (math on the Scalar engine's activation, binary ops on the Vector engine, loads and stores
+by DMA)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import core, isa
+from .core import HBM, PRIVATE_HBM, PSUM, SBUF, SHARED_HBM, DynSlice, IndexExpr, NkiTensor, ParDim, fail
+from .ops import OPS, Op
+
+# dtypes (torch dtypes; numpy dtypes and names are accepted everywhere a dtype is)
+float32 = tfloat32 = torch.float32
+bfloat16 = torch.bfloat16
+float16 = torch.float16
+float8_e4m3 = float8_e4m3fn = torch.float8_e4m3fn
+float8_e5m2 = torch.float8_e5m2
+int8, uint8, int16, uint16, int32, uint32 = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32,
+                                             torch.uint32)
+bool_ = torch.bool
+
+# buffers
+hbm, shared_hbm, private_hbm, sbuf, psum = HBM, SHARED_HBM, PRIVATE_HBM, SBUF, PSUM
+
+
+@dataclass(frozen=True)
+class _TileSize:
+    """`nl.tile_size`: the hardware's tile limits (S12, S22)."""
+
+    pmax: int = 128
+    psum_fmax: int = 512
+    gemm_stationary_fmax: int = 128
+    gemm_moving_fmax: int = 512
+    bn_stats_fmax: int = 512
+    psum_partition_max: int = 128
+
+
+tile_size = _TileSize()
+
+# operators (functions on tiles, and the op= of nki.isa)
+globals().update(OPS)
+add, subtract, multiply, divide = OPS["add"], OPS["subtract"], OPS["multiply"], OPS["divide"]
+maximum, minimum, power = OPS["maximum"], OPS["minimum"], OPS["power"]
+exp, log, tanh, sigmoid, relu, gelu = OPS["exp"], OPS["log"], OPS["tanh"], OPS["sigmoid"], OPS["relu"], OPS["gelu"]
+rsqrt, sqrt, square, silu = OPS["rsqrt"], OPS["sqrt"], OPS["square"], OPS["silu"]
+sum, max, min, mean, prod = OPS["sum"], OPS["max"], OPS["min"], OPS["mean"], OPS["prod"]  # noqa: A001
+abs, negative = OPS["abs"], OPS["negative"]  # noqa: A001
+equal, greater, greater_equal, less, less_equal = (OPS["equal"], OPS["greater"], OPS["greater_equal"],
+                                                   OPS["less"], OPS["less_equal"])
+
+
+# ------------------------------------------------------------------------------------------ creation
+def par_dim(size: int) -> ParDim:
+    return ParDim(size)
+
+
+def ndarray(shape: Any, dtype: Any, buffer: core.Buffer = SBUF, name: str = "", **_: Any) -> NkiTensor:
+    """A new (uninitialised) tensor in `buffer`."""
+    return core.allocate(shape, dtype, buffer)
+
+
+def empty_like(t: NkiTensor, dtype: Any = None, buffer: core.Buffer | None = None, **_: Any) -> NkiTensor:
+    return ndarray(t.shape, dtype or t.dtype, buffer or (t.buffer if t.buffer.on_chip else SBUF))
+
+
+def full(shape: Any, fill_value: float, dtype: Any, buffer: core.Buffer = SBUF, **_: Any) -> NkiTensor:
+    t = ndarray(shape, dtype, buffer)
+    if buffer.is_hbm:
+        t.data.fill_(fill_value)
+    else:  # one memset per block (the axes before an nl.par_dim), as the compiler emits them
+        for block in itertools.product(*(range(n) for n in t.shape[:t.pdim])):
+            isa.memset(dst=t[block] if block else t, value=fill_value)
+    return t
+
+
+def zeros(shape: Any, dtype: Any, buffer: core.Buffer = SBUF, **kw: Any) -> NkiTensor:
+    return full(shape, 0.0, dtype, buffer)
+
+
+def ones(shape: Any, dtype: Any, buffer: core.Buffer = SBUF, **kw: Any) -> NkiTensor:
+    return full(shape, 1.0, dtype, buffer)
+
+
+def zeros_like(t: NkiTensor, dtype: Any = None, buffer: core.Buffer | None = None, **_: Any) -> NkiTensor:
+    return zeros(t.shape, dtype or t.dtype, buffer or (t.buffer if t.buffer.on_chip else SBUF))
+
+
+def shared_identity_matrix(n: int, dtype: Any = torch.float32, **_: Any) -> NkiTensor:
+    """An n x n identity in SBUF (built by iota + compare on GpSimd, as a kernel would)."""
+    t = ndarray((n, n), dtype, SBUF)
+    isa.iota(dst=t, pattern=[[1, n]], offset=0, channel_multiplier=-1)
+    run = core.current_run()
+    if run.compute:
+        t.data.copy_((t.data.float() == 0).to(t.dtype))
+    return t
+
+
+# ------------------------------------------------------------------------------------------ indexing and loops
+def ds(start: int, size: int, step: int = 1) -> DynSlice:
+    """A slice of `size` elements from `start` (nl.ds)."""
+    return DynSlice(int(start), int(size), int(step))
+
+
+def arange(*args: int) -> IndexExpr:
+    """Indices for legacy affine indexing (`t[i_p, i_f]` with i_p = nl.arange(128)[:, None])."""
+    return IndexExpr(torch.arange(*args))
+
+
+class _MGrid:
+    """`nl.mgrid[0:p, 0:f, ...]`: index expressions for each axis, as `.p` (partitions) then `.x`, `.y`, `.z`."""
+
+    def __getitem__(self, key: Any) -> Any:
+        key = key if isinstance(key, tuple) else (key,)
+        n = len(key)
+        exprs = []
+        for i, k in enumerate(key):
+            shape = [1] * n
+            r = torch.arange(k.start or 0, k.stop, k.step or 1)
+            shape[i] = r.numel()
+            exprs.append(IndexExpr(r.reshape(shape)))
+        grid = _Grid(exprs)
+        return grid
+
+
+class _Grid(tuple):
+    def __new__(cls, exprs: list) -> _Grid:
+        return super().__new__(cls, exprs)
+
+    def __getattr__(self, name: str) -> IndexExpr:
+        order = {"p": 0, "x": 1, "y": 2, "z": 3}
+        if name not in order or order[name] >= len(self):
+            raise AttributeError(name)
+        return self[order[name]]
+
+
+mgrid = _MGrid()
+
+
+def shared_constant(value: Any, dtype: Any = None, **_: Any) -> NkiTensor:
+    """A constant HBM tensor from a host array."""
+    t = torch.as_tensor(value)
+    dtype = core.to_dtype(dtype) if dtype is not None else t.dtype
+    return core.allocate(tuple(t.shape), dtype, HBM, data=t.to(dtype).clone())
+
+
+def affine_range(*args: int, **_: Any) -> range:
+    """A loop whose iterations are independent (the compiler may pipeline them; the timeline orders them only
+    by their data dependencies)."""
+    return range(*args)
+
+
+def sequential_range(*args: int, **_: Any) -> range:
+    """A loop with a carried dependency (its order is kept by the data dependencies it has)."""
+    return range(*args)
+
+
+def static_range(*args: int, **_: Any) -> range:
+    """A loop the compiler unrolls."""
+    return range(*args)
+
+
+def program_id(axis: int = 0) -> int:
+    """This SPMD program's index along `axis` of the launch grid (`kernel[g0, g1](...)`)."""
+    run = core.current_run()
+    if not run.program:
+        return 0
+    if not 0 <= axis < len(run.program):
+        fail(ValueError, f"program_id({axis}): the launch grid has {len(run.program)} axes")
+    return run.program[axis]
+
+
+def num_programs(axis: int = 0) -> int:
+    """Programs along `axis` of the launch grid."""
+    run = core.current_run()
+    if not run.grid:
+        return 1
+    if not 0 <= axis < len(run.grid):
+        fail(ValueError, f"num_programs({axis}): the launch grid has {len(run.grid)} axes")
+    return run.grid[axis]
+
+
+def program_ndim() -> int:
+    return len(core.current_run().grid)
+
+
+def device_print(prefix: str, t: NkiTensor) -> None:
+    print(prefix, t.data)
+
+
+# ------------------------------------------------------------------------------------------ memory
+def load(src: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
+    """HBM -> a new SBUF tile (a DMA)."""
+    dst = ndarray(src.shape, dtype or src.dtype, SBUF)
+    isa.dma_copy(dst=dst, src=src)
+    return dst
+
+
+def store(dst: NkiTensor, value: NkiTensor, **_: Any) -> None:
+    """SBUF -> HBM (a DMA); a PSUM value is first copied to SBUF, as the compiler does."""
+    if value.buffer is PSUM:
+        value = copy(value)
+    isa.dma_copy(dst=dst, src=value)
+
+
+def load_transpose2d(src: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
+    dst = ndarray((src.free_size, src.shape[0]), dtype or src.dtype, SBUF)
+    isa.dma_transpose(dst=dst, src=src)
+    return dst
+
+
+def copy(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
+    """A copy of a tile in SBUF (Vector engine), cast to dtype."""
+    dst = ndarray(x.shape, dtype or x.dtype, SBUF)
+    isa.tensor_copy(dst=dst, src=x)
+    return dst
+
+
+def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False, **_: Any) -> NkiTensor:
+    """x @ y into a new PSUM tile (x.T @ y if transpose_x); without transpose_x, x is first transposed on the
+    Tensor engine (through PSUM, copied back to SBUF)."""
+    if not transpose_x:
+        x = copy(transpose(x), dtype=x.dtype)
+    x = copy(x) if x.buffer is PSUM else x  # the compiler moves PSUM operands to SBUF for nl-level calls
+    y = copy(y) if y.buffer is PSUM else y
+    out = ndarray((x.free_size, y.free_size), torch.float32, PSUM)
+    isa.nc_matmul(dst=out, stationary=x, moving=y)
+    return out
+
+
+def transpose(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
+    """x.T into a new PSUM tile (Tensor engine)."""
+    x = copy(x) if x.buffer is PSUM else x
+    out = ndarray((x.free_size, x.shape[0]), dtype or torch.float32, PSUM)
+    isa.nc_transpose(dst=out, data=x)
+    return out
+
+
+def where(condition: NkiTensor, x: Any, y: Any, dtype: Any = None, **_: Any) -> NkiTensor:
+    like = x if isinstance(x, NkiTensor) else condition
+    dst = ndarray(like.shape, dtype or like.dtype, SBUF)
+    if not isinstance(x, NkiTensor):
+        x = full(like.shape, float(x), dst.dtype)
+    isa.select(dst=dst, predicate=condition, on_true=x, on_false=y)
+    return dst
+
+
+# ------------------------------------------------------------------------------------------ operators as functions
+def _is_vector(t: Any, p: int) -> bool:
+    return isinstance(t, NkiTensor) and t.shape[0] == p and t.free_size == 1
+
+
+def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: bool = False, **_: Any) -> Any:
+    """`nl.<op>(...)` on tiles: activations on the Scalar engine, binary ops on the Vector engine (tensor_scalar
+    when one side is a scalar or a [P, 1] column), reductions with tensor_reduce."""
+    if _.get("mask") is not None:
+        fail(NotImplementedError, f"nl.{op.name}: mask= is not implemented here: slice the tiles to the region instead")
+    if op.kind == "act":
+        (x,) = args[:1]
+        if op.name == "reciprocal":
+            return isa.reciprocal(x, dtype=dtype)
+        return isa.activation(op, x, dtype=dtype)
+    if op.kind == "reduce" or (axis is not None and op.reduce is not None and len(args) == 1):
+        x = args[0]
+        if axis is None:
+            axis = tuple(range(1, x.ndim))
+        if op.name == "mean":
+            s = isa.tensor_reduce(OPS["add"], x, axis, keepdims=keepdims, dtype=dtype or torch.float32)
+            n = x.data[(0,) + (slice(None),) * (x.ndim - 1)].numel() // s.data[0].numel()
+            return isa.tensor_scalar(s, OPS["multiply"], 1.0 / n)
+        return isa.tensor_reduce(op, x, axis, keepdims=keepdims, dtype=dtype)
+    a, b = args[:2]
+    if not isinstance(a, NkiTensor) and not isinstance(b, NkiTensor):
+        return op.fn(torch.tensor(a), torch.tensor(b)).item()
+    if not isinstance(a, NkiTensor):
+        return isa.tensor_scalar(b, op, a, True, dtype=dtype)
+    p = a.shape[0]
+    if not isinstance(b, NkiTensor) or (_is_vector(b, p) and a.free_size > 1):
+        return isa.tensor_scalar(a, op, b, dtype=dtype)
+    if _is_vector(a, p) and b.free_size > 1:
+        return isa.tensor_scalar(b, op, a, True, dtype=dtype)
+    if a.shape != b.shape and a.free_size == b.free_size and a.shape[0] == b.shape[0]:
+        b = b.reshape(a.shape) if b.data.is_contiguous() else b
+    if a.free_size != b.free_size or a.shape[0] != b.shape[0]:
+        fail(ValueError, f"nl.{op.name}: shapes {a.shape} and {b.shape} do not match; engines broadcast only a "
+                         "scalar or a [P, 1] column along the free axis")
+    return isa.tensor_tensor(a, b, op, dtype=dtype)
+
+
+def softmax(x: NkiTensor, axis: int = -1, dtype: Any = None, **_: Any) -> NkiTensor:
+    """softmax over the free axis: max (Vector), exp(x - max) with its row sum (Scalar), scale by 1/sum."""
+    m = isa.tensor_reduce(OPS["max"], x, axis, negate=True, keepdims=True, dtype=torch.float32)
+    e = ndarray(x.shape, torch.float32, SBUF)
+    s = ndarray((x.shape[0], 1), torch.float32, SBUF)
+    isa.activation(dst=e, op=OPS["exp"], data=x, bias=m, reduce_op=OPS["add"], reduce_res=s)
+    r = isa.reciprocal(s)
+    return isa.tensor_scalar(e, OPS["multiply"], r, dtype=dtype or x.dtype)
+
+
+core.refuse_masks(globals())
