@@ -222,12 +222,21 @@ def lift_rng(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
 def eager_fused_attention(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
     """Fused attention (what F.scaled_dot_product_attention dispatches to on neuron) runs as its device kernel
     between the compiled kernels, with eager's numerics: Inductor's host lowering of the op expects CUDA's outputs
-    (its philox seed and offset are host tensors, which a host kernel cannot return as device values)."""
+    (its philox seed and offset are host tensors, which a host kernel cannot return as device values). So do
+    FlexAttention's higher-order ops, by their dense implementation: Inductor's CPU flex template is inference-only
+    and its backward lowering Triton-only."""
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and op_info(n.target).eager:
+        if n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) \
+                and op_info(n.target).eager:
             report.eager_nodes[n.name] = f"{n.target}: fused attention runs as the device kernel"
-            for u in (n, *(u for u in n.users if u.target is operator.getitem)):  # with its tuple's items
+            for u in _with_items(n):
                 u.meta["neuron_eager"] = True
+
+
+def _with_items(n: fx.Node) -> list[fx.Node]:
+    """A node and the items taken from its (nested) tuples: a kernel cannot take a tuple as an input."""
+    items = [u for u in n.users if u.target is operator.getitem]
+    return [n, *(i for u in items for i in _with_items(u))]
 
 
 Pass = Callable[[fx.GraphModule, Report, Lifted], None]
