@@ -276,3 +276,17 @@ def test_torchtitan_attention_pattern_trains_like_the_cpu(compiled):
     torch.testing.assert_close(results[N][1], results["cpu"][1], rtol=1e-3, atol=1e-4)
     rows = torch.neuron.get_dynamo_metrics()
     assert all(r["fallback"] is None for r in rows) and sum(r["eager_nodes"] for r in rows) >= 2
+
+
+@pytest.mark.parametrize("name", ["document", "alibi", "softcap"])
+def test_compiled_inference_is_one_fused_kernel(name):
+    """Without grad, flex_attention stays in the compiled kernel (Inductor's CPU flex template), equal to the dense
+    reference."""
+    score_mod, mask_mod, _ = variant(name, N)
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, B, H, L, L, device=N)
+    with torch.no_grad():
+        out = torch.compile(flex_attention, backend=N)(*(t.to(N) for t in inputs()), score_mod=score_mod,
+                                                       block_mask=block_mask)
+    torch.testing.assert_close(out.cpu(), dense_reference(name)[0], **TOL)
+    (row,) = torch.neuron.get_dynamo_metrics()
+    assert row["eager_nodes"] == 0 and row["kernels"] == 1 and row["fallback"] is None
