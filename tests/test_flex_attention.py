@@ -290,3 +290,16 @@ def test_compiled_inference_is_one_fused_kernel(name):
     torch.testing.assert_close(out.cpu(), dense_reference(name)[0], **TOL)
     (row,) = torch.neuron.get_dynamo_metrics()
     assert row["eager_nodes"] == 0 and row["kernels"] == 1 and row["fallback"] is None
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bfloat16_within_its_rounding(compiled):
+    _, mask_mod, _ = variant("causal", N)
+    block_mask = create_block_mask(mask_mod, B, H, L, L, device=N)
+    q, k, v = (t.to(N, torch.bfloat16).requires_grad_() for t in inputs())
+    fn = torch.compile(flex_attention, backend=N) if compiled else flex_attention
+    out = fn(q, k, v, block_mask=block_mask)
+    assert out.dtype == torch.bfloat16
+    out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape).to(N, torch.bfloat16))
+    got = [t.detach().float().cpu() for t in (out, q.grad, k.grad, v.grad)]
+    torch.testing.assert_close(got, dense_reference("causal"), rtol=2e-2, atol=2e-2)
