@@ -142,7 +142,8 @@ def test_compiled_in_a_model_with_kernels_around_it():
 
     step(x, proj, cpu_block_mask, dense).backward()
     for p, ref in zip(model.parameters(), proj.parameters(), strict=True):
-        torch.testing.assert_close(p.grad.cpu(), ref.grad, **TOL)
+        # each gradient sums 2048 rows of O(1) terms, in another order than the CPU's matmul: atol 1e-4
+        torch.testing.assert_close(p.grad.cpu(), ref.grad, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["causal", "sliding_window", "document", "prefix_lm"])
