@@ -138,3 +138,23 @@ def test_mismatched_shapes_raise_at_the_call(shapes):
                                        **{n: t.to("neuron") for n, t in kw.items()})
     assert "asynchronously" not in str(e.value)
     torch.neuron.synchronize()  # nothing was queued that fails later
+
+
+@pytest.mark.parametrize("last", [8, 16, 13])
+def test_fused_results_have_the_meta_kernels_layouts(last):
+    """Compiled graphs are compiled for the layouts the fused ops' meta kernels promise (PyTorch's, shared with CUDA):
+    the device's results have them, the bias gradient included (its last dimension padded to 16)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, last, 8, generator=g) for _ in range(3))
+    bias = torch.randn(2, 4, last, last, generator=g)
+    fwd = torch.ops.aten._scaled_dot_product_efficient_attention
+    bwd = torch.ops.aten._scaled_dot_product_efficient_attention_backward
+    layouts = {}
+    for device in ("meta", "neuron"):
+        qd, kd, vd, bd = (t.to(device) for t in (q, k, v, bias))
+        out, lse, seed, offset = fwd(qd, kd, vd, bd, True, 0.0, False)
+        grads = bwd(torch.ones_like(out), qd, kd, vd, bd, out, lse, seed, offset, 0.0, [True] * 4, False)
+        layouts[device] = [(tuple(t.shape), t.stride()) for t in (out, lse, *grads)]
+    assert layouts["neuron"] == layouts["meta"]
+    ref = torch.func.grad(lambda b: F.scaled_dot_product_attention(q, k, v, attn_mask=b).sum())(bias)
+    torch.testing.assert_close(grads[3].cpu(), ref, rtol=1e-4, atol=1e-5)

@@ -342,6 +342,41 @@ def test_value_dependent_random_op_runs_between_kernels():
     assert rows()[0]["eager_nodes"] == 1 and rows()[0]["kernels"] == 2
 
 
+def test_attention_bias_gradient_enters_the_backward_kernel_as_compiled():
+    """A learnt attention bias (T5's relative positions): the fused attention backward runs between kernels, and
+    its bias gradient (last dimension 8: the meta kernel pads it to 16) enters the next kernel in the layout the
+    kernel was compiled for."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 8) for _ in range(3))
+    bias = torch.randn(2, 4, 8, 8)
+
+    def f(q, k, v, bias):
+        return (F.scaled_dot_product_attention(q, k, v, attn_mask=bias * 2) * 3).sum()
+
+    grads = {}
+    for device, fn in (("cpu", f), (N, torch.compile(f, backend=N))):
+        args = [t.to(device).detach().requires_grad_() for t in (q, k, v, bias)]
+        fn(*args).backward()
+        grads[device] = [a.grad.cpu() for a in args]
+    torch.testing.assert_close(grads[N], grads["cpu"], rtol=1e-4, atol=1e-5)
+    assert any(r["eager_nodes"] for r in rows())  # the attention ran as its device kernel between kernels
+
+
+def test_eager_results_leave_in_their_traced_layout():
+    """Whatever layout a device op between kernels gives its result, the next kernel gets the traced one."""
+    import torch.fx as fx
+
+    from torchneuron.compiler import partition
+
+    g = fx.Graph()
+    y = g.call_function(torch.ops.aten.clone.default, (g.placeholder("x"),))
+    g.output((y,))
+    y.meta["val"] = torch.empty_strided((4, 6), (1, 4), device="meta")  # traced column-major; clone gives rows
+    x = torch.randn(4, 6, device=N)
+    (out,) = partition.EagerModule(fx.GraphModule({}, g))(x)
+    assert out.stride() == (1, 4) and out.device == x.device and torch.equal(out.cpu(), x.cpu())
+
+
 def test_float64_follows_the_dtype_policy():
     import torchneuron
 

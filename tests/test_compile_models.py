@@ -1,6 +1,8 @@
 """Whole models under `torch.compile(backend="neuron")`: forward outputs, losses, gradients and the parameters
 after SGD steps match eager `neuron` (same seeds, so dropout draws the same masks) and eager CPU (models without
-dropout: the neuron generator is counter-based like CUDA's and draws other masks than the CPU's mt19937)."""
+dropout: the neuron generator is counter-based like CUDA's and draws other masks than the CPU's mt19937). The zoo
+covers decoder-only (GPT), vision (CNN) and encoder-decoder models (T5, BART, Whisper: cross-attention, learnt
+attention biases and a convolutional audio encoder through the backward)."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +11,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from compile_models import CNN, MLP, hf_gpt2
+from compile_models import CNN, MLP, hf_bart, hf_gpt2, hf_t5, hf_whisper
 
 from torchneuron.models import GPTConfig, TinyGPT
 
@@ -31,6 +33,11 @@ def hf_language(model, x, y):
     return out.logits, out.loss
 
 
+def hf_speech(model, x, y):
+    out = model(input_features=x, labels=y)
+    return out.logits, out.loss
+
+
 def train(model, batch, step_fn, device: str, compiled: bool) -> dict:
     """STEPS SGD steps from the same seed; returns what each step produced and the final parameters."""
     torch.manual_seed(0)
@@ -44,7 +51,7 @@ def train(model, batch, step_fn, device: str, compiled: bool) -> dict:
         loss.backward()
         out["logits"].append(logits.detach().cpu())
         out["loss"].append(loss.detach().cpu())
-        out["grads"].append([p.grad.detach().cpu() for p in m.parameters()])
+        out["grads"].append([p.grad.detach().cpu() for p in m.parameters() if p.requires_grad])
         opt.step()
         opt.zero_grad(set_to_none=True)
     out["params"] = [p.detach().cpu() for p in m.parameters()]
@@ -57,12 +64,16 @@ CASES = {
     "cnn": (CNN, lambda: (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))), classify),
     "gpt": (lambda: TinyGPT(GPT), lambda: (torch.randint(0, 128, (4, 32)),) * 2, language),
     "hf_gpt2": (hf_gpt2, lambda: (torch.randint(0, 128, (2, 16)),) * 2, hf_language),
+    # encoder-decoder models: the decoder's cross-attention, the encoder's and decoder's backward
+    "hf_t5": (hf_t5, lambda: (torch.randint(3, 64, (2, 8)), torch.randint(3, 64, (2, 8))), hf_language),
+    "hf_bart": (hf_bart, lambda: (torch.randint(3, 64, (2, 8)), torch.randint(3, 64, (2, 8))), hf_language),
+    "hf_whisper": (hf_whisper, lambda: (torch.randn(2, 8, 16), torch.randint(3, 64, (2, 8))), hf_speech),
 }
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def runs(request, tmp_path_factory):
-    if request.param == "hf_gpt2":
+    if request.param.startswith("hf_"):
         pytest.importorskip("transformers")
     make_model, make_batch, step_fn = CASES[request.param]
     with pytest.MonkeyPatch.context() as mp:

@@ -234,9 +234,10 @@ def _compile_graph(session: Session, gm: fx.GraphModule, example_inputs: list, *
     else:
         top, subs = partition.split(gm)
         for sub_name, is_kernel in subs:
-            if not is_kernel:
-                continue
             sub = getattr(top, sub_name)
+            if not is_kernel:
+                setattr(top, sub_name, partition.EagerModule(sub))
+                continue
             session.stage, session.kernel_graph = f"{stage} kernel {len(kernels)} (Inductor)", sub
             single = partition.tuple_output(sub)
             out = sub.graph.output_node()

@@ -70,6 +70,41 @@ class KernelModule(torch.nn.Module):
         return out[0] if self.single else tuple(out)
 
 
+class EagerModule(torch.nn.Module):
+    """Stands in for an eager partition (device ops between kernels): its results leave it in the layout the graph
+    was traced with. A device op may lay a result out otherwise than its meta kernel says (a fused op's padded
+    or permuted buffers), while a compiled kernel is compiled for, and asserts, the traced strides of its inputs;
+    such a result is copied into the traced layout (Inductor's own fallback kernels restride the same way)."""
+
+    def __init__(self, sub: fx.GraphModule):
+        super().__init__()
+        self.sub = sub
+        outs = sub.graph.output_node().args[0]
+        self.single = not isinstance(outs, (tuple, list))
+        vals = [_val(a) for a in ((outs,) if self.single else outs)]
+        self.layouts = [(tuple(v.shape), tuple(v.stride())) if isinstance(v, torch.Tensor) else None for v in vals]
+
+    def forward(self, *args: Any) -> Any:
+        out = self.sub(*args)
+        out = [out] if self.single else list(out)
+        for i, layout in enumerate(self.layouts):
+            if layout is not None and isinstance(t := out[i], torch.Tensor) and t.stride() != layout[1]:
+                out[i] = restride(t, *layout)
+        return out[0] if self.single else tuple(out)
+
+
+def restride(t: torch.Tensor, shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.Tensor:
+    """A copy of `t` with these strides."""
+    if tuple(t.shape) != shape:
+        raise RuntimeError(f"neuron: a device op between compiled kernels returned shape {tuple(t.shape)} where the "
+                           f"graph was traced with {shape}")
+    return torch.empty_strided(shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+def _val(a: Any) -> Any:
+    return a.meta.get("val") if isinstance(a, fx.Node) else a
+
+
 class Executable:
     """A compiled graph, called boxed: appends the lifted constants and the prologue's random draws to the
     arguments, then runs the kernel (or the top-level graph of kernels and eager nodes)."""

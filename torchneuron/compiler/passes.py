@@ -222,12 +222,34 @@ def lift_rng(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
 def eager_fused_attention(gm: fx.GraphModule, report: Report, lifted: Lifted) -> None:
     """Fused attention (what F.scaled_dot_product_attention dispatches to on neuron) runs as its device kernel
     between the compiled kernels, with eager's numerics: Inductor's host lowering of the op expects CUDA's outputs
-    (its philox seed and offset are host tensors, which a host kernel cannot return as device values)."""
+    (its philox seed and offset are host tensors, which a host kernel cannot return as device values). So do
+    FlexAttention's higher-order ops in training, by their dense implementation: Inductor's CPU flex template cannot
+    return the log-sum-exp a backward needs, and its backward lowering is Triton-only."""
     for n in list(gm.graph.nodes):
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and op_info(n.target).eager:
+        if n.op == "call_function" and isinstance(n.target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)) \
+                and op_info(n.target).eager and not _host_flex_template(n):
             report.eager_nodes[n.name] = f"{n.target}: fused attention runs as the device kernel"
-            for u in (n, *(u for u in n.users if u.target is operator.getitem)):  # with its tuple's items
+            for u in _with_items(n):
                 u.meta["neuron_eager"] = True
+
+
+def _host_flex_template(n: fx.Node) -> bool:
+    """An inference FlexAttention (no log-sum-exp or max returned) that Inductor's CPU flex template compiles: it
+    stays in the kernel as one fused, block-sparse loop (a 1024-token causal attention ran 6x faster than the
+    dense implementation)."""
+    if n.target is not torch.ops.higher_order.flex_attention:
+        return False
+    from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+
+    options, dtypes = n.args[6], {_val(a).dtype for a in n.args[:3]}
+    return (not options.get("OUTPUT_LOGSUMEXP") and not options.get("OUTPUT_MAX") and len(dtypes) == 1
+            and dtypes <= {torch.float32, torch.bfloat16, torch.float16} and check_cpu_supported())
+
+
+def _with_items(n: fx.Node) -> list[fx.Node]:
+    """A node and the items taken from its (nested) tuples: a kernel cannot take a tuple as an input."""
+    items = [u for u in n.users if u.target is operator.getitem]
+    return [n, *(i for u in items for i in _with_items(u))]
 
 
 Pass = Callable[[fx.GraphModule, Report, Lifted], None]

@@ -213,13 +213,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention_b
   auto q = host_alias(query), k = on_host(key), v = on_host(value), go = on_host(grad_out);
   auto b = on_host(bias.defined() ? std::optional<at::Tensor>(bias) : std::nullopt);
   const bool flash = !grad_input_mask[3] && cpu_takes_flash(q, k, v, b, p, causal, scale);
-  // The results the caller asked for, in the fused op's layouts (the bias's gradient contiguous, as its shape).
+  // The results the caller asked for, in the fused op's layouts, which its meta kernel promises (compiled graphs
+  // are compiled for them): the bias's gradient a view of a buffer whose last dimension is padded to 16.
   auto result = [&](const at::Tensor& like, bool want) {
     return want ? fused_layout_like(like.sizes(), like.options()) : at::Tensor();
   };
   at::Tensor gq = result(query, grad_input_mask[0]), gk = result(key, grad_input_mask[1]),
              gv = result(value, grad_input_mask[2]);
-  at::Tensor gb = grad_input_mask[3] && bias.defined() ? at::empty(bias.sizes(), bias.options()) : at::Tensor();
+  at::Tensor gb;
+  if (grad_input_mask[3] && bias.defined()) {
+    auto padded = bias.sizes().vec();
+    padded.back() = (padded.back() + 15) / 16 * 16;
+    gb = at::empty(padded, bias.options()).narrow(-1, 0, bias.size(-1));
+  }
   auto kernel = [q, k, v, go, b, o = on_host(out), l = on_host(lse), seed = on_host(philox_seed),
                  offset = on_host(philox_offset), flash, p, causal, scale,
                  dst = std::array<at::Tensor, 4>{on_host(gq), on_host(gk), on_host(gv), on_host(gb)}] {

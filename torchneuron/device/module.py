@@ -15,6 +15,7 @@ import torch
 from .. import _C
 from ..hardware import config as _config
 from ..runtime import patches
+from . import flex_attention
 
 _registered = _initialized = _warned = False  # _initialized: usable (validated), as torch.cuda.is_initialized
 _device_t = torch.device | str | int | None
@@ -47,7 +48,8 @@ def register() -> None:
         policy.set_policies()
         _C._set_launch_blocking(cfg.launch_blocking)
         atexit.register(_C._drain_all)  # queued kernels finish before the interpreter and libtorch tear down
-    for p in (NEURON_DEVICE, KEEP_PARAMETERS, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD):
+    for p in (NEURON_DEVICE, KEEP_PARAMETERS, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD,
+              flex_attention.WIDEN_DEVICE_CHECK):
         patches.apply(p)
     if cfg is not None and cfg.stream_check:  # TORCHNEURON_STREAM_CHECK=1
         from . import stream_check

@@ -111,6 +111,8 @@ _TABLE: list[Op] = [
             rule=Rule.ATTENTION),
     *_group("tensor", "_scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward",
             rule=Rule.ATTENTION, eager=True),
+    # FlexAttention's higher-order ops (torch.nn.attention.flex_attention), run by their dense implementation
+    *_group("tensor", "flex_attention flex_attention_backward", rule=Rule.ATTENTION, eager=True),
     *_group("host", "_scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_backward "
             "_scaled_dot_product_cudnn_attention _scaled_dot_product_cudnn_attention_backward",
             rule=Rule.ATTENTION),  # CUDA's kernels: priced when a caller names them
@@ -126,7 +128,8 @@ _TABLE: list[Op] = [
     *_group("vector", "sum mean", tp_linear="all", fuse=True),
     *_group("vector", "sign sgn reciprocal pow sqrt rsqrt square logical_and logical_or logical_not logical_xor "
             "bitwise_and bitwise_or bitwise_xor bitwise_not floor ceil round trunc frac remainder fmod floor_divide "
-            "isnan isinf isfinite nan_to_num threshold_backward all any linalg_vector_norm", fuse=True),
+            "isnan isinf isposinf isneginf isfinite nan_to_num threshold_backward all any linalg_vector_norm",
+            fuse=True),
     *_group("vector", "prod norm mse_loss mse_loss_backward smooth_l1_loss smooth_l1_loss_backward l1_loss huber_loss "
             "huber_loss_backward binary_cross_entropy binary_cross_entropy_backward binary_cross_entropy_with_logits "
             "_amp_foreach_non_finite_check_and_unscale _amp_update_scale avg_pool2d avg_pool2d_backward "
