@@ -65,7 +65,7 @@ std::string unheld_kind(const at::Tensor& host) {
 at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device) {
   std::string kind = unheld_kind(host);
   TORCH_CHECK_NOT_IMPLEMENTED(kind.empty(), "neuron: a kernel returned a ", kind, " tensor, which the neuron device "
-                              "cannot hold (it stores only strided dense tensors)");
+                              "cannot hold (it holds only strided dense and sparse COO tensors)");
   auto* simpl = host.storage().unsafeGetStorageImpl();
   size_t nbytes = simpl->nbytes();
   c10::DataPtr data = simpl->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));

@@ -583,7 +583,7 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntr
     if (!t.defined() || is_neuron(t)) return t;
     std::string kind = unheld_kind(t);
     TORCH_CHECK_NOT_IMPLEMENTED(kind.empty(), "neuron: ", e.name, " would return a ", kind,
-                                " tensor; the neuron device supports only strided (dense) tensors");
+                                " tensor; the neuron device holds only strided (dense) and sparse COO tensors");
     if (at::Tensor* dev = c.alias_to_tensor.find(t.unsafeGetTensorImpl())) return *dev;
     auto* simpl = t.storage().unsafeGetStorageImpl();
     if (c10::Storage* s = c.alias_to_device.find(simpl)) return device_tensor_like(*s, t);  // a view of an input

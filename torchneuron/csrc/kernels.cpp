@@ -47,7 +47,7 @@ c10::DeviceIndex target_index(std::optional<at::Device> device) {
 
 void check_layout(std::optional<at::Layout> layout) {
   TORCH_CHECK_NOT_IMPLEMENTED(!layout || *layout == at::kStrided, "neuron: ", *layout,
-                              " tensors are not supported; the neuron device stores only strided (dense) tensors");
+                              " tensors are not supported; the neuron device holds only strided (dense) and sparse COO tensors");
 }
 
 at::Tensor empty_memory_format(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
@@ -308,14 +308,14 @@ at::Tensor sparse_compressed_to_copy(const at::Tensor& self, std::optional<at::S
                                      std::optional<bool> pin_memory, bool non_blocking,
                                      std::optional<at::MemoryFormat> memory_format) {
   TORCH_CHECK_NOT_IMPLEMENTED(!device || device->type() != kNeuron, "neuron: ", self.layout(),
-                              " tensors are not supported; the neuron device stores only strided (dense) tensors "
+                              " tensors are not supported; the neuron device holds only strided (dense) and sparse COO tensors "
                               "(convert with .to_dense() first)");
   return at::native::_to_copy(self, dtype, layout, device, pin_memory, non_blocking, memory_format);
 }
 
 void refuse_sparse_compressed(const c10::OperatorHandle& op, torch::jit::Stack*) {
   TORCH_CHECK_NOT_IMPLEMENTED(false, "neuron: sparse compressed (CSR/CSC/BSR/BSC) tensors are not supported (in ",
-                              op.schema().name(), "); the neuron device stores only strided (dense) tensors");
+                              op.schema().name(), "); the neuron device holds only strided (dense) and sparse COO tensors");
 }
 
 // Quantized and nested tensors: a constructor or a move given device="neuron" dispatches on QuantizedPrivateUse1 /
@@ -325,7 +325,7 @@ void refuse_unheld(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   for (const auto& v : *stack)
     if (v.isTensor() && v.toTensor().is_nested()) kind = "nested";
   TORCH_CHECK_NOT_IMPLEMENTED(false, "neuron: ", kind, " tensors are not supported (in ", op.schema().name(),
-                              "); the neuron device stores only strided (dense) tensors: run ", kind,
+                              "); the neuron device holds only strided (dense) and sparse COO tensors: run ", kind,
                               " ops on the CPU");
 }
 
