@@ -55,7 +55,17 @@ at::Tensor device_tensor_like(const c10::Storage& storage, const at::Tensor& lik
   return t;
 }
 
+std::string unheld_kind(const at::Tensor& host) {
+  if (host.is_quantized()) return std::string("quantized (") + c10::toString(host.scalar_type()) + ")";
+  if (host.is_nested()) return "nested";
+  if (host.layout() != at::kStrided) return c10::str(host.layout());
+  return "";
+}
+
 at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device) {
+  std::string kind = unheld_kind(host);
+  TORCH_CHECK_NOT_IMPLEMENTED(kind.empty(), "neuron: a kernel returned a ", kind, " tensor, which the neuron device "
+                              "cannot hold (it holds only strided dense and sparse COO tensors)");
   auto* simpl = host.storage().unsafeGetStorageImpl();
   size_t nbytes = simpl->nbytes();
   c10::DataPtr data = simpl->set_data_ptr(c10::DataPtr(nullptr, c10::Device(c10::kCPU)));

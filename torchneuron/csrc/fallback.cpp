@@ -598,8 +598,9 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntr
   SmallMap<const c10::StorageImpl*, c10::Storage> adopted;
   auto to_device = [&](const at::Tensor& t) -> at::Tensor {
     if (!t.defined() || is_neuron(t)) return t;
-    TORCH_CHECK_NOT_IMPLEMENTED(t.layout() == at::kStrided, "neuron: ", e.name, " would return a ", t.layout(),
-                                " tensor; the neuron device supports only strided (dense) tensors");
+    std::string kind = unheld_kind(t);
+    TORCH_CHECK_NOT_IMPLEMENTED(kind.empty(), "neuron: ", e.name, " would return a ", kind,
+                                " tensor; the neuron device holds only strided (dense) and sparse COO tensors");
     if (at::Tensor* dev = c.alias_to_tensor.find(t.unsafeGetTensorImpl())) return *dev;
     auto* simpl = t.storage().unsafeGetStorageImpl();
     if (c10::Storage* s = c.alias_to_device.find(simpl)) return device_tensor_like(*s, t);  // a view of an input

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <map>
+#include <typeinfo>
 
 #include "runtime.h"
 
@@ -47,7 +48,7 @@ c10::DeviceIndex target_index(std::optional<at::Device> device) {
 
 void check_layout(std::optional<at::Layout> layout) {
   TORCH_CHECK_NOT_IMPLEMENTED(!layout || *layout == at::kStrided, "neuron: ", *layout,
-                              " tensors are not supported; the neuron device stores only strided (dense) tensors");
+                              " tensors are not supported; the neuron device holds only strided (dense) and sparse COO tensors");
 }
 
 at::Tensor empty_memory_format(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
@@ -330,17 +331,50 @@ at::Tensor sparse_compressed_to_copy(const at::Tensor& self, std::optional<at::S
                                      std::optional<bool> pin_memory, bool non_blocking,
                                      std::optional<at::MemoryFormat> memory_format) {
   TORCH_CHECK_NOT_IMPLEMENTED(!device || device->type() != kNeuron, "neuron: ", self.layout(),
-                              " tensors are not supported; the neuron device stores only strided (dense) tensors "
+                              " tensors are not supported; the neuron device holds only strided (dense) and sparse COO tensors "
                               "(convert with .to_dense() first)");
   return at::native::_to_copy(self, dtype, layout, device, pin_memory, non_blocking, memory_format);
 }
 
 void refuse_sparse_compressed(const c10::OperatorHandle& op, torch::jit::Stack*) {
   TORCH_CHECK_NOT_IMPLEMENTED(false, "neuron: sparse compressed (CSR/CSC/BSR/BSC) tensors are not supported (in ",
-                              op.schema().name(), "); the neuron device stores only strided (dense) tensors");
+                              op.schema().name(), "); the neuron device holds only strided (dense) and sparse COO tensors");
+}
+
+// Quantized and nested tensors: a constructor or a move given device="neuron" dispatches on QuantizedPrivateUse1 /
+// NestedTensorPrivateUse1 (an op computing one from neuron tensors is refused by the fallback, fallback.cpp).
+void refuse_unheld(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const char* kind = "quantized";
+  for (const auto& v : *stack)
+    if (v.isTensor() && v.toTensor().is_nested()) kind = "nested";
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "neuron: ", kind, " tensors are not supported (in ", op.schema().name(),
+                              "); the neuron device holds only strided (dense) and sparse COO tensors: run ", kind,
+                              " ops on the CPU");
+}
+
+// PyTorch converts a module's parameters in place (`param.data = converted`: Parameter objects, weight ties,
+// optimizers and lazy modules' uninitialized parameters survive `.to()`) only when this op says a shallow copy
+// between the two tensors is valid. Its built-in answer (TensorImpl::has_compatible_shallow_copy_type) lists
+// the dense backends without PrivateUse1 and leaves a PrivateUse1 backend to answer for itself. A dense neuron
+// tensor is the same TensorImpl as a dense CPU tensor, so the shallow copy between them is the one CPU<->CUDA
+// conversions make.
+bool has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense = [](const at::Tensor& t) {
+    const auto ks = t.key_set();
+    return ks.has(c10::DispatchKey::Dense) && typeid(*t.unsafeGetTensorImpl()) == typeid(c10::TensorImpl) &&
+           (ks.has_backend(c10::BackendComponent::CPUBit) || ks.has_backend(c10::BackendComponent::PrivateUse1Bit));
+  };
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set()) || (dense(self) && dense(from));
 }
 
 }  // namespace
+
+TORCH_LIBRARY_IMPL(_, QuantizedPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&refuse_unheld>());
+}
+TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse1, m) {
+  m.fallback(torch::CppFunction::makeFromBoxedFunction<&refuse_unheld>());
+}
 
 // A move to `neuron` or a constructor given device="neuron" dispatches on SparseCsrPrivateUse1 (BackendSelect adds
 // the target's layout and backend), where ATen's composite kernels would build the tensor without the device.
@@ -360,6 +394,7 @@ TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
   m.impl("_copy_from", copy_from);

@@ -103,24 +103,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("_note_device_result", &note_device_result,
         "Apply the dtype policy to a neuron tensor computed outside the op fallback (a collective's reduction).");
   bind_boundary(m);
-  m.def("_set_data", [](const at::Tensor& self, const at::Tensor& data) {
-    // `self.data = data` between the host and a neuron device, which PyTorch refuses because its list of
-    // "dense" backends leaves PrivateUse1 out; a neuron tensor is the same TensorImpl as a CPU tensor, so the
-    // shallow copy is exactly what it does between CPU and CUDA: identity, version counter and autograd
-    // metadata (requires_grad, hooks, weak references to the Python object) stay with `self`.
-    auto plain = [](const at::Tensor& t) {
-      return typeid(*t.unsafeGetTensorImpl()) == typeid(c10::TensorImpl) && t.layout() == at::kStrided &&
-             !t.key_set().has(c10::DispatchKey::Python) && (t.device().is_cpu() || t.device().type() == kNeuron);
-    };
-    TORCH_CHECK(plain(self) && plain(data), "_set_data expects plain strided CPU or neuron tensors");
-    TORCH_CHECK(!self.requires_grad() || at::isFloatingType(data.scalar_type()) || at::isComplexType(data.scalar_type()),
-                "data set to a tensor that requires gradients must be floating point or complex dtype");
-    if (auto* meta = torch::autograd::impl::get_autograd_meta(self)) {
-      std::lock_guard<std::mutex> lock(meta->mutex_);
-      if (!data.options().type_equal(self.options()) || data.device() != self.device()) meta->grad_accumulator_.reset();
-    }
-    self.unsafeGetTensorImpl()->shallow_copy_from(data.getIntrusivePtr());
-  }, "self.data = data across the host/neuron boundary (what Module.to does for CUDA; PyTorch refuses it here).");
   bind_profiler(m);
   bind_memory_history(m);
 }

@@ -2,9 +2,13 @@
 // Philox counter (offset + i) of the generator (hooks.cpp), so a value depends on (seed, offset + position) alone.
 // A DTensor shard drawn at DTensor's shard offset therefore holds exactly the values of the same slice of the
 // unsharded tensor. Each kernel makes the values in float64 on the host and writes them with a cast.
-// Random ops not listed here (multinomial, randperm, poisson, normal with tensor arguments, ...) run as host
+// Every argument check is the CPU's own (check_like_cpu). Random ops not listed here (multinomial, randperm, poisson, normal with tensor arguments, ...) run as host
 // fallbacks with a CPU generator seeded from the next counter (fallback.cpp, host_generator_of).
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Dispatch_v2.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/DistributionTemplates.h>
 #include <c10/util/MathConstants.h>
 #include <torch/library.h>
 
@@ -140,6 +144,7 @@ at::Tensor target(const at::Tensor& self) { return self.is_complex() ? at::view_
 template <class F>
 at::Tensor& fill_random(at::Tensor& self, const at::Tensor& over, const std::optional<at::Generator>& gen, Want want,
                         const char* name, F values) {
+  if (over.numel() == 0) return self;  // as the CPU: nothing drawn, nothing launched
   const c10::DeviceIndex dev = self.device().index();
   auto slice = reserve_philox(gen, dev, static_cast<uint64_t>(over.numel()));
   note_executed(name);
@@ -154,14 +159,21 @@ at::Tensor normal_values(Draws d) {  // Box-Muller on the element's own two unif
   return d.u1.log_().mul_(-2.0).sqrt_().mul_(d.u2.mul_(2.0 * c10::pi<double>).cos_());
 }
 
-void check_floating(const at::Tensor& self, const char* name) {
-  TORCH_CHECK(at::isFloatingType(self.scalar_type()) || at::isComplexType(self.scalar_type()), name,
-              " expects a floating point tensor, but got ", self.scalar_type());
+// The argument checks of a random op are the CPU's own, not a copy of them: the op first runs on a CPU tensor of
+// the same dtype with min(numel, 1) elements and the same arguments, drawing from a private generator. So the
+// call raises what the CPU raises, with its type and message (ranges against the dtype, from < to, a dtype the
+// distribution does not support), gives its warnings (random_'s precision warning), and lets an empty tensor pass
+// what the CPU lets it pass. Then, as the CPU's TensorIterator, a tensor whose elements overlap is refused.
+template <class F>
+void check_like_cpu(const at::Tensor& self, F&& op) {
+  static thread_local at::Generator probe_gen = at::make_generator<at::CPUGeneratorImpl>(0);
+  at::Tensor probe = at::empty({std::min<int64_t>(self.numel(), 1)}, self.options().device(at::kCPU));
+  op(probe, probe_gen);
+  if (self.numel() > 0) at::assert_no_internal_overlap(self);
 }
 
 at::Tensor& uniform_(at::Tensor& self, double from, double to, std::optional<at::Generator> gen) {
-  check_floating(self, "uniform_");
-  TORCH_CHECK(from <= to, "uniform_ expects to return a [from, to) range, but found from=", from, " > to=", to);
+  check_like_cpu(self, [&](at::Tensor& p, const at::Generator& g) { p.uniform_(from, to, g); });
   auto st = target(self).scalar_type();
   return fill_random(self, target(self), gen, Want::one, "aten::uniform_", [=](Draws d) {
     auto v = d.u1.mul_(to - from).add_(from).to(st);
@@ -170,43 +182,40 @@ at::Tensor& uniform_(at::Tensor& self, double from, double to, std::optional<at:
 }
 
 at::Tensor& normal_(at::Tensor& self, double mean, double std, std::optional<at::Generator> gen) {
-  check_floating(self, "normal_");
-  TORCH_CHECK(std >= 0.0, "normal expects std >= 0.0, but found std ", std);
+  check_like_cpu(self, [&](at::Tensor& p, const at::Generator& g) { p.normal_(mean, std, g); });
   if (self.is_complex()) std /= std::sqrt(2.0);
   return fill_random(self, target(self), gen, Want::two, "aten::normal_",
                      [=](Draws d) { return normal_values(d).mul_(std).add_(mean); });
 }
 
 at::Tensor& log_normal_(at::Tensor& self, double mean, double std, std::optional<at::Generator> gen) {
-  check_floating(self, "log_normal_");
-  TORCH_CHECK(std > 0.0, "log_normal_ expects std > 0.0, but found std=", std);
+  check_like_cpu(self, [&](at::Tensor& p, const at::Generator& g) { p.log_normal_(mean, std, g); });
   return fill_random(self, self, gen, Want::two, "aten::log_normal_",
                      [=](Draws d) { return normal_values(d).mul_(std).add_(mean).exp_(); });
 }
 
 at::Tensor& exponential_(at::Tensor& self, double lambd, std::optional<at::Generator> gen) {
-  check_floating(self, "exponential_");
-  TORCH_CHECK(lambd > 0.0, "exponential_ expects lambda > 0.0, but found lambda=", lambd);
+  check_like_cpu(self, [&](at::Tensor& p, const at::Generator& g) { p.exponential_(lambd, g); });
   return fill_random(self, self, gen, Want::one, "aten::exponential_",
                      [=](Draws d) { return d.u1.log_().div_(-lambd); });
 }
 
 at::Tensor& cauchy_(at::Tensor& self, double median, double sigma, std::optional<at::Generator> gen) {
-  check_floating(self, "cauchy_");
-  TORCH_CHECK(sigma > 0.0, "cauchy_ expects sigma > 0.0, but found sigma=", sigma);
+  check_like_cpu(self, [&](at::Tensor& p, const at::Generator& g) { p.cauchy_(median, sigma, g); });
   return fill_random(self, self, gen, Want::one, "aten::cauchy_", [=](Draws d) {
     return d.u1.sub_(0.5).mul_(c10::pi<double>).tan_().mul_(sigma).add_(median);
   });
 }
 
 at::Tensor& geometric_(at::Tensor& self, double p, std::optional<at::Generator> gen) {
-  TORCH_CHECK(0 < p && p < 1, "geometric_ expects p to be in (0, 1), but got p=", p);
+  check_like_cpu(self, [&](at::Tensor& t, const at::Generator& g) { t.geometric_(p, g); });
   return fill_random(self, self, gen, Want::one, "aten::geometric_",
                      [=](Draws d) { return d.u1.log_().div_(std::log1p(-p)).ceil_(); });
 }
 
 at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Generator> gen) {
-  TORCH_CHECK(0 <= p && p <= 1, "bernoulli_ expects p to be in [0, 1], but got p=", p);
+  check_like_cpu(self, [&](at::Tensor& t, const at::Generator& g) { t.bernoulli_(p, g); });
+  if (self.numel() == 0) return self;
   if (self.is_contiguous() && (at::isFloatingType(self.scalar_type()) || self.scalar_type() == at::kBool)) {
     // dropout's mask: the same draws and comparison as below, written straight into the tensor (no float64 array)
     const c10::DeviceIndex dev = self.device().index();
@@ -231,6 +240,11 @@ at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Genera
 }
 
 at::Tensor& bernoulli_tensor(at::Tensor& self, const at::Tensor& p, std::optional<at::Generator> gen) {
+  check_like_cpu(self, [&](at::Tensor& t, const at::Generator& g) {
+    t.bernoulli_(at::zeros({std::min<int64_t>(p.numel(), 1)}, p.options().device(at::kCPU)), g);
+  });
+  if (self.numel() == 0) return self;
+  (void)at::expand_inplace(self, p);  // the CPU's broadcast check of p against self (metadata only)
   // a device p is read on the stream, in order; a host p now
   at::Tensor probs = p.device().type() == kNeuron ? host_alias(p) : p.clone();
   auto sizes = self.sizes().vec();
@@ -248,25 +262,36 @@ at::Tensor bernoulli_p(const at::Tensor& self, double p, std::optional<at::Gener
   return bernoulli_float(out, p, gen);
 }
 
-// Integers in [from, to), or [from, the dtype's largest exactly representable integer] without `to`: each element
-// reduces its own 64-bit word modulo the range.
-at::Tensor& random_from_to(at::Tensor& self, int64_t from, std::optional<int64_t> to, std::optional<at::Generator> gen) {
-  uint64_t range;  // 0 stands for 2^64
-  if (to) {
-    TORCH_CHECK(from < *to, "random_ expects 'from' to be less than 'to', but got from=", from, " >= to=", *to);
-    range = static_cast<uint64_t>(*to) - static_cast<uint64_t>(from);
+// The values random_ draws, as the CPU's random_from_to_impl: [from, to), or [from, the dtype's top] without `to`,
+// or all 64 bits from the lowest int64 (range 0 stands for 2^64); for a floating dtype the bounds move inwards
+// (ATen's update_from/update_to) so that no value reaches `to` once cast. Each element reduces its own 64-bit word.
+uint64_t random_range(at::ScalarType st, int64_t& from, std::optional<int64_t> to) {
+  if (!to && from == std::numeric_limits<int64_t>::lowest()) return 0;
+  int64_t top = 0;  // inclusive
+  if (at::isFloatingType(st)) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "random_", [&] {
+      from = at::native::templates::update_from<scalar_t>(from);
+      constexpr int digits = std::numeric_limits<scalar_t>::digits;
+      top = to ? at::native::templates::update_to<scalar_t>(*to) - 1
+               : digits >= 63 ? std::numeric_limits<int64_t>::max() : int64_t{1} << digits;
+    });
+  } else if (to) {
+    top = *to - 1;
   } else {
-    auto st = self.scalar_type();
-    int64_t top = st == at::kBool ? 1
-                  : at::isFloatingType(st)
-                      ? (int64_t{1} << (st == at::kDouble ? 53 : st == at::kFloat ? 24 : st == at::kHalf ? 11 : 8))
-                      : c10::isIntegralType(st, false) ? AT_DISPATCH_INTEGRAL_TYPES(st, "random_", [] {
-                          return static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
-                        })
-                      : std::numeric_limits<int64_t>::max();
-    TORCH_CHECK(from <= top, "random_ expects 'from' to be at most ", top, " for ", st, ", but got from=", from);
-    range = static_cast<uint64_t>(top) - static_cast<uint64_t>(from) + 1;
+    AT_DISPATCH_V2(st, "random_", AT_WRAP([&] {
+      if constexpr (std::is_same_v<scalar_t, bool>) top = 1;
+      else top = static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
+    }), AT_EXPAND(AT_INTEGRAL_TYPES_V2), at::kBool);
   }
+  return static_cast<uint64_t>(top) - static_cast<uint64_t>(from) + 1;
+}
+
+template <class Check>
+at::Tensor& random_impl(at::Tensor& self, int64_t from, std::optional<int64_t> to, std::optional<at::Generator> gen,
+                        Check check) {
+  check_like_cpu(self, check);
+  if (self.numel() == 0) return self;
+  const uint64_t range = random_range(self.scalar_type(), from, to);
   return fill_random(self, self, gen, Want::bits, "aten::random_", [=](Draws d) {
     if (range != 0) {
       auto* w = d.bits.data_ptr<int64_t>();
@@ -277,11 +302,14 @@ at::Tensor& random_from_to(at::Tensor& self, int64_t from, std::optional<int64_t
   });
 }
 
-at::Tensor& random_to(at::Tensor& self, int64_t to, std::optional<at::Generator> gen) {
-  return random_from_to(self, 0, to, gen);
+at::Tensor& random_from_to(at::Tensor& self, int64_t from, std::optional<int64_t> to, std::optional<at::Generator> gen) {
+  return random_impl(self, from, to, gen, [&](at::Tensor& p, const at::Generator& g) { p.random_(from, to, g); });
 }
-at::Tensor& random_full(at::Tensor& self, std::optional<at::Generator> gen) {
-  return random_from_to(self, 0, std::nullopt, gen);
+at::Tensor& random_to(at::Tensor& self, int64_t to, std::optional<at::Generator> gen) {
+  return random_impl(self, 0, to, gen, [&](at::Tensor& p, const at::Generator& g) { p.random_(to, g); });
+}
+at::Tensor& random_full(at::Tensor& self, std::optional<at::Generator> gen) {  // the CPU's [0, top] of the dtype
+  return random_impl(self, 0, std::nullopt, gen, [&](at::Tensor& p, const at::Generator& g) { p.random_(g); });
 }
 
 }  // namespace

@@ -455,6 +455,9 @@ struct HostAliases {
 // The CPU alias of a (defined) neuron tensor; anything else as it is.
 at::Tensor on_host(const at::Tensor& t);
 std::optional<at::Tensor> on_host(const std::optional<at::Tensor>& t);
+// What the device cannot hold about a CPU kernel's result ("" when it is a plain strided tensor): its layout
+// (sparse, mkldnn), or "quantized"/"nested" (strided layout, but not a plain TensorImpl over one storage).
+std::string unheld_kind(const at::Tensor& host);
 // A device tensor over the memory of a CPU tensor produced by a kernel (adopted, no copy).
 at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device);
 // A neuron tensor over `storage` with the metadata (and conj/neg bits) of `like`.

@@ -1,7 +1,7 @@
 """`torch.neuron`: the device module of the neuron backend, with the names of `torch.cuda` and AWS TorchNeuron."""
 import importlib
 
-from . import memory, random, streams  # noqa: F401  (torch.neuron.memory, ...)
+from . import memory, random, storage, streams  # noqa: F401  (torch.neuron.memory, ...)
 from .memory import (  # noqa: F401
     empty_cache,
     get_per_process_memory_fraction,
@@ -65,6 +65,8 @@ from .streams import (  # noqa: F401
     wait_event,
     wait_stream,
 )
+
+globals().update(storage.LEGACY_STORAGES)  # torch.neuron.FloatStorage, ... (Tensor.storage_type() looks here)
 
 # torch.utils.checkpoint saves and restores a device's RNG state only if its module says it is initialised (it
 # reads torch.cuda._initialized); the modelled devices are ready at registration.

@@ -16,6 +16,7 @@ from .. import _C
 from ..hardware import config as _config
 from ..runtime import patches
 from . import flex_attention
+from .storage import STORAGE_CLASSES
 
 _registered = _initialized = _warned = False  # _initialized: usable (validated), as torch.cuda.is_initialized
 _device_t = torch.device | str | int | None
@@ -48,8 +49,8 @@ def register() -> None:
         policy.set_policies()
         _C._set_launch_blocking(cfg.launch_blocking)
         atexit.register(_C._drain_all)  # queued kernels finish before the interpreter and libtorch tear down
-    for p in (NEURON_DEVICE, KEEP_PARAMETERS, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD,
-              flex_attention.WIDEN_DEVICE_CHECK):
+    for p in (NEURON_DEVICE, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD,
+              STORAGE_CLASSES, flex_attention.WIDEN_DEVICE_CHECK):
         patches.apply(p)
     if cfg is not None and cfg.stream_check:  # TORCHNEURON_STREAM_CHECK=1
         from . import stream_check
@@ -70,65 +71,6 @@ def _lazy_init() -> None:
         cfg = _config.current_or_none()
         raise RuntimeError(cfg.local_rank_error if cfg else _config.error())
 
-
-def _keep_parameters_on_conversion(done: patches.Applied) -> None:
-    """Make `module.to("neuron")` keep parameter identity and weight tying, as it does for CUDA.
-
-    PyTorch converts a parameter in place (`param.data = converted`) only between "dense" backends, a list that
-    leaves PrivateUse1 out, so a plain `.to("neuron")` would make new Parameter objects: tied weights come apart
-    and optimizers built before the move lose their parameters. Conversions that cross the neuron boundary take
-    Module._apply's tensor-swapping path (torch.__future__.set_swap_module_params_on_conversion), where the swap
-    of a plain parameter or gradient is `_C._set_data`: the in-place conversion CUDA gets, which, unlike
-    torch.utils.swap_tensors, also works when weak references to the parameter exist or autograd still holds
-    it. Tensor subclasses (DTensor, ...) are swapped by PyTorch. All other conversions are left untouched.
-    """
-    Module = torch.nn.Module
-    swap_tensors = torch.utils.swap_tensors
-    plain = (torch.Tensor, torch.nn.Parameter)
-
-    def set_data_or_swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
-        if type(t1) in plain and type(t2) in plain and t1.layout == t2.layout == torch.strided:
-            _C._set_data(t1, t2)
-        else:
-            swap_tensors(t1, t2)
-
-    def crosses(module: torch.nn.Module, target: torch.device | None) -> bool:
-        if target is None:
-            return False
-        into = target.type == "neuron"
-        return any((t.device.type == "neuron") != into for t in (*module.parameters(), *module.buffers()))
-
-    def crossing(convert, target_of):
-        @functools.wraps(convert)
-        def wrapper(self, *args, **kwargs):
-            for remap in CONVERSION_ARGUMENT_HOOKS:
-                args, kwargs = remap(args, kwargs)
-            if torch.__future__.get_swap_module_params_on_conversion() or not crosses(self, target_of(args, kwargs)):
-                return convert(self, *args, **kwargs)
-            torch.__future__.set_swap_module_params_on_conversion(True)
-            try:
-                with patches.swapped(torch.utils, "swap_tensors", set_data_or_swap):
-                    return convert(self, *args, **kwargs)
-            except RuntimeError as e:  # a parameter referenced elsewhere (DDP's reducer, ...) cannot be swapped
-                if "Couldn't swap" not in str(e):
-                    raise
-                reason = f"{e} ({e.__cause__})"
-            finally:
-                torch.__future__.set_swap_module_params_on_conversion(False)
-            warnings.warn(f"{reason}: the module gets new parameter tensors instead (PyTorch's own behaviour for "
-                          "this device without swapping); references held elsewhere keep the old ones", stacklevel=2)
-            return convert(self, *args, **kwargs)
-        return wrapper
-
-    done.replace(Module, "to", crossing(Module.to, lambda a, k: torch._C._nn._parse_to(*a, **k)[0]))
-    done.replace(Module, "cpu", crossing(Module.cpu, lambda a, k: torch.device("cpu")))
-    done.replace(Module, "neuron", crossing(Module.neuron, lambda a, k: torch.device("neuron")))
-
-
-# Functions (args, kwargs) -> (args, kwargs) that rewrite the arguments of Module.to/cpu/neuron inside their one
-# wrapper, before it decides whether the conversion crosses the neuron boundary: CUDA compatibility mode maps
-# "cuda" to "neuron" here rather than wrapping Module.to a second time.
-CONVERSION_ARGUMENT_HOOKS: list[Callable[[tuple, dict], tuple[tuple, dict]]] = []
 
 
 def _refuse_sharing_between_processes(done: patches.Applied) -> None:
@@ -201,12 +143,6 @@ NEURON_DEVICE = patches.declare(
     ".neuron() and .is_neuron", "the device itself, through PyTorch's PrivateUse1 extension API",
     "tests/test_registration.py::test_generated_methods_and_module", _register_device,
     no_undo="PyTorch has no way to rename PrivateUse1 back or unregister a device module")
-KEEP_PARAMETERS = patches.declare(
-    "module-conversion-keeps-parameters", "torch.nn.Module.to, torch.nn.Module.cpu, torch.nn.Module.neuron "
-    "(and torch.utils.swap_tensors during one conversion)",
-    "module.to('neuron') keeps parameter identity and weight tying, as for CUDA",
-    "tests/test_registration.py::test_module_conversion_keeps_parameters_with_weakrefs_and_ties",
-    _keep_parameters_on_conversion)
 REFUSE_SHARING = patches.declare(
     "refuse-sharing-neuron-memory", "multiprocessing.reduction.ForkingPickler reducers of torch.Tensor, "
     "torch.UntypedStorage, torch.storage.TypedStorage",

@@ -388,13 +388,16 @@ def _module_storage_rows() -> list[Redirect]:
         Redirect(mod, "cuda", lambda f: _quietly("Module.cuda", lambda m, device=None: m.neuron(device)))]
 
 
-def _module_to_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Module.to/cpu/neuron arguments with cuda devices mapped to neuron, inside the device's one wrapper of
-    Module.to (torchneuron.device.module.CONVERSION_ARGUMENT_HOOKS), so that parameters keep their identity."""
-    if not _mentions_cuda(args, kwargs):
-        return args, kwargs
-    api = "Module.to(cuda)"
-    return tuple(_map_value(a, api) for a in args), {k: _map_value(v, api) for k, v in kwargs.items()}
+def _module_to(orig: Callable) -> Callable:
+    """Module.to with cuda devices mapped to neuron (counted once per call, not per parameter). The conversion
+    itself is PyTorch's in-place one, as for CUDA: the device answers `_has_compatible_shallow_copy_type`."""
+    @functools.wraps(orig)
+    def to(self, *args, **kwargs):
+        if _mentions_cuda(args, kwargs):
+            api = "Module.to(cuda)"
+            args, kwargs = tuple(_map_value(a, api) for a in args), {k: _map_value(v, api) for k, v in kwargs.items()}
+        return orig(self, *args, **kwargs)
+    return to
 
 
 def _distributed_rows() -> list[Redirect]:
@@ -437,18 +440,6 @@ def _redirecting(rows: Callable[[], list[Redirect]]) -> Callable[[patches.Applie
     return apply
 
 
-def _module_to(done: patches.Applied) -> None:
-    from ..device.module import CONVERSION_ARGUMENT_HOOKS
-
-    CONVERSION_ARGUMENT_HOOKS.append(_module_to_args)
-
-
-def _module_to_undo() -> None:
-    from ..device.module import CONVERSION_ARGUMENT_HOOKS
-
-    CONVERSION_ARGUMENT_HOOKS.remove(_module_to_args)
-
-
 _MODE: list[_DeviceMode] = []  # the mode enable() entered
 
 
@@ -483,10 +474,9 @@ COMPAT = (  # applied in this order by enable(); the mode last
         "module.cuda(), storage.cuda() and checkpoints saved on cuda land on neuron",
         "test_redirect_depth_isinstance_and_compile", _redirecting(_module_storage_rows)),
     _compat_patch(
-        "cuda-compat-module-to", "torch.nn.Module.to (a hook in the device's one wrapper: "
-        "torchneuron.device.module.CONVERSION_ARGUMENT_HOOKS)",
+        "cuda-compat-module-to", "torch.nn.Module.to",
         "module.to('cuda') converts to neuron in place, keeping parameters and ties",
-        "test_module_to_cuda_keeps_parameters", _module_to, _module_to_undo),
+        "test_module_to_cuda_keeps_parameters", _redirecting(lambda: [Redirect(torch.nn.Module, "to", _module_to)])),
     _compat_patch(
         "cuda-compat-distributed", "DistributedDataParallel.__init__, torch.distributed.Backend.__new__, "
         "is_nccl_available, init_process_group, DeviceMesh, init_device_mesh",
