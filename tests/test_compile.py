@@ -386,7 +386,10 @@ def test_float64_follows_the_dtype_policy():
     x = torch.randn(5, dtype=torch.float64, device=N)
     with pytest.warns(UserWarning, match="float64"):
         out = torch.compile(f, backend=N)(x)
-    assert torch.equal(out, f(x))  # rounded to float32 precision after each op, like eager
+    # rounded to float32 precision after each op, like eager: every value a float32, within one float32 ulp of
+    # eager's (a compiled kernel's exp may round an ulp apart from ATen's: docs/device.md)
+    assert torch.equal(out.cpu(), out.cpu().float().double())
+    torch.testing.assert_close(out.cpu(), f(x).cpu(), rtol=2 ** -23, atol=0)
     assert rows()[0]["float64_rounded"] == 3
     torchneuron.set_policies(dtype_policy="host")
     torch._dynamo.reset()

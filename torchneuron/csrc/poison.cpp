@@ -37,7 +37,8 @@ bool rethrow_as(const std::exception_ptr& error, const std::string& where) {
 }  // namespace
 
 Touch touch(const at::Tensor& t, bool read, bool write) {
-  const void* base = t.defined() ? t.storage().data() : nullptr;
+  // sparse (and other storage-less) tensors: their values and indices are tensors of their own
+  const void* base = t.defined() && t.layout() == at::kStrided && t.has_storage() ? t.storage().data() : nullptr;
   const bool whole = write && base && t.is_non_overlapping_and_dense() &&
                      static_cast<size_t>(t.numel()) * t.dtype().itemsize() == t.storage().nbytes();
   return {base, read, write, whole};
