@@ -37,17 +37,7 @@ def _drained():
 @pytest.mark.parametrize("mode", fp.MODES)
 def test_fuzz_sample(mode):
     n = PROGRAMS // len(fp.MODES)
-    base = SEED + 1_000_000 * fp.MODES.index(mode)
-    unknown, known = [], {}
-    for seed in range(base, base + n):
-        out = fp.check(fp.generate(seed), mode)
-        if not out.mismatches:
-            continue
-        f = fp.finding(out.mismatches[0])
-        if f is not None:
-            known.setdefault(f.id, []).append(seed)
-        else:
-            unknown.append(out)
+    unknown, known = fp.sample(mode, n, SEED)
     if known:
         print(f"{mode}: programs with an open finding first:",
               "; ".join(f"{k}: {len(v)} (seeds {v[:5]})" for k, v in sorted(known.items())))
