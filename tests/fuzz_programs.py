@@ -635,16 +635,21 @@ class Generator:
 
     def loop(self) -> None:
         """A fusable run that recurs (eager fusion compiles a group at its third sighting, then replays it)."""
-        a = self.pick(lambda t, n: t.dtype == torch.float32 and t.numel() >= 2 ** 18 and t.is_contiguous())
+        a = self.pick(lambda t, n: t.dtype == torch.float32 and tuple(t.shape) == (512, 512) and t.is_contiguous())
         if a is None:
             name = self.fresh()
             self.emit(f"{name} = mk((512, 512), torch.float32, {self.r.randrange(10 ** 6)}, 'int')", "create",
                       (name,), exact=True)
             a = name
-        b = self.pick(lambda t, n: t.shape == self.t(a).shape and t.dtype == torch.float32 and n != a) or a
-        body = self.r.choice([f"{a}.mul_(0.5).add_({b})", f"{a}.add_({b}).clamp_(-64, 64)",
-                              f"{a}.sub_({b}).mul_(2).clamp_(-100, 100)"])
-        self.emit(f"for _ in range({self.r.randint(4, 6)}):\n    slow(1, 512)\n    {body}", "loop", writes=(a,))
+        b = self.pick(lambda t, n: t.shape == self.t(a).shape and t.dtype == torch.float32 and n != a
+                      and t.is_contiguous() and not set(self.aliases(n)) & set(self.aliases(a)))
+        if b is None:
+            b = self.fresh()
+            self.emit(f"{b} = mk({tuple(self.t(a).shape)}, torch.float32, {self.r.randrange(10 ** 6)}, 'int')",
+                      "create", (b,), exact=True)
+        # one body, so that a process compiles few groups (Inductor's build of one takes 4-30 s on a loaded box)
+        self.emit(f"for _ in range({self.r.randint(4, 6)}):\n    slow(1, 512)\n    {a}.mul_(0.5).add_({b})", "loop",
+                  writes=(a,))
 
     KINDS = (("create", 8), ("unary", 10), ("binary", 12), ("reduction", 5), ("matmul", 4), ("inplace", 12),
              ("view", 6), ("overlap", 2), ("copy", 3), ("hostread", 7), ("sync", 2), ("slow", 5), ("indexing", 6),
@@ -983,7 +988,7 @@ def traces(out: Outcome) -> str:
 
 # ----------------------------------------------------------------------------------------------- findings
 
-_BIND = re.compile(r"^(t\d+) = ", re.MULTILINE)
+_BIND = re.compile(r"^\s*(t\d+) = ", re.MULTILINE)
 _WRITE = re.compile(r"^\s*(t\d+)\b[^=]*?\.(\w+_)\(|out=(t\d+)", re.MULTILINE)
 _SYNC = re.compile(r"rec\(|synchronize\(|\.item\(|tolist\(|torch\.tensor\(|\.to\('cpu'")
 _DEFER = re.compile(r"index_select|gather|embedding|index_add_|index_fill_|\[t\d+\]|//|%|div|remainder|floor_divide")
@@ -1024,7 +1029,42 @@ class Finding:
                 and bool(re.search(self.pattern, m.what)))
 
 
-FINDINGS: tuple[Finding, ...] = ()
+_WARM = ("t0 = mk((512, 512), torch.float32, 1, 'int')", "t1 = torch.tensor([0, 1], device=dev)",
+         "t2 = t0.index_select(0, t1)", "t9 = t0 * 2")  # each signature once, so that later calls are queued
+
+FINDINGS: tuple[Finding, ...] = (
+    Finding("F1", "a copy_ or in-place op between shapes that do not broadcast is not refused at the call when it is "
+            "queued (the stream busy, or queue-everything); a later op raises its error and the ops between are "
+            "skipped", 1, (), r"^CPU raised RuntimeError \((The size of tensor a|output with shape).*neuron raised "
+            "nothing",
+            ("t0 = mk((256, 1024), torch.int64, 1, 'pos')", "t1 = torch.full((6,), 3, dtype=torch.int64, device=dev)",
+             "t2 = (t0 == t0)", "slow(2, 512)", "t3 = (t0 == t0)", "t1.copy_(t3)", "t4 = t0 + 1", "dm.synchronize()",
+             "rec('t1', t1)", "rec('t4', t4)")),
+    Finding("F2", "an overlapping write (v[1:].copy_(v[:-1]), out= over an input, a write through expand) is not "
+            "refused at the call when it is queued; a later op raises it", 1, (),
+            r"^CPU raised RuntimeError \(unsupported operation: (some elements|more than one element).*neuron raised "
+            "nothing",
+            ("t0 = mk((4, 1), torch.bool, 1, 'bool')", "t0[:-1].copy_(t0[1:])", "dm.synchronize()", "rec('t0', t0)"),
+            "queue"),
+    Finding("F3", "work queued after a failed kernel is skipped and its results read as garbage (no error) once the "
+            "error was reported", 3, (), r".",
+            (*_WARM, "slow(3, 512)", "t3 = torch.tensor([0, 600], device=dev)", "t4 = t0.index_select(0, t3)",
+             "t5 = t0 * 2", "dm.synchronize()", "rec('t5', t5)", "rec('t0', t0)")),
+    Finding("F4", "a deferred device error is raised by an unrelated launch that is no sync point (the first call of "
+            "a signature waits for the stream and reports the stream's error)", 2, (),
+            r"where the CPU ran \(pending: .*not a sync point; reads no tainted data",
+            (*_WARM, "slow(3, 512)", "t3 = torch.tensor([0, 600], device=dev)", "t4 = t0.index_select(0, t3)",
+             "t5 = t0 - 1", "dm.synchronize()", "rec('t5', t5)")),
+    Finding("F5", "a failed kernel on a side stream: later, unrelated work on that stream is skipped and reads as "
+            "garbage after the error was reported (F3 on a side stream)", 3, ("side",), r"^$",
+            ("t0 = mk((8,), torch.float32, 1, 'int')", "t8 = mk((512, 512), torch.float32, 2, 'int')", "t1 = t8 * 2",
+             "t2 = t0.index_select(0, torch.tensor([0, 0], device=dev))",
+             "s2.wait_stream(dm.current_stream())\ntry:\n    with dm.stream(s2):\n        slow(2, 512)\n"
+             "        t6 = t0.index_select(0, torch.tensor([0, 8], device=dev))\nfinally:\n"
+             "    dm.current_stream().wait_stream(s2)",
+             "s2.wait_stream(dm.current_stream())\ntry:\n    with dm.stream(s2):\n        t12 = t8 * 2\nfinally:\n"
+             "    dm.current_stream().wait_stream(s2)", "dm.synchronize()", "rec('t12', t12)")),
+)
 
 
 def finding(m: Mismatch) -> Finding | None:
