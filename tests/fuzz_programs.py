@@ -25,12 +25,13 @@ Comparison rules (the device's error semantics; CPU is the reference):
    may raise a pending error once (the first sync after the failure, CUDA-style); a surfacing reports every error
    pending at that time.
 3. Never a garbage value: every value neuron returns from a read equals the CPU's value for that read (integers and
-   bools exactly; floats exactly under TORCHNEURON_EAGER_FUSION=0, else within 1e-5 relative for float32 and
-   bfloat16's 2**-7). A tensor is tainted when a failing data-dependent statement wrote it (the CPU may have
-   written it partially; on neuron the launch may have been skipped), when a statement on neuron raised a
-   deferred error in its place, or when a successful statement read a tainted tensor; taint is by storage, so
-   views share it. A read of a tainted tensor may raise a deferred error's type (any time: precise poisoning) or
-   must equal the CPU's value; nothing else. Reads of untainted tensors return the CPU's values.
+   bools exactly; floats exactly under TORCHNEURON_EAGER_FUSION=0, else within 1e-5 (float32) or 2**-7 (bfloat16)
+   relative, absolute errors relative to the tensor's largest value: sums in another order). A tensor is tainted
+   when a failing data-dependent statement wrote it (the CPU may have written it partially; on neuron the launch
+   may have been skipped), when a statement on neuron raised a deferred error in its place, or when a successful
+   statement read a tainted tensor; taint is by storage, so views share it. A read of a tainted tensor may raise
+   a deferred error's type (any time: precise poisoning) or must equal the CPU's value; nothing else. Reads of
+   untainted tensors return the CPU's values.
 4. Under launch blocking (TORCHNEURON_LAUNCH_BLOCKING=1, `torchneuron._C._set_launch_blocking(True)`) nothing is
    deferred: every error raises at exactly the CPU's statement.
 
@@ -285,7 +286,7 @@ class Generator:
         lim = 2 ** 22 if t.dtype == torch.float32 else 2 ** 8
         return -lim <= lo.item() and hi.item() <= lim and torch.equal(q, q.trunc())
 
-    def shape(self, large: float = 0.25) -> tuple[int, ...]:
+    def shape(self, large: float = 0.15) -> tuple[int, ...]:
         return self.r.choice(LARGE if self.r.random() < large else SMALL)
 
     # -- statement kinds
@@ -785,9 +786,11 @@ def _same(c: object, n: object, exact: bool) -> bool:
     if isinstance(c, torch.Tensor):
         if not isinstance(n, torch.Tensor) or c.dtype != n.dtype or c.shape != n.shape:
             return False
-        if c.is_floating_point() and not exact:
+        if c.is_floating_point() and not exact:  # rounding of sums in another order: relative to the largest value
             tol = 1e-5 if c.dtype == torch.float32 else 2 ** -7
-            return torch.allclose(n.float(), c.float(), rtol=tol, atol=tol, equal_nan=True)
+            finite = c[c.isfinite()]
+            scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
+            return torch.allclose(n.float(), c.float(), rtol=tol, atol=tol * scale, equal_nan=True)
         return torch.equal(c, n) or (c.is_floating_point() and bool(
             ((c == n) | (c.isnan() & n.isnan())).all()))
     if isinstance(c, float) and isinstance(n, float):
@@ -1069,6 +1072,16 @@ FINDINGS: tuple[Finding, ...] = (
              "    dm.current_stream().wait_stream(s2)",
              "s2.wait_stream(dm.current_stream())\ntry:\n    with dm.stream(s2):\n        t12 = t8 * 2\nfinally:\n"
              "    dm.current_stream().wait_stream(s2)", "dm.synchronize()", "rec('t12', t12)")),
+    Finding("F6", "two deferred errors pending (a side stream's and the default stream's): synchronize() raises one; "
+            "the other stays pending past the program's end and is raised by a later, unrelated sync", (2,),
+            ("after_end",), r"still held",
+            ("t0 = mk((6,), torch.int32, 1, 'int')",
+             "s2.wait_stream(dm.current_stream())\ntry:\n    with dm.stream(s2):\n"
+             "        t4 = t0.index_select(0, torch.tensor([0, 0], device=dev))\n        slow(2, 512)\n"
+             "        t6 = t0.index_select(0, torch.tensor([0, 9], device=dev))\nfinally:\n"
+             "    dm.current_stream().wait_stream(s2)",
+             "t8 = torch.tensor([1, 2, 3, 4], device=dev)", "t9 = t8 % t8", "slow(2, 512)",
+             "t1 = torch.tensor([3, 0, 5, -7], device=dev)", "t2 = t1 % t1", "dm.synchronize()")),
 )
 
 
