@@ -194,6 +194,7 @@ class Result:
 
 
 NAME = re.compile(r"\bt\d+\b")
+ASYNC_REPORT = "run asynchronously"  # in the message of an error a queued kernel raised (reported later)
 DATA_DEPENDENT = re.compile(r"out of range|out of bounds|ZeroDivisionError|index \S+ is out of|invalid index",
                             re.IGNORECASE)
 
@@ -837,7 +838,11 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
             data = st.deferrable and bool(DATA_DEPENDENT.search(c.msg))
             if data:
                 tainted |= writes
-            if n.exc == c.exc:
+            if n.exc == c.exc and not data and pending and ASYNC_REPORT in n.msg:  # the same type by chance
+                bad(4 if mode == "blocking" else 1, f"CPU raised {c.exc} ({c.msg}); neuron raised the pending "
+                    f"{n.exc} of statement {pending[0][1]} instead ({n.msg})")
+                pending = []
+            elif n.exc == c.exc:
                 if data:
                     seen.add(c.exc)
             elif n.exc is None:
