@@ -18,10 +18,11 @@ from torchneuron.migrate import check
 ROOT = str(Path(torchneuron.__file__).parents[1])  # this checkout, also for the compat-mode subprocesses
 
 NAMES = ["amp_timing", "ddp_fstring", "hf_style", "nanogpt_style", "nvtx_ranges", "pinned_batches", "resume_rng",
-         "streams_memory", "timm_style", "torchtitan_style", "vendor_ladder"]
+         "stream_events", "streams_memory", "timm_style", "torchtitan_style", "vendor_ladder"]
 LEFT = [("nanogpt_style", "NRN009", "suggest"),  # `"cuda" in device`: does the script mean CUDA or any accelerator?
         ("nanogpt_style", "NRN032", "suggest"), ("nanogpt_style", "NRN032", "suggest")]  # TF32: changes numerics
-ONLY_ON = {"ddp_fstring": "backend", "torchtitan_style": "mesh", "vendor_ladder": "accelerators"}  # device facts
+ONLY_ON = {"ddp_fstring": "backend", "torchtitan_style": "mesh", "vendor_ladder": "accelerators",  # device facts
+           "stream_events": "timed"}
 
 
 @pytest.fixture(scope="module")

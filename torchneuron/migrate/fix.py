@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import difflib
 import os
 import re
@@ -27,7 +28,7 @@ from libcst.metadata import MetadataWrapper, ParentNodeProvider, Scope, ScopePro
 
 from . import check
 from .check import Analysis, Finding, analyze, iter_files, read_source
-from .rules import Rule
+from .rules import BY_CODE, Rule
 from .syntax import _dotted, _walk, literal
 from .visitor import GUARDS, Imports, Site
 
@@ -247,13 +248,25 @@ EVENT_ESCAPES = "the event is used beyond record/synchronize/wait/elapsed_time/q
     "cannot run; guard its uses with `torch.accelerator.is_available()`"
 
 
+# An event whose uses cannot be guarded (stored on an object, passed on) is, when made without arguments, the
+# device module's event: on CPU-only hosts torch.cpu.Event, whose record/wait/synchronize/query do nothing.
+ESCAPING_EVENT = Rule("NRN041", "sync", (), "", "torch.get_device_module(device).Event()", "auto",
+                      "torch.cpu.Event takes no arguments", "")
+
+
 def downgrade_escaping_events(module: cst.Module, findings: list[Finding]) -> None:
-    """`check` and `fix` agree: an unguarded event whose uses cannot all be guarded is a suggestion."""
+    """`check` and `fix` agree: an unguarded event whose uses cannot all be guarded becomes the device module's
+    event when made without arguments, else a suggestion."""
     wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
     found = [f for f in findings if f.code == "NRN041" and f.fix == "auto" and not f.site.guarded]
     events = _event_uses(module, _Facts.of(wrapper), wrapper.resolve(ParentNodeProvider), found)
     for f in found:
-        if events[id(f.site.target)] is None:
+        if events[id(f.site.target)] is not None:
+            continue
+        if f.site.call is not None and not f.site.call.args:
+            f.site = dataclasses.replace(f.site, rule=ESCAPING_EVENT)
+            f.message = f"`torch.cuda.Event` is CUDA-only; use `{ESCAPING_EVENT.replacement}`"
+        else:
             f.fix, f.message = "suggest", f"{f.message} [not rewritten: {EVENT_ESCAPES}]"
 
 
@@ -517,6 +530,17 @@ def fix_source(source: bytes | str, path: str = "<string>") -> FixResult:
             return res
     res.applied = [f for f in todo if id(f.site.target) in fixer.applied]
     res.remaining = [f for f in a.findings if f not in res.applied]
+    lines = old.splitlines()
+
+    def called(f: Finding) -> bool:  # `torch.cuda.Stream(...)` runs; an annotation or isinstance() target does not
+        return re.match(r"[\w.]+\s*\(", lines[f.line - 1][f.col - 1:]) is not None if f.line <= len(lines) else False
+
+    if res.applied and (stuck := [f for f in res.remaining if BY_CODE[f.code].raises_off_cuda and called(f)]):
+        f = stuck[0]  # the rewritten file would still stop there on neuron and on CPU: better not touch it
+        res.error = (f"line {f.line}: {f.code} {f.message.split(' [')[0]} cannot be rewritten here and raises on any "
+                     "host without CUDA, so a partial rewrite would not run; rewrite it by hand, then run fix again")
+        res.remaining, res.applied = list(a.findings), []
+        return res
     res.new, res.data = module.code, module.bytes
     return res
 

@@ -40,7 +40,7 @@ VENDORS = ("cuda", "mps", "xpu", "npu", "mlu", "hpu", "musa", "mtia", "neuron", 
 BENIGN = {"NRN030", "NRN031", "NRN032", "NRN033", "NRN034", "NRN035", "NRN060", "NRN065"}
 # a file none of whose lines matches this cannot trigger a rule: lets `check` skip most files unparsed
 TRIGGER = (r"(?i)cuda|cudnn|cublas|nccl|triton|nvidia|nvml|nvtx|apex|GradScaler|device_ids|output_device|"
-           r"DataParallel|reduce-overhead|max-autotune|pin_memory|\.cu\b")
+           r"DataParallel|reduce-overhead|max-autotune|pin_memory|record_stream|\.cu\b")
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,8 @@ class Rule:
     indexed: str | None = None  # the replacement when the matched code names an index (default: `device` in
     #                             `replacement` becomes `torch.device(device.type, i)`)
     noqa: str | None = None  # codes the rewrite's own lines are exempt from (they must stay as written)
+    raises_off_cuda: bool = False  # the matched code raises at once on a host without CUDA: left alone, it stops
+    #                                a rewritten file from running, so `fix` then leaves the whole file untouched
 
     def __post_init__(self):
         assert self.fix in FIX_KINDS, self
@@ -232,22 +234,32 @@ RULES: list[Rule] = [
   R("NRN041", "sync", ("torch.cuda.Event",), "`torch.cuda.Event` is CUDA-only", "torch.Event(...)", "auto",
     "the generic event of the current accelerator; positional flags become keywords (`torch.Event` takes a "
     "device first). Recording still needs an accelerator: the CPU backend has no events",
-    "start = torch.cuda.Event(enable_timing=True)", params=("enable_timing", "blocking", "interprocess")),
-  R("NRN042", "sync", ("torch.cuda.Stream",), "`torch.cuda.Stream` is CUDA-only", "torch.Stream(...)", "auto",
-    "the generic stream of the current accelerator; only without a device argument, which would name CUDA",
-    "s = torch.cuda.Stream()", params=("device", "priority"), only="no_device"),
-  R("NRN043", "sync", ("torch.cuda.stream",), "`torch.cuda.stream(s)` context is CUDA-only", "x", "auto",
-    "a `torch.Stream` is its own context manager (`with s:`)", "with torch.cuda.stream(s):\n    pass",
-    only="with_item"),
+    "start = torch.cuda.Event(enable_timing=True)", params=("enable_timing", "blocking", "interprocess"),
+    raises_off_cuda=True),
+  R("NRN042", "sync", ("torch.cuda.Stream",), "`torch.cuda.Stream` is CUDA-only",
+    "torch.get_device_module(device).Stream(...)", "auto",
+    "the device module's stream, of one family with its `stream`, `current_stream` and `Event` (on CPU-only hosts "
+    "torch.cpu's no-op ones, which a `torch.Stream` cannot be mixed with); only without a device argument, which "
+    "would name CUDA", "s = torch.cuda.Stream()", params=("device", "priority"), only="no_device",
+    raises_off_cuda=True),
+  R("NRN043", "sync", ("torch.cuda.stream",), "`torch.cuda.stream(s)` context is CUDA-only",
+    "torch.get_device_module(device).stream(x)", "auto",
+    "the device module's stream context (a no-op on CPU-only hosts)", "with torch.cuda.stream(s):\n    pass",
+    only="with_item", raises_off_cuda=True),
   R("NRN044", "sync", ("torch.cuda.current_stream",), "`torch.cuda.current_stream()` is CUDA-only",
     "torch.get_device_module(device).current_stream(...)", "auto",
     "the device module's current stream; on CPU-only hosts `torch.cpu.current_stream()`, whose `wait_stream`, "
-    "`record_event` and `wait_event` do nothing", "torch.cuda.current_stream().wait_stream(s)", only="no_keyword"),
+    "`record_event` and `wait_event` do nothing", "torch.cuda.current_stream().wait_stream(s)", only="no_keyword",
+    raises_off_cuda=True),
   R("NRN046", "sync", ("torch.cuda.default_stream",), "`torch.cuda.default_stream()` is CUDA-only",
     "torch.get_device_module(device).default_stream(...) if torch.accelerator.is_available() else "
     "torch.cpu.current_stream()", "auto",
     "the device module's default stream (CUDA, neuron); on CPU-only hosts the CPU's no-op stream",
-    "s = torch.cuda.default_stream()", only="no_keyword"),
+    "s = torch.cuda.default_stream()", only="no_keyword", raises_off_cuda=True),
+  R("NRN047", "sync", (".record_stream()",), "`Tensor.record_stream` exists only for accelerator streams",
+    "if torch.accelerator.is_available(): x.record_stream(...)", "auto",
+    "the caching allocator's cross-stream bookkeeping; CPU tensors and torch.cpu's streams have none, so it is "
+    "skipped on CPU-only hosts", "x.record_stream(s)"),
   R("NRN045", "sync", ("torch.cuda.ExternalStream", "torch.cuda.StreamContext", "torch.cuda.set_stream",
                        "torch.cuda.set_sync_debug_mode", "torch.cuda.get_stream_from_external"),
     "CUDA stream plumbing", "use `torch.accelerator.set_stream` / `torch.Stream`", "report",

@@ -264,9 +264,12 @@ class _Visitor:
     def visit_Call(self, node: cst.Call) -> None:
         self.calls[id(node.func)] = node
         method = node.func.attr.value if isinstance(node.func, cst.Attribute) else None
+        unguarded = (f"x.{method}(", f"if torch.accelerator.is_available(): x.{method}(")  # the guard only
         if method and (rule := self.m.methods.get(method)) and not self._module_receiver(node.func.value) and not (
-                self.guard_depth and rule.replacement.startswith(f"x.{method}(")):  # guarded: the rewrite is a no-op
-            site, why = self.site(rule, node, node, subject="receiver")
+                self.guard_depth and rule.replacement.startswith(unguarded)):  # guarded: the rewrite is a no-op
+            guard_line = rule.replacement.startswith("if ") and not self.guard_depth  # replaces the statement
+            site, why = self.site(rule, self.statements.get(id(node), node) if guard_line else node, node,
+                                  subject="receiver")
             self.hit(rule, node.func.attr, site, why)
         qnames = self.qnames(node.func) if isinstance(node.func, (cst.Name, cst.Attribute)) else set()
         if method and id(node) not in self.claimed and (lit := literal(node)):  # "cuda:{}".format(i) too
