@@ -283,8 +283,17 @@ std::vector<StreamQueue*> queues_of(c10::DeviceIndex device) {
 void synchronize_device(c10::DeviceIndex device, bool raise) {
   auto qs = queues_of(device);
   for (auto* q : qs) q->wait_quiet(q->enqueued());
-  if (raise)
-    for (auto* q : qs) q->raise_error();
+  if (!raise) return;
+  // every stream's pending failure is reported here (the first is raised): none waits for a later, unrelated sync
+  std::exception_ptr first;
+  for (auto* q : qs) {
+    try {
+      q->raise_error();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 void drain_current(c10::DeviceIndex device) {
