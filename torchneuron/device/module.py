@@ -47,6 +47,7 @@ def register() -> None:
         policy.set_policies()
         _C._set_launch_blocking(cfg.launch_blocking)
         atexit.register(_C._drain_all)  # queued kernels finish before the interpreter and libtorch tear down
+        os.register_at_fork(before=_C._drain_all)  # the child's copy of memory holds finished results
     for p in (NEURON_DEVICE, KEEP_PARAMETERS, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD):
         patches.apply(p)
     if cfg is not None and cfg.stream_check:  # TORCHNEURON_STREAM_CHECK=1
@@ -61,7 +62,9 @@ def _lazy_init() -> None:
     """Called at each use of the device (PyTorch calls it before a tensor is made on `neuron` and in
     torch.accelerator; so do torch.neuron's queries and the compiler). A valid configuration is initialised at
     registration; otherwise its error, or LOCAL_RANK naming a core this process does not see, is raised here as
-    a RuntimeError (as torch.cuda's lazy initialisation raises a driver's failure)."""
+    a RuntimeError (as torch.cuda's lazy initialisation raises a driver's failure). In a forked child of a parent
+    that had used the device it raises CUDA's "Cannot re-initialize ... in forked subprocess" (csrc/lifecycle.cpp)."""
+    _C._check_device_use()
     if not _initialized:
         if not _registered:
             raise RuntimeError("torchneuron is not registered yet: import torchneuron (or torch with autoload on)")
@@ -137,7 +140,9 @@ def _refuse_sharing_between_processes(done: patches.Applied) -> None:
     handles; device memory here is private to the process, so sharing is impossible (a copy would silently
     break in-place updates). Raising inside the reducer would not help: a queue pickles in a feeder thread that
     only prints the error and drops the item, so a DataLoader would wait forever. The reducer therefore pickles
-    the error itself, and the receiver raises it where it takes the item (DataLoader's `next`)."""
+    the error itself, and the receiver raises it where it takes the item (DataLoader's `next`). CPU memory is
+    shared once the device's queued work has run: a queued copy into pinned memory (a spawned DataLoader worker's
+    dataset, made right before the loader starts) is complete in the receiver, as a fork's child's copy is."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers torch's reducers first; imported by torch already)
@@ -151,6 +156,7 @@ def _refuse_sharing_between_processes(done: patches.Applied) -> None:
                     f"a neuron {what} was sent from process {os.getpid()} (e.g. a DataLoader worker) to this one: "
                     "neuron memory cannot be shared between processes. Return CPU tensors from DataLoader workers "
                     "and move the batch to neuron in the main process (as PyTorch advises for CUDA tensors)",)
+            _C._drain_all()  # the receiver reads the memory as it is now: queued writes into it first
             return reduce(obj)
         return reducer
 
@@ -208,7 +214,8 @@ KEEP_PARAMETERS = patches.declare(
 REFUSE_SHARING = patches.declare(
     "refuse-sharing-neuron-memory", "multiprocessing.reduction.ForkingPickler reducers of torch.Tensor, "
     "torch.UntypedStorage, torch.storage.TypedStorage",
-    "a neuron tensor sent to another process raises a clear error there instead of hanging a DataLoader",
+    "a neuron tensor sent to another process raises a clear error there instead of hanging a DataLoader; CPU "
+    "memory is sent after the device's queued writes into it",
     "tests/test_dataloader.py::test_worker_returning_a_neuron_tensor_raises_in_the_main_process",
     _refuse_sharing_between_processes)
 PRINT_WITHOUT_DTYPE_EVENTS = patches.declare(
@@ -229,7 +236,7 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return _initialized
+    return _initialized and not _is_in_bad_fork()
 
 
 def init() -> None:
@@ -238,7 +245,9 @@ def init() -> None:
 
 
 def _is_in_bad_fork() -> bool:
-    return False  # no driver state to lose across fork: device memory is host memory
+    """Whether this is a forked child of a parent that had used the device: device use raises here, as CUDA's does
+    (PyTorch skips seeding such a device: a DataLoader worker's torch.manual_seed)."""
+    return _C._in_bad_fork()
 
 
 def _count() -> int:
