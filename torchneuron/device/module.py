@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -46,7 +47,7 @@ def register() -> None:
     if cfg is not None:
         policy.set_policies()
         _C._set_launch_blocking(cfg.launch_blocking)
-        atexit.register(_C._drain_all)  # queued kernels finish before the interpreter and libtorch tear down
+        atexit.register(_at_exit)  # registered at `import torch`: runs after the atexit handlers of the program
         os.register_at_fork(before=_C._drain_all)  # the child's copy of memory holds finished results
     for p in (NEURON_DEVICE, KEEP_PARAMETERS, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD):
         patches.apply(p)
@@ -248,6 +249,39 @@ def _is_in_bad_fork() -> bool:
     """Whether this is a forked child of a parent that had used the device: device use raises here, as CUDA's does
     (PyTorch skips seeding such a device: a DataLoader worker's torch.manual_seed)."""
     return _C._in_bad_fork()
+
+
+def _at_exit() -> None:
+    """The exit-time drain (csrc/lifecycle.cpp): other threads' device use is refused, queued work gets at most
+    TORCHNEURON_EXIT_TIMEOUT seconds, and a kernel error still pending is printed (as its sync point would raise
+    it) and makes the exit status 1. A drain that times out names the busy streams and ends the process at once
+    with status 1: the interpreter's teardown would run beside kernels still running."""
+    if _C._in_bad_fork():  # the queues' state is the parent's, its errors too
+        return
+    timeout = _config.current().exit_timeout
+    busy = _C._drain_for_exit(timeout)
+    if busy:
+        print(f"neuron: queued work did not finish within {timeout:g} s at exit (TORCHNEURON_EXIT_TIMEOUT) on "
+              f"{', '.join(busy)}; the process ends now with status 1, without the rest of the interpreter's "
+              "teardown", file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
+    reported = set()
+    k = 0
+    while True:
+        try:
+            if not _C._raise_stream_error(k):
+                break
+        except Exception as e:  # noqa: BLE001  (any kernel's error, as its sync point raises it)
+            text = "".join(traceback.format_exception_only(e))
+            if text not in reported:
+                reported.add(text)
+                print(f"neuron: a queued kernel failed and its error was still pending at exit:\n{text}",
+                      end="", file=sys.stderr)
+        k += 1
+    if reported:
+        _C._set_exit_status(1)
 
 
 def _count() -> int:
