@@ -10,6 +10,7 @@ namespace torchneuron {
 void bind_boundary(py::module_& m);  // boundary.cpp
 void bind_profiler(py::module_& m);  // profiler.cpp
 void bind_memory_history(py::module_& m);  // memory_history.cpp
+void bind_lifecycle(py::module_& m);  // lifecycle.cpp
 }  // namespace torchneuron
 
 namespace {
@@ -75,9 +76,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("_launch_blocking", [] { return g_launch_blocking.load(); });
   m.def("_set_launch_stacks", [](bool on) { g_launch_stacks = on; }, py::arg("on"),
         "Keep the launching Python stack of each queued kernel, for the error it may raise (default on).");
-  m.def("_drain_all", [] { synchronize_device(-1, /*raise=*/false); },
-        "Wait for every stream of every device, raising nothing (at exit: no kernel may run while the process "
-        "tears down).");
   m.def("_set_eager_fusion", [](py::object fusable, py::object run, size_t max_list) {
           set_eager_fusion(fusable.ptr(), run.ptr(), max_list);
         }, py::arg("fusable"), py::arg("run"), py::arg("max_list"),
@@ -105,4 +103,5 @@ PYBIND11_MODULE(_C, m) {
   bind_boundary(m);
   bind_profiler(m);
   bind_memory_history(m);
+  bind_lifecycle(m);
 }

@@ -7,7 +7,6 @@
 // TORCHNEURON_LAUNCH_BLOCKING=1 runs every kernel at its launch instead.
 #include <ATen/Parallel.h>
 #include <Python.h>
-#include <pthread.h>
 
 #include <condition_variable>
 #include <deque>
@@ -22,6 +21,9 @@ std::atomic<bool> g_launch_blocking{false};
 std::atomic<bool> g_queue_everything{false};
 std::atomic<bool> g_launch_stacks{true};
 
+// lifecycle.cpp: once the exit-time drain began, a thread other than the exiting one never takes the GIL again
+void park_other_threads_at_exit();
+
 namespace {
 
 constexpr int kFixedStreams = 1 + 2 * 32;  // the default stream and the two priority pools (guard.cpp)
@@ -32,7 +34,9 @@ const int kCores = static_cast<int>(std::max(1u, std::thread::hardware_concurren
 struct ReleaseGil {
   PyThreadState* saved = Py_IsInitialized() && PyGILState_Check() ? PyEval_SaveThread() : nullptr;
   ~ReleaseGil() {
-    if (saved) PyEval_RestoreThread(saved);
+    if (!saved) return;
+    park_other_threads_at_exit();  // lifecycle.cpp
+    PyEval_RestoreThread(saved);
   }
 };
 
@@ -80,6 +84,7 @@ KernelThreadsGuard::~KernelThreadsGuard() {
 
 uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool control,
                            std::shared_ptr<const FusableOp> fuse, int64_t work, Access access) {
+  check_device_use();  // lifecycle.cpp: refused in a forked child; other threads park during exit
   Task t{std::move(run), name, nullptr, kernel_threads(at::get_num_threads(), work), control, std::move(fuse),
          std::move(access)};
   if (!control && g_launch_stacks.load(std::memory_order_relaxed) && Py_IsInitialized())  // bindings release the GIL: gathering takes it
@@ -269,7 +274,10 @@ StreamQueue& queue_of(c10::DeviceIndex device, c10::StreamId id) {
   return *slot;
 }
 
-StreamQueue& current_queue(c10::DeviceIndex device) { return queue_of(device, current_stream_id(device)); }
+StreamQueue& current_queue(c10::DeviceIndex device) {
+  check_device_use();  // lifecycle.cpp: every op's path to its stream (queued or inline)
+  return queue_of(device, current_stream_id(device));
+}
 
 std::vector<StreamQueue*> queues_of(c10::DeviceIndex device) {
   auto& r = registry();
@@ -281,6 +289,7 @@ std::vector<StreamQueue*> queues_of(c10::DeviceIndex device) {
 }
 
 void synchronize_device(c10::DeviceIndex device, bool raise) {
+  if (raise) check_device_use();  // lifecycle.cpp
   auto qs = queues_of(device);
   for (auto* q : qs) q->wait_quiet(q->enqueued());
   if (!raise) return;
@@ -319,11 +328,6 @@ void StreamQueue::reset_after_fork() {
   completed_.store(enqueued_.load());
   popped_ = enqueued_.load();
   wake_at_.store(kNoWaiter);
-}
-
-void install_fork_handler() {
-  static std::once_flag once;
-  std::call_once(once, [] { pthread_atfork(nullptr, nullptr, &reset_queues_after_fork); });
 }
 
 }  // namespace torchneuron

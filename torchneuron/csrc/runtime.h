@@ -139,7 +139,23 @@ void synchronize_device(c10::DeviceIndex device, bool raise = true);
 // A host-side use of device memory on the current stream (a blocking copy, an op run on the host thread): wait
 // for the stream's queued work and raise its pending error.
 void drain_current(c10::DeviceIndex device);
+void reset_queues_after_fork();  // a forked child's queues: empty, no workers (the parent's work is the parent's)
+
+// ---- lifecycle.cpp: fork and interpreter exit (docs/device.md, "Fork" and "Exit") ----
+enum class Lifecycle : int { running, exiting, forked_child };
+extern std::atomic<int> g_lifecycle;
+constexpr const char* kBadForkMessage =
+    "Cannot re-initialize neuron in forked subprocess. To use neuron with multiprocessing, you must use the 'spawn' "
+    "start method";
 void install_fork_handler();
+// For a device use the process's state forbids: any in a forked child of a parent that had used the device raises
+// kBadForkMessage; one from a thread other than the exiting one once the exit-time drain began never returns.
+void lifecycle_refuse();
+inline void check_device_use() {
+  if (C10_UNLIKELY(g_lifecycle.load(std::memory_order_relaxed) != static_cast<int>(Lifecycle::running)))
+    lifecycle_refuse();
+}
+// ---- end lifecycle.cpp ----
 // launch_stack.cpp: the Python stack launching a queued kernel (its innermost frames; null on a thread without
 // Python frames), and its text for the kernel's error (" It was launched from (most recent call last): ...").
 std::shared_ptr<c10::GatheredContext> gather_launch_stack();

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,8 @@ def register() -> None:
     if cfg is not None:
         policy.set_policies()
         _C._set_launch_blocking(cfg.launch_blocking)
-        atexit.register(_C._drain_all)  # queued kernels finish before the interpreter and libtorch tear down
+        atexit.register(_at_exit)  # registered at `import torch`: runs after the atexit handlers of the program
+        os.register_at_fork(before=_C._drain_all)  # the child's copy of memory holds finished results
     for p in (NEURON_DEVICE, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD,
               STORAGE_CLASSES, flex_attention.WIDEN_DEVICE_CHECK):
         patches.apply(p)
@@ -64,7 +66,9 @@ def _lazy_init() -> None:
     """Called at each use of the device (PyTorch calls it before a tensor is made on `neuron` and in
     torch.accelerator; so do torch.neuron's queries and the compiler). A valid configuration is initialised at
     registration; otherwise its error, or LOCAL_RANK naming a core this process does not see, is raised here as
-    a RuntimeError (as torch.cuda's lazy initialisation raises a driver's failure)."""
+    a RuntimeError (as torch.cuda's lazy initialisation raises a driver's failure). In a forked child of a parent
+    that had used the device it raises CUDA's "Cannot re-initialize ... in forked subprocess" (csrc/lifecycle.cpp)."""
+    _C._check_device_use()
     if not _initialized:
         if not _registered:
             raise RuntimeError("torchneuron is not registered yet: import torchneuron (or torch with autoload on)")
@@ -81,7 +85,9 @@ def _refuse_sharing_between_processes(done: patches.Applied) -> None:
     handles; device memory here is private to the process, so sharing is impossible (a copy would silently
     break in-place updates). Raising inside the reducer would not help: a queue pickles in a feeder thread that
     only prints the error and drops the item, so a DataLoader would wait forever. The reducer therefore pickles
-    the error itself, and the receiver raises it where it takes the item (DataLoader's `next`)."""
+    the error itself, and the receiver raises it where it takes the item (DataLoader's `next`). CPU memory is
+    shared once the device's queued work has run: a queued copy into pinned memory (a spawned DataLoader worker's
+    dataset, made right before the loader starts) is complete in the receiver, as a fork's child's copy is."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401  (registers torch's reducers first; imported by torch already)
@@ -95,6 +101,7 @@ def _refuse_sharing_between_processes(done: patches.Applied) -> None:
                     f"a neuron {what} was sent from process {os.getpid()} (e.g. a DataLoader worker) to this one: "
                     "neuron memory cannot be shared between processes. Return CPU tensors from DataLoader workers "
                     "and move the batch to neuron in the main process (as PyTorch advises for CUDA tensors)",)
+            _C._drain_all()  # the receiver reads the memory as it is now: queued writes into it first
             return reduce(obj)
         return reducer
 
@@ -146,7 +153,8 @@ NEURON_DEVICE = patches.declare(
 REFUSE_SHARING = patches.declare(
     "refuse-sharing-neuron-memory", "multiprocessing.reduction.ForkingPickler reducers of torch.Tensor, "
     "torch.UntypedStorage, torch.storage.TypedStorage",
-    "a neuron tensor sent to another process raises a clear error there instead of hanging a DataLoader",
+    "a neuron tensor sent to another process raises a clear error there instead of hanging a DataLoader; CPU "
+    "memory is sent after the device's queued writes into it",
     "tests/test_dataloader.py::test_worker_returning_a_neuron_tensor_raises_in_the_main_process",
     _refuse_sharing_between_processes)
 PRINT_WITHOUT_DTYPE_EVENTS = patches.declare(
@@ -167,7 +175,7 @@ def is_available() -> bool:
 
 
 def is_initialized() -> bool:
-    return _initialized
+    return _initialized and not _is_in_bad_fork()
 
 
 def init() -> None:
@@ -176,7 +184,42 @@ def init() -> None:
 
 
 def _is_in_bad_fork() -> bool:
-    return False  # no driver state to lose across fork: device memory is host memory
+    """Whether this is a forked child of a parent that had used the device: device use raises here, as CUDA's does
+    (PyTorch skips seeding such a device: a DataLoader worker's torch.manual_seed)."""
+    return _C._in_bad_fork()
+
+
+def _at_exit() -> None:
+    """The exit-time drain (csrc/lifecycle.cpp): other threads' device use is refused, queued work gets at most
+    TORCHNEURON_EXIT_TIMEOUT seconds, and a kernel error still pending is printed (as its sync point would raise
+    it) and makes the exit status 1. A drain that times out names the busy streams and ends the process at once
+    with status 1: the interpreter's teardown would run beside kernels still running."""
+    if _C._in_bad_fork():  # the queues' state is the parent's, its errors too
+        return
+    timeout = _config.current().exit_timeout
+    busy = _C._drain_for_exit(timeout)
+    if busy:
+        print(f"neuron: queued work did not finish within {timeout:g} s at exit (TORCHNEURON_EXIT_TIMEOUT) on "
+              f"{', '.join(busy)}; the process ends now with status 1, without the rest of the interpreter's "
+              "teardown", file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
+    reported = set()
+    k = 0
+    while True:
+        try:
+            if not _C._raise_stream_error(k):
+                break
+        except Exception as e:  # noqa: BLE001  (any kernel's error, as its sync point raises it)
+            text = "".join(traceback.format_exception_only(e))
+            if text not in reported:
+                reported.add(text)
+                print(f"neuron: a queued kernel failed and its error was still pending at exit:\n{text}",
+                      end="", file=sys.stderr)
+        k += 1
+    if reported:
+        _C._set_exit_status(1)
 
 
 def _count() -> int:

@@ -98,6 +98,8 @@ VARIABLES = (
              "`path.json`, `path.md` or `-` (stdout)"),
     Variable("TORCHNEURON_LAUNCH_BLOCKING", "`0`", "`1`: every op runs to completion before its launch returns (like "
              "`CUDA_LAUNCH_BLOCKING`), so an error is raised by the op that caused it"),
+    Variable("TORCHNEURON_EXIT_TIMEOUT", "`60`", "seconds the exit-time drain waits for queued work; then it names "
+             "the busy streams and the process ends with status 1 (see docs/device.md, exit)"),
     Variable("TORCHNEURON_STREAM_CHECK", "`0`", "`1`: report any tensor used on two streams without an ordering edge "
              "(event, `wait_stream`, synchronize), with both Python stacks (see docs/device.md, stream checker)"),
     Variable("TORCHNEURON_EAGER_FUSION", "`1`", "`0`: never fuse queued elementwise runs into one kernel (adaptive "
@@ -197,6 +199,17 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     return value in ("1", "true", "yes", "on") if value else default
 
 
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    text = _get(env, name)
+    try:
+        value = float(text) if text else default
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise ConfigError(f"{name}={text!r}: expected a positive number of seconds")
+    return value
+
+
 @dataclass(frozen=True)
 class Config:
     # the machine and the device policies: read once, when the device registers
@@ -213,6 +226,7 @@ class Config:
     porting_report: str | None = None  # TORCHNEURON_PORTING_REPORT
     launch_blocking: bool = False  # TORCHNEURON_LAUNCH_BLOCKING
     stream_check: bool = False  # TORCHNEURON_STREAM_CHECK
+    exit_timeout: float = 60.0  # TORCHNEURON_EXIT_TIMEOUT, seconds
     eager_fusion: bool = True  # TORCHNEURON_EAGER_FUSION
     # the tools' settings (Variable.at_use): read again when their variable changes
     compile_fallback: str = "error"
@@ -284,6 +298,7 @@ def load(env: Mapping[str, str] | None = None) -> Config:
         porting_report=_get(env, "TORCHNEURON_PORTING_REPORT") or None,
         launch_blocking=_flag(env, "TORCHNEURON_LAUNCH_BLOCKING", False),
         stream_check=_flag(env, "TORCHNEURON_STREAM_CHECK", False),
+        exit_timeout=_seconds(env, "TORCHNEURON_EXIT_TIMEOUT", 60.0),
         eager_fusion=_flag(env, "TORCHNEURON_EAGER_FUSION", True),
         **_at_use_fields(env),
     )

@@ -1,0 +1,209 @@
+"""fork and the device (issue 26, item 5; docs/device.md, "Fork"). Each case runs in its own interpreter under a
+timeout, and every fork waits for its child with a deadline, killing it on expiry: a hang fails the test, never the
+suite."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import run_py
+
+# Shared by the scripts: fork a child running `body` (it writes a JSON line to `out`), wait at most 60 s.
+FORK = """
+import json, os, signal, time, torch
+
+def in_child(body):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        with os.fdopen(w, "w") as out:
+            try:
+                body(out)
+            except BaseException as e:
+                out.write(json.dumps({"child raised": repr(e)}) + "\\n")
+        os._exit(0)
+    os.close(w)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            with os.fdopen(r) as f:
+                return json.loads(f.read() or "null")
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "hung"
+
+def slow():  # ~0.2 s of queued matmuls: what is launched after them really queues
+    a = torch.randn(1024, 1024, device="neuron")
+    for _ in range(8):
+        a @ a
+"""
+
+
+def result(code: str, env: dict | None = None):
+    p = run_py(FORK + textwrap.dedent(code), env=env, timeout=300)
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def cpu_matmul_in_child(parent: str):
+    """`parent` runs, then a forked child multiplies two seeded 256x256 CPU matrices; their sum, and the parent's."""
+    return result(parent + """
+def body(out):
+    torch.manual_seed(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    out.write(json.dumps((a @ b).double().sum().item()))
+child = in_child(body)
+torch.manual_seed(1)
+a, b = torch.randn(256, 256), torch.randn(256, 256)
+print(json.dumps([child, (a @ b).double().sum().item()]))
+""")
+
+
+def test_child_runs_cpu_work_after_the_parent_used_the_device():
+    """The issue's hang: a 1024x1024 matmul's first call runs on the parent's thread with its OpenMP team, whose
+    bookkeeping (not its threads) a forked child inherited; the child's first parallel kernel waited for them."""
+    child, parent = cpu_matmul_in_child("""
+x = torch.randn(1024, 1024, device="neuron")
+for _ in range(4):
+    x = (x @ x).tanh()
+torch.neuron.synchronize()
+""")
+    assert child == parent
+
+
+def test_child_runs_cpu_work_after_a_parallel_cpu_kernel_and_with_work_queued():
+    """A parent's own parallel CPU kernel left the same state (plain PyTorch's children hang on it too), and work
+    still queued at the fork is drained by the before-fork hook."""
+    child, parent = cpu_matmul_in_child("""
+torch.randn(512, 512) @ torch.randn(512, 512)
+slow()
+""")
+    assert child == parent
+
+
+def test_device_use_in_the_child_raises_cudas_error():
+    out = result("""
+x = torch.arange(4.0, device="neuron")
+slow()
+
+def body(out):
+    uses = {
+        "factory": lambda: torch.ones(2, device="neuron"),
+        "to": lambda: torch.ones(2).to("neuron"),
+        "op": lambda: x + 1,
+        "read": lambda: x.cpu(),
+        "synchronize": torch.neuron.synchronize,
+        "accelerator synchronize": torch.accelerator.synchronize,
+        "stream": torch.neuron.Stream,
+        "current stream": torch.neuron.current_stream,
+    }
+    seen = {}
+    for name, use in uses.items():
+        try:
+            use()
+            seen[name] = "no error"
+        except Exception as e:
+            seen[name] = [type(e).__name__, str(e).splitlines()[0]]
+    torch.manual_seed(0)  # what a DataLoader worker does: PyTorch skips a device in a bad fork
+    cpu = (torch.arange(4.0) * 2).tolist()
+    out.write(json.dumps([seen, torch.neuron._is_in_bad_fork(), torch.neuron.is_initialized(), cpu]))
+
+child = in_child(body)
+print(json.dumps([child, torch.neuron._is_in_bad_fork(), (x * 2).cpu().tolist()]))
+""")
+    child, parent_bad_fork, parent_value = out
+    assert child != "hung"
+    seen, bad_fork, initialized, cpu = child
+    message = ("Cannot re-initialize neuron in forked subprocess. To use neuron with multiprocessing, you must use "
+               "the 'spawn' start method")
+    assert seen == {name: ["RuntimeError", message] for name in seen}
+    assert bad_fork is True and initialized is False and cpu == [0.0, 2.0, 4.0, 6.0]
+    assert parent_bad_fork is False and parent_value == [0.0, 2.0, 4.0, 6.0]  # the parent carries on
+
+
+def test_a_parent_that_never_used_the_device_forks_freely():
+    out = result("""
+def body(out):
+    out.write(json.dumps([torch.neuron._is_in_bad_fork(), (torch.arange(4.0, device="neuron") * 2).cpu().tolist()]))
+print(json.dumps(in_child(body)))
+""")
+    assert out == [False, [0.0, 2.0, 4.0, 6.0]]
+
+
+def test_a_pending_error_stays_pending_for_the_parent():
+    """The before-fork drain raises nothing: the failed kernel's error is the parent's, at its next sync point."""
+    out = result("""
+x = torch.randn(300000, device="neuron")
+x.index_select(0, torch.tensor([0, 1], device="neuron"))  # the signature's first call runs at once
+slow()
+bad = x.index_select(0, torch.tensor([0, 10**9], device="neuron"))  # queued: fails on the worker
+def body(out):
+    out.write(json.dumps((torch.arange(3.0) + 1).tolist()))
+child = in_child(body)
+try:
+    torch.neuron.synchronize()
+    print(json.dumps([child, "no error"]))
+except IndexError as e:
+    print(json.dumps([child, "index_select" in str(e)]))
+""")
+    assert out == [[1.0, 2.0, 3.0], True]
+
+
+LOADER = """
+import pickle, sys, torch
+from torch.utils.data import DataLoader, Dataset
+
+class Rows(Dataset):
+    def __init__(self, rows, pickled=None):
+        self.rows, self.pickled = rows, pickled
+    def __len__(self):
+        return 8
+    def __getitem__(self, i):
+        if self.pickled is not None:  # a neuron tensor pickled by value, loaded in a spawned worker
+            return pickle.loads(self.pickled)[i].cpu()
+        return self.rows[i]
+
+def slow():
+    a = torch.randn(1024, 1024, device="neuron")
+    for _ in range(8):
+        a @ a
+
+def batches(dataset, ctx):
+    return torch.cat(list(DataLoader(dataset, batch_size=4, num_workers=2, multiprocessing_context=ctx,
+                                     timeout=120)))
+
+def rows_behind_slow(src):
+    slow()
+    rows = torch.empty(8, pin_memory=True)
+    rows.copy_(src * 3 + 1, non_blocking=True)  # queued behind slow(): the host reads garbage until a sync
+    return rows
+
+if __name__ == "__main__":
+    expected = torch.arange(8.0) * 3 + 1  # the CPU's value of what the device computes below
+    src = torch.arange(8.0, device="neuron")
+    for _ in range(2):  # each signature's first calls run at once, after the queue: learnt, nothing waits below
+        rows_behind_slow(src)
+        torch.neuron.synchronize()
+    for ctx in ("fork", "spawn"):
+        print(ctx, "pinned rows", torch.equal(batches(Rows(rows_behind_slow(src)), ctx), expected))
+    slow()
+    pickled = pickle.dumps(src * 3 + 1)  # no sync: pickling reads the values
+    print("spawn pickled", torch.equal(batches(Rows(None, pickled), "spawn"), expected))
+"""
+
+
+def test_dataloader_workers_see_finished_memory(tmp_path):
+    """A dataset of CPU rows written by a queued device-to-host copy, right before the loader starts: fork workers
+    copy memory at the fork (drained before it), spawn workers get the rows pickled (drained before sharing);
+    and a neuron tensor pickled by value for spawned workers, which may use the device."""
+    (tmp_path / "loader.py").write_text(LOADER)  # a file: spawned workers re-import it
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_"))}
+    p = subprocess.run([sys.executable, str(tmp_path / "loader.py")], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.stdout.split("\n")[:3] == ["fork pinned rows True", "spawn pinned rows True", "spawn pickled True"], (
+        p.stdout + p.stderr[-3000:])
