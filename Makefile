@@ -29,7 +29,8 @@ demo: venv
 # The asynchronous device's semantics, run again in two more legs: every kernel at its launch
 # (TORCHNEURON_LAUNCH_BLOCKING=1: errors at the op itself), and every kernel queued with each replayed fusion plan
 # rebuilt and compared (--queue-everything --verify-replay).
-ASYNC_LEGS := tests/test_async_errors.py tests/test_eager_fusion.py tests/test_foreach.py tests/test_training.py
+ASYNC_LEGS := tests/test_async_errors.py tests/test_async_fuzz.py tests/test_eager_fusion.py tests/test_foreach.py \
+              tests/test_training.py
 
 test: venv
 	$(VPY) -m ruff check torchneuron torch_neuronx tests benchmarks

@@ -77,10 +77,8 @@ def test_an_error_on_a_side_stream_surfaces_on_the_stream_that_waited_for_it(bus
         total.item()
     with pytest.raises(IndexError):
         total.item()  # still never computed
-    # the default stream (which waited) reported it; so does the side stream itself, once
-    with pytest.raises(IndexError):
-        side.synchronize()
-    side.synchronize()
+    side.synchronize()  # the user has seen the failure: no stream raises it again
+    torch.neuron.synchronize()
 
 
 @needs_async
@@ -199,3 +197,17 @@ def test_deterministic_algorithms_give_the_cpus_bits_at_every_thread_count():
     finally:
         torch.use_deterministic_algorithms(False)
         torch.set_num_threads(saved)
+
+
+@needs_async
+def test_an_ops_own_argument_error_comes_before_the_failure_it_would_read(busy):
+    """A host-checkable error of the op itself is the CPU's, even when it reads memory a failure left uncomputed;
+    the failure, once raised through a read, is not raised again at the next sync point."""
+    src = torch.randn(8, 4, device=DEV)
+    bad = _failing_index_select(src, busy)
+    ints = torch.ones(2, 4, dtype=torch.int32, device=DEV)
+    with pytest.raises(RuntimeError, match="can't be cast to the desired output type"):
+        ints.div_(bad)  # true division's float result cannot be stored in an int tensor: the CPU's error
+    with pytest.raises(IndexError, match="never computed"):
+        bad.cpu()
+    torch.neuron.synchronize()  # seen already: nothing raised

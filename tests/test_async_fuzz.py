@@ -7,7 +7,7 @@ queue-everything, launch blocking), each mode its own seeds. A release check set
 TORCHNEURON_FUZZ_PROGRAMS=5000 (and TORCHNEURON_FUZZ_SEED to move the seed range). On a mismatch the test prints
 the seed, the program minimized to the statements that still show it, as runnable Python, and both traces.
 
-A finding still open in the runtime (fuzz_programs.FINDINGS, /work/notes/fuzz_findings.md) is not a sample failure:
+A finding still open in the runtime (fuzz_programs.FINDINGS) is not a sample failure:
 a program whose first mismatch is of an open finding's class is counted and named, and the finding's own test
 below (its minimal repro, xfail strict) fails until the runtime fixes it, then passes and flips, so the finding is
 closed by removing it from FINDINGS (which makes the sample strict for it again).

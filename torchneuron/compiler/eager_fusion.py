@@ -563,7 +563,7 @@ def plan_of(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
     running it, for the worker to compare with the plan it just replayed under the run's C++ signature. Never
     raises."""
     try:
-        built = _build(ops)
+        built = _fused_group(ops)
     except Exception:  # noqa: BLE001
         return 0, None
     if built is None:
@@ -577,7 +577,7 @@ def _plan(group: _Group, kernel: FusedKernel, wanted: list[_Result]) -> Plan:
                 tuple(group.baked))
 
 
-def _build(ops: list[QueuedOp]) -> tuple[_Group, FusedKernel, list[_Result]] | None:
+def _fused_group(ops: list[QueuedOp]) -> tuple[_Group, FusedKernel, list[_Result]] | None:
     """The group of the leading ops that fuse, and its compiled kernel (None: no group, or not compiled yet)."""
     group = _Group()
     for q in ops:
@@ -596,7 +596,7 @@ def _run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
     if not enabled():
         _STATS.disabled += 1
         return 0, None
-    built = _build(ops)
+    built = _fused_group(ops)
     if built is None:
         return 0, None
     group, kernel, wanted = built

@@ -843,21 +843,21 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (exec == OpEntry::Exec::unknown) e.exec.store(static_cast<uint8_t>(exec = classify_exec(op, e)));
   if (exec == OpEntry::Exec::now) return run_on_host(op, stack, e, c, trainium);  // views: no data read
   Access access = access_of(e, schema, args, nargs);
-  // after the host thread ran it (no queued kernel: its error was raised at the call), what it wrote whole is computed
+  // On the host thread, after the stream's work: its own checks come first (the CPU's error for bad arguments); if
+  // it read memory a failure left uncomputed, what it wrote is poisoned too and that failure is raised; else what it
+  // wrote whole is computed.
   auto on_host_now = [&] {
+    FailurePtr f = poisoned(access);
     run_on_host(op, stack, e, c, trainium);
+    if (f) poison_writes(access, f), raise_poisoned(*f, e.name.c_str());
     clear_poison(access);
   };
   StreamQueue& q = current_queue(c.device);
-  // what it reads was never computed: raised at the launch (with work pending, a queued write may still make it
-  // computed: the worker decides when the kernel's turn comes)
-  if (q.idle()) raise_if_poisoned(access, e.name.c_str());
   bool blocking = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed);
   if (exec == OpEntry::Exec::host || blocking || (trainium && c.fp64)) {
     if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
     drain_current(c.device);
     warn_deferred();  // what the kernels it waited for found
-    raise_if_poisoned(access, e.name.c_str());  // poisoned by the work it waited for
     return on_host_now();
   }
   KeyBuffer buffer;
@@ -881,12 +881,15 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   // that cannot hold 2^31 values, which fit int32 by construction
   const bool inspect_int64 = trainium && ((L && L->int64) || writes_int64) &&
                              !(e.indices.load(std::memory_order_relaxed) && !int64_args && work < (int64_t{1} << 31));
-  if (L && !run_inline(q, work) && sizable_now(*L, flat))
+  if (L && !run_inline(q, work) && sizable_now(*L, flat)) {
+    // a known signature passed the op's own checks; what it reads was never computed: raised at the launch (with
+    // work pending, a queued write may still make it computed: the worker decides when the kernel's turn comes)
+    if (q.idle()) raise_if_poisoned(access, e.name.c_str());
     return launch_queued(op, stack, e, c, std::move(L), flat, q, work, inspect_int64, std::move(access));
+  }
   // not a sync point: the stream's pending error waits for one (an unrelated op goes on)
   if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed), q.wait_quiet(q.enqueued());
   warn_deferred();
-  raise_if_poisoned(access, e.name.c_str());
   if (L || !keyed) return on_host_now();
   std::vector<Shape> before = shapes_of(flat);  // to see whether the kernel changed a device argument's shape
   on_host_now();

@@ -110,10 +110,14 @@ void rethrow_failure(const Failure& f, const std::string& context) {
   TORCH_CHECK(false, "neuron: ", f.name, " failed with an unknown error\n", where);
 }
 
+void raise_poisoned(const Failure& f, const char* op) {
+  f.reported.store(true);  // seen: the stream's next sync point does not raise it again
+  rethrow_failure(f, c10::str(", and ", op, " reads memory that was never computed because of it (written by ",
+                              "that op, or by a kernel skipped because it read that op's results)."));
+}
+
 void raise_if_poisoned(const Access& access, const char* op) {
-  if (FailurePtr f = poisoned(access))
-    rethrow_failure(*f, c10::str(", and ", op, " reads memory that was never computed because of it (written by ",
-                                 "that op, or by a kernel skipped because it read that op's results)."));
+  if (FailurePtr f = poisoned(access)) raise_poisoned(*f, op);
 }
 
 }  // namespace torchneuron

@@ -127,8 +127,9 @@ void StreamQueue::loop() {
       tasks_.pop_front();
       ++popped_;
       // eager fusion: the fusable ops queued right behind this one (the host ran ahead) may become one kernel
-      while (t.fuse && !poisoned_storages() && group.size() + 1 < kMaxFusedOps &&
-             !tasks_.empty() && tasks_.front().fuse && tasks_.front().threads == t.threads) {
+      // (never over memory a failure left uncomputed: such an op is skipped on its own)
+      while (t.fuse && !poisoned(t.access) && group.size() + 1 < kMaxFusedOps && !tasks_.empty() &&
+             tasks_.front().fuse && tasks_.front().threads == t.threads && !poisoned(tasks_.front().access)) {
         group.push_back(std::move(tasks_.front()));
         tasks_.pop_front();
         ++popped_;
@@ -145,8 +146,7 @@ void StreamQueue::loop() {
     for (const Task& g : group) ops.push_back(g.fuse.get());
     for (size_t k = 0; k < group.size();) {
       std::exception_ptr error;
-      size_t fused = group.size() - k > 1 && !poisoned_storages()
-                         ? run_fused(c10::ArrayRef<const FusableOp*>(ops).slice(k), error) : 0;
+      size_t fused = group.size() - k > 1 ? run_fused(c10::ArrayRef<const FusableOp*>(ops).slice(k), error) : 0;
       for (size_t end = k + std::max<size_t>(fused, 1); k < end; ++k) {
         if (error) fail(group[k], error);  // the fused kernel raised: none of its ops runs again
         finish(group[k], fused > 0);
@@ -208,8 +208,9 @@ void StreamQueue::wait(uint64_t ticket) {
 }
 
 void StreamQueue::fail(Task& t, std::exception_ptr error) {
-  auto f = std::make_shared<Failure>(Failure{std::move(error), t.name, std::move(t.stack), device_, id_,
-                                             completed_.load() + 1});
+  auto f = std::make_shared<Failure>();
+  f->error = std::move(error), f->name = t.name, f->stack = std::move(t.stack);
+  f->device = device_, f->stream = id_, f->ticket = completed_.load() + 1;
   poison_writes(t.access, f);
   std::lock_guard<std::mutex> g(mu_);
   if (!error_) error_ = std::move(f), failed_.store(true, std::memory_order_relaxed);
@@ -237,6 +238,7 @@ void StreamQueue::raise_error() {
     error_.reset();
     failed_.store(false, std::memory_order_relaxed);
   }
+  if (f->reported.exchange(true)) return;  // the user has seen it already (a poisoned read, another stream's sync)
   rethrow_failure(*f, c10::str(" and reported at this sync point",
                                f->stream == id_ ? "." : c10::str(" of stream ", id_, ", which waited for it.")));
 }

@@ -48,6 +48,7 @@ struct Failure {
   c10::DeviceIndex device = 0;
   c10::StreamId stream = 0;
   uint64_t ticket = 0;  // its place in its stream
+  mutable std::atomic<bool> reported{false};  // the user has seen it (a sync point or a poisoned read): not again
 };
 using FailurePtr = std::shared_ptr<const Failure>;
 // One device storage a queued kernel reads and/or writes, by its data pointer (the host aliases' too). `whole`: the
@@ -70,6 +71,7 @@ size_t poisoned_storages();
 [[noreturn]] void rethrow_failure(const Failure& f, const std::string& context);
 // A launch (or a host read) of `op` that reads poisoned memory raises the failure behind it, at the call.
 void raise_if_poisoned(const Access& access, const char* op);
+[[noreturn]] void raise_poisoned(const Failure& f, const char* op);
 
 // ---- queue.cpp: stream-ordered execution (each stream an in-order queue run by its own worker thread) ----
 extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: kernels run at their launch
