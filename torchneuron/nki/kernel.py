@@ -184,7 +184,7 @@ class Kernel:
         _C._host_args(host, dev_idx, wait=False)
         _C._host_args(views, list(range(len(views))), wait=False)
         _C._queue_kernel(device.index, f"nki:{self.name}",
-                         functools.partial(self._replay, tuple(host), kwargs, views, keep, results), 1)
+                         functools.partial(self._replay, tuple(host), kwargs, views, keep, results), 1, keep, results)
         self.last_profile = self._profiles[key]
         if self.parent is not None:
             self.parent.last_profile = self.last_profile
