@@ -113,6 +113,7 @@ def test_host_checkable_errors_raise_at_the_call_while_work_is_queued(busy):
     torch.neuron.synchronize()  # nothing pending
 
 
+@needs_async
 def test_integer_division_by_zero_never_fuses_and_an_in_place_op_before_it_applies_once(busy):
     """A fused group whose kernel stores `x` and then raises would leave `x` added twice when re-run unfused; integer
     division may raise on a value, so it never joins a group (op table: int_errors) and the error is the CPU's."""

@@ -339,7 +339,7 @@ def test_printing_deterministic_mode_and_views_end_a_fused_run(capsys):
     torch.testing.assert_close(z.cpu(), (cpu[0] + 1)[:, ::2] * 2 + 1)
 
 
-def test_an_optimizer_step_becomes_one_kernel_and_tracks_the_cpus_optimizer():
+def test_an_optimizer_step_becomes_one_kernel_and_tracks_the_cpus_optimizer(request):
     """AdamW's multi-tensor step (8 list ops over every parameter) queued behind work fuses once it recurs. Its
     bias corrections and step sizes change every step: they enter the kernel as lifted scalars, so one kernel
     serves every step, replayed by the worker without building the group again (no compile_group lookup). Every
@@ -367,7 +367,8 @@ def test_an_optimizer_step_becomes_one_kernel_and_tracks_the_cpus_optimizer():
                 torch.testing.assert_close(opts[1].state[q][k].cpu(), opts[0].state[p][k])
     kernels, ops = fused_counts()
     assert kernels - before[0] >= 4 and ops - before[1] >= 4 * 8, "the last steps: one kernel for the 8 list ops"
-    assert stats().cache_hits + stats().cold + stats().compiled == lookups, "replayed, not rebuilt in Python"
+    if not request.config.getoption("--verify-replay"):  # verification rebuilds on purpose
+        assert stats().cache_hits + stats().cold + stats().compiled == lookups, "replayed, not rebuilt in Python"
 
 
 def test_in_place_ops_fuse_and_a_run_stops_where_their_memory_is_read_another_way():
