@@ -212,3 +212,24 @@ def test_an_ops_own_argument_error_comes_before_the_failure_it_would_read(busy):
     with pytest.raises(IndexError, match="never computed"):
         bad.cpu()
     torch.neuron.synchronize()  # seen already: nothing raised
+
+
+@needs_async
+def test_memory_freed_while_its_failing_kernel_is_queued_is_the_next_tensors_and_never_poisoned(busy):
+    """A result dropped on the host while the kernel writing it is still queued gives its memory back at once (the
+    stream's later allocations reuse it, as CUDA's allocator does); the failure, landing afterwards, belongs to the
+    dropped tensor only: the next tensor there computes and reads as the CPU's, even after a partial write."""
+    torch.neuron.empty_cache()  # no cached block of the size below but the one freed
+    src = torch.randn(8, 1531, device=DEV)
+    bad = _failing_index_select(src, busy)
+    freed = bad.data_ptr()
+    del bad  # freed on the host: the failing kernel is still queued
+    fresh = torch.empty(2, 1531, device=DEV)
+    assert fresh.data_ptr() == freed, "premise: the stream reuses the block at once"
+    fresh[0].fill_(3.0)  # a write that covers part of the storage only
+    total = fresh[0].sum()
+    with pytest.raises(IndexError, match="index out of range"):
+        torch.neuron.synchronize()  # the failure itself is still reported, once
+    assert total.item() == 3.0 * 1531
+    assert torch.equal(fresh[0].cpu(), torch.full((1531,), 3.0))
+    assert torchneuron._C._poisoned_storages() == 0, "nothing left poisoned: the fast path stays on"

@@ -42,7 +42,10 @@ struct Block {
   c10::DataPtr host;  // set when the memory was adopted from a CPU kernel
   c10::StreamId stream = 0;  // the allocating stream
   std::vector<c10::StreamId> recorded = {};  // other streams that used it (Tensor.record_stream)
+  uint64_t id = 0;  // the allocation that holds it now (allocation_id)
 };
+
+std::atomic<uint64_t> g_allocations{0};
 
 // A freed block some stream may still use: usable once each queue has reached its ticket.
 struct PendingFree {
@@ -131,7 +134,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     history(MemoryAction::alloc, b, ctx);
     g.unlock();
     trace_memory_allocation(p);
-    return {p, p, &delete_adopted, c10::Device(kNeuron, dev)};
+    return {p, b, &delete_adopted, c10::Device(kNeuron, dev)};  // the context is the block: its free needs no look-up
   }
 
   void release(Block* b) {
@@ -169,6 +172,18 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     return nullptr;
   }
 
+  // Whether allocation `id` still holds the memory at `ptr` (memory the allocator did not hand out: always).
+  bool holds(const void* ptr, uint64_t id) {
+    if (!id) return true;
+    auto key = reinterpret_cast<uintptr_t>(ptr);
+    for (int d = 0; d <= max_device_.load(std::memory_order_acquire); ++d) {
+      DeviceCache& c = devices_[d];
+      std::lock_guard<std::mutex> g(c.mu);
+      if (auto it = c.segments.find(key); it != c.segments.end()) return it->second->in_use && it->second->id == id;
+    }
+    return false;
+  }
+
   c10::DeviceIndex device_of(const void* ptr) {
     Block* b = find(ptr, /*interior=*/true);
     return b ? b->device : -1;
@@ -201,7 +216,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
                 stream.device_type(), " stream");
     check_device_index(stream.device_index());
     Block* b = ptr.get_deleter() == &delete_block ? header_of(ptr.get())
-               : ptr.get_deleter() == &delete_adopted ? find(ptr.get(), /*interior=*/false)
+               : ptr.get_deleter() == &delete_adopted ? static_cast<Block*>(ptr.get_context())
                                                       : nullptr;
     TORCH_CHECK(b, "record_stream: the tensor's memory was not allocated by the neuron allocator");
     std::lock_guard<std::mutex> g(cache(b->device).mu);
@@ -314,6 +329,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 
   void note_alloc(DeviceCache& c, Block* b) {
     b->in_use = true;
+    b->id = g_allocations.fetch_add(1, std::memory_order_relaxed) + 1;
     auto& st = c.stats;
     bump(st.allocation, 1, true), bump(st.active, 1, true);
     bump(st.allocated_bytes, b->size, true), bump(st.active_bytes, b->size, true);
@@ -400,18 +416,21 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 
 NeuronAllocator g_allocator;
 
+// Released before its poison is forgotten: a failure recorded concurrently either sees the block free (and records
+// nothing) or is forgotten here (poison_writes).
 void delete_block(void* ptr) {
   trace_memory_deallocation(ptr);
+  if (!ptr) return;
+  g_allocator.release(header_of(ptr));
   forget_poison(ptr);  // the memory will hold another tensor's values
-  if (ptr) g_allocator.release(header_of(ptr));
 }
 
-void delete_adopted(void* ptr) {
+void delete_adopted(void* block) {
+  auto* b = static_cast<Block*>(block);
+  const void* ptr = b->ptr;  // the block may be gone after its release
   trace_memory_deallocation(ptr);
-  forget_poison(ptr);
-  Block* b = g_allocator.find(ptr, /*interior=*/false);
-  TORCH_INTERNAL_ASSERT(b, "neuron: freeing unknown pointer");
   g_allocator.release(b);
+  forget_poison(ptr);
 }
 
 }  // namespace
@@ -423,6 +442,14 @@ c10::DataPtr adopt_host_memory(c10::DataPtr host, size_t nbytes, c10::DeviceInde
 }
 
 c10::DeviceIndex device_of_pointer(const void* ptr) { return g_allocator.device_of(ptr); }
+
+bool allocation_holds(const void* ptr, uint64_t allocation) { return g_allocator.holds(ptr, allocation); }
+
+uint64_t allocation_id(const c10::DataPtr& memory) {
+  if (memory.get_deleter() == &delete_block) return memory.get() ? header_of(memory.get())->id : 0;
+  if (memory.get_deleter() == &delete_adopted) return static_cast<const Block*>(memory.get_context())->id;
+  return 0;
+}
 
 bool is_host_oom(const c10::Error& e) { return e.msg().find("DefaultCPUAllocator") != std::string::npos; }
 

@@ -66,6 +66,8 @@ PYBIND11_MODULE(_C, m) {
     return host_alias(t);
   }, "A CPU tensor over the same memory as a neuron tensor (zero-copy; keep the neuron tensor alive while using it), "
      "after the current stream's queued work: what the host reads and writes through it happens now.");
+  m.def("_poisoned_storages", &poisoned_storages,
+        "How many device storages hold memory a failure left uncomputed (the inline fast path is off while any do).");
   m.def("_sole_holder", [](const c10::intrusive_ptr<c10d::Work>& work) {
     return work.use_count() <= 2;  // the Python object's reference and this call's
   }, py::arg("work"), "Whether the Python object is the only holder of this c10d work (gloo's run loop let go).");

@@ -4,6 +4,9 @@
 // poisoned with the failure: a launch that reads it, a copy to the host and a host-thread op raise the original
 // error, naming the failed op and where it was launched. Work that does not depend on it goes on, and a write that
 // covers a whole storage (or its free) clears it, so a notebook or a test session recovers without a restart.
+// Poison is keyed by the storage's address and its allocation: a tensor freed on the host while a kernel writing it
+// is still queued has its memory handed out again at once (stream-ordered reuse), and the failure, landing later,
+// belongs to the old tensor only.
 #include <unordered_map>
 
 #include "runtime.h"
@@ -11,9 +14,13 @@
 namespace torchneuron {
 namespace {
 
+struct Poisoned {
+  uint64_t allocation;  // of the memory at that address when the failure was recorded
+  FailurePtr failure;   // why it was not computed
+};
 struct Poison {
   std::mutex mu;
-  std::unordered_map<const void*, FailurePtr> by_base;  // device storage's data pointer -> why it was not computed
+  std::unordered_map<const void*, Poisoned> by_base;  // by device storage's data pointer
 };
 Poison& poison() {
   static auto* p = new Poison;  // leaked: workers may poison while statics are destroyed
@@ -38,10 +45,11 @@ bool rethrow_as(const std::exception_ptr& error, const std::string& where) {
 
 Touch touch(const at::Tensor& t, bool read, bool write) {
   // sparse (and other storage-less) tensors: their values and indices are tensors of their own
-  const void* base = t.defined() && t.layout() == at::kStrided && t.has_storage() ? t.storage().data() : nullptr;
-  const bool whole = write && base && t.is_non_overlapping_and_dense() &&
-                     static_cast<size_t>(t.numel()) * t.dtype().itemsize() == t.storage().nbytes();
-  return {base, read, write, whole};
+  if (!t.defined() || t.layout() != at::kStrided || !t.has_storage()) return {nullptr, 0, read, write, false};
+  const c10::Storage& s = t.storage();
+  const bool whole = write && s.data() && t.is_non_overlapping_and_dense() &&
+                     static_cast<size_t>(t.numel()) * t.dtype().itemsize() == s.nbytes();
+  return {s.data(), allocation_id(s.data_ptr()), read, write, whole};
 }
 
 Access access(std::initializer_list<at::Tensor> reads, std::initializer_list<at::Tensor> writes) {
@@ -53,12 +61,16 @@ Access access(std::initializer_list<at::Tensor> reads, std::initializer_list<at:
   return a;
 }
 
+// A storage freed on the host while the kernel writing it was queued is not poisoned: nothing can read it, and its
+// memory may already be another tensor's. The count goes up before the allocator is asked, so a free racing with
+// this either finds its block taken (and records nothing) or sees a count and forgets the entry (delete_block).
 void poison_writes(const Access& access, const FailurePtr& failure) {
   auto& p = poison();
   std::lock_guard<std::mutex> g(p.mu);
+  g_poisoned.fetch_add(1);
   for (const Touch& t : access)
-    if (t.write && t.base) p.by_base[t.base] = failure;
-  g_poisoned.store(p.by_base.size(), std::memory_order_relaxed);
+    if (t.write && t.base && allocation_holds(t.base, t.allocation)) p.by_base[t.base] = {t.allocation, failure};
+  g_poisoned.store(p.by_base.size());
 }
 
 void clear_poison(const Access& access) {
@@ -66,7 +78,9 @@ void clear_poison(const Access& access) {
   auto& p = poison();
   std::lock_guard<std::mutex> g(p.mu);
   for (const Touch& t : access)
-    if (t.whole && !t.read) p.by_base.erase(t.base);
+    if (t.whole && !t.read)
+      if (auto it = p.by_base.find(t.base); it != p.by_base.end() && it->second.allocation == t.allocation)
+        p.by_base.erase(it);
   g_poisoned.store(p.by_base.size(), std::memory_order_relaxed);
 }
 
@@ -84,7 +98,8 @@ FailurePtr poisoned(const Access& access) {
   std::lock_guard<std::mutex> g(p.mu);
   for (const Touch& t : access)
     if (t.read && t.base)
-      if (auto it = p.by_base.find(t.base); it != p.by_base.end()) return it->second;
+      if (auto it = p.by_base.find(t.base); it != p.by_base.end() && it->second.allocation == t.allocation)
+        return it->second.failure;
   return nullptr;
 }
 

@@ -51,10 +51,12 @@ struct Failure {
   mutable std::atomic<bool> reported{false};  // the user has seen it (a sync point or a poisoned read): not again
 };
 using FailurePtr = std::shared_ptr<const Failure>;
-// One device storage a queued kernel reads and/or writes, by its data pointer (the host aliases' too). `whole`: the
-// write covers every byte of the storage, so a kernel that writes it without reading it makes it computed again.
+// One device storage a queued kernel reads and/or writes, by its data pointer (the host aliases' too) and which
+// allocation of that memory it is (allocation_id). `whole`: the write covers every byte of the storage, so a kernel
+// that writes it without reading it makes it computed again.
 struct Touch {
   const void* base = nullptr;
+  uint64_t allocation = 0;
   bool read = false, write = false, whole = false;
 };
 using Access = c10::SmallVector<Touch, 6>;
@@ -63,7 +65,7 @@ Touch touch(const at::Tensor& t, bool read, bool write);
 Access access(std::initializer_list<at::Tensor> reads, std::initializer_list<at::Tensor> writes);
 void poison_writes(const Access& access, const FailurePtr& failure);  // what a failed or skipped kernel writes
 void clear_poison(const Access& access);   // a kernel ran: the storages it wrote whole without reading are computed
-void forget_poison(const void* base);      // the allocator freed the storage
+void forget_poison(const void* base);      // the allocator freed the storage, or handed its memory out again
 FailurePtr poisoned(const Access& access);  // the failure behind the first poisoned storage it reads, or null
 FailurePtr poisoned(const at::Tensor& t);
 size_t poisoned_storages();
@@ -209,6 +211,11 @@ c10::DeviceAllocator* neuron_allocator();
 c10::DataPtr adopt_host_memory(c10::DataPtr host, size_t nbytes, c10::DeviceIndex device);
 // The device whose memory contains `ptr`, or -1.
 c10::DeviceIndex device_of_pointer(const void* ptr);
+// Which allocation a device storage's memory is: no other allocation (of that address or any) has the same number,
+// so what is recorded against one tensor's memory never reaches the next tensor the allocator puts there. 0 for
+// memory the allocator did not hand out.
+uint64_t allocation_id(const c10::DataPtr& memory);
+bool allocation_holds(const void* ptr, uint64_t allocation);  // that allocation still holds the memory at `ptr`
 // Run a CPU kernel whose buffers become memory of `device`: a host allocation failure inside it is the device
 // running out of memory, so it raises torch.OutOfMemoryError (naming the device) like any device allocation.
 [[noreturn]] void throw_host_oom(c10::DeviceIndex device, const c10::Error& host_error);
