@@ -31,7 +31,8 @@ Comparison rules (the device's error semantics; CPU is the reference):
    may have been skipped), when a statement on neuron raised a deferred error in its place, or when a successful
    statement read a tainted tensor; taint is by storage, so views share it. A read of a tainted tensor may raise
    a deferred error's type (any time: precise poisoning) or must equal the CPU's value; nothing else. Reads of
-   untainted tensors return the CPU's values.
+   untainted tensors return the CPU's values. Once a program's tensors are freed, none of its memory stays poisoned
+   (the next tensors the allocator puts there are computed as any).
 4. Under launch blocking (TORCHNEURON_LAUNCH_BLOCKING=1, `torchneuron._C._set_launch_blocking(True)`) nothing is
    deferred: every error raises at exactly the CPU's statement.
 
@@ -45,6 +46,7 @@ of a mixed-device statement is `meta` (on neuron it is the CPU).
 """
 from __future__ import annotations
 
+import gc
 import random
 import re
 import textwrap
@@ -55,6 +57,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+
+import torchneuron
 
 MODES = ("default", "queue", "blocking")
 
@@ -935,6 +939,8 @@ def check(prog: Program, mode: str, cpu: list[Result] | None = None) -> Outcome:
     try:
         neu = run(prog, "neuron", cpu)
         leftover = drain()
+        gc.collect()  # the program's tensors are gone: none of its memory may stay poisoned for the next tensor there
+        poisoned = torchneuron._C._poisoned_storages()
     finally:
         set_mode("default")
     mism = compare(prog, cpu, neu, mode, exact=fusion_exact())
@@ -943,6 +949,9 @@ def check(prog: Program, mode: str, cpu: list[Result] | None = None) -> Outcome:
     if leftover is not None:
         mism.append(Mismatch(2, len(prog.stmts) - 1, "after_end", f"the device still held {leftover} after the "
                              "program's final synchronize and reads"))
+    if poisoned:
+        mism.append(Mismatch(3, len(prog.stmts) - 1, "poison_after_end", f"{poisoned} storages stayed poisoned after "
+                             "the program's tensors were freed (the next tensors at those addresses would raise)"))
     return Outcome(prog, mode, mism, cpu, neu, leftover)
 
 
