@@ -14,7 +14,6 @@ it when it is first imported, or at once if it already was.
 from __future__ import annotations
 
 import functools
-import sys
 from types import ModuleType
 from typing import Any
 
@@ -37,55 +36,20 @@ def _widen(module: ModuleType) -> None:
                                                 functools.wraps(original)(_validate_device))
 
 
-class _Loader:
-    """Runs the module with its own loader, then widens its device check."""
-
-    def __init__(self, loader: Any):
-        self.loader = loader
-
-    def create_module(self, spec: Any) -> ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        if patches.is_active(WIDEN_DEVICE_CHECK):
-            _widen(module)
+def _patch(module: ModuleType) -> None:
+    if patches.is_active(WIDEN_DEVICE_CHECK):
+        _widen(module)
 
 
-class _Hook:
-    """A sys.meta_path finder that answers only for MODULE, by asking the other finders."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
-_HOOK = _Hook()
+_HOOK = patches.ImportHook({MODULE: _patch})
 
 
 def _install(done: patches.Applied) -> None:
-    if MODULE in sys.modules:
-        _widen(sys.modules[MODULE])
-    else:
-        sys.meta_path.insert(0, _HOOK)
-
-
-def _uninstall() -> None:
-    if _HOOK in sys.meta_path:
-        sys.meta_path.remove(_HOOK)
+    _HOOK.install()
 
 
 WIDEN_DEVICE_CHECK = patches.declare(
     "flex-attention-device", f"{MODULE}._validate_device (through a sys.meta_path hook until it is imported)",
     "flex_attention's device check names a fixed set of devices; its dense implementation runs on neuron as is",
     "tests/test_flex_attention.py::test_device_check_is_widened_only_for_neuron_and_undone", _install,
-    undo=_uninstall)
+    undo=_HOOK.uninstall)

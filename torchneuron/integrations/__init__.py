@@ -12,9 +12,9 @@ Every patch here is an entry of the patch registry (torchneuron.runtime.patches)
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
-import sys
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
@@ -24,20 +24,6 @@ from ..runtime import patches
 from . import lightning as _lightning
 
 _PATCHES = _lightning.module_patches()
-
-
-class _PatchingLoader:
-    """Runs a module with its own loader, then applies our patch to it."""
-
-    def __init__(self, loader: Any, patch: Any):
-        self.loader, self.patch = loader, patch
-
-    def create_module(self, spec: Any) -> ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        _apply(self.patch, module)
 
 
 def _apply(patch: Any, module: ModuleType) -> None:
@@ -50,37 +36,15 @@ def _apply(patch: Any, module: ModuleType) -> None:
                       RuntimeWarning, stacklevel=2)
 
 
-class _Hook:
-    """A sys.meta_path finder that answers only for the Lightning modules we patch, by asking the other finders."""
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        patch = _PATCHES.get(name)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _PatchingLoader(spec.loader, patch)
-                return spec
-        return None
-
-
-_HOOK = _Hook()
+_HOOK = patches.ImportHook({name: functools.partial(_apply, patch) for name, patch in _PATCHES.items()})
 
 
 def _install(done: patches.Applied) -> None:
-    sys.meta_path.insert(0, _HOOK)
-    for name, patch in _PATCHES.items():
-        if name in sys.modules:
-            _apply(patch, sys.modules[name])
+    _HOOK.install()
 
 
 def _uninstall() -> None:
-    if _HOOK in sys.meta_path:
-        sys.meta_path.remove(_HOOK)
+    _HOOK.uninstall()
     _lightning.undo()
 
 

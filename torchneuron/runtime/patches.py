@@ -9,8 +9,10 @@ patch nothing can undo says why. `torchneuron info` lists the active ones. Below
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 _MISSING = object()  # the attribute was inherited (or the key absent): undo deletes it again
@@ -127,3 +129,51 @@ def swapped(owner: Any, attr: str, value: Any) -> Iterator[None]:
         yield
     finally:
         delattr(owner, attr) if original is _MISSING else setattr(owner, attr, original)
+
+
+class _RunThen:
+    """A module's own loader, then `after(module)` once the module has executed."""
+
+    def __init__(self, loader: Any, after: Callable[[ModuleType], None]):
+        self.loader, self.after = loader, after
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.after(module)
+
+
+class ImportHook:
+    """Patch modules of other libraries when they are first imported, without importing them now (`import torch`
+    stays fast): a sys.meta_path finder that answers only for the named modules, by asking the other finders and
+    wrapping their loader. A module already imported is patched at `install`."""
+
+    def __init__(self, on_load: dict[str, Callable[[ModuleType], None]]):
+        self.on_load = on_load
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        after = self.on_load.get(name)
+        if after is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RunThen(spec.loader, after)
+                return spec
+        return None
+
+    def install(self) -> None:
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+        for name, after in self.on_load.items():
+            if name in sys.modules:
+                after(sys.modules[name])
+
+    def uninstall(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
