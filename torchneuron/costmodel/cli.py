@@ -72,6 +72,8 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     p.add_argument("--vpp", type=at_least(1), default=1, help="virtual stages per core (--schedule interleaved)")
     p.add_argument("--fsdp", action="store_true", help="ZeRO-3: weights and gradients sharded over --dp too")
+    p.add_argument("--ep", type=at_least(1), default=1,
+                   help="expert parallelism (MoE models): experts split over this many of the --dp replicas")
     p.add_argument("--compare", default="p5.48xlarge", choices=[*GPU_INSTANCES, "none"],
                    help="the GPU instance to compare with (--gpu names the GPU instead)")
     p.add_argument("--gpu", choices=[*GPUS, "none"],
@@ -139,6 +141,8 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
         error("--vpp needs --schedule interleaved")
     if a.fsdp and a.mode != "train":
         error("--fsdp shards training state: use it with --mode train")
+    if a.dp % a.ep:
+        error(f"--ep must divide --dp (experts are split over data-parallel replicas), got --ep {a.ep} --dp {a.dp}")
     if a.global_batch is not None and a.global_batch < a.dp * a.batch:
         error(f"--global-batch must be at least --dp x --batch = {a.dp * a.batch}, got {a.global_batch}")
     if a.from_profile:
@@ -199,7 +203,7 @@ def run_estimate(a: argparse.Namespace) -> int:
         r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
                      dtype=DTYPES[a.dtype], batch_tokens=tokens, price_per_hour=a.price, lnc=a.lnc,
                      execution=a.execution, recompute=a.recompute, precision=a.precision, fsdp=a.fsdp,
-                     pp=a.pp, schedule=a.schedule, vpp=a.vpp,
+                     pp=a.pp, schedule=a.schedule, vpp=a.vpp, ep=a.ep,
                      compare=None if compare == "none" else compare, gpu_count=a.gpu_count, gpu_tp=a.gpu_tp,
                      gpu_precision=gpu_dtype, gpu_price=a.gpu_price)
     except torch.OutOfMemoryError as e:
