@@ -355,3 +355,22 @@ def test_cli_expert_parallel_degree_reaches_the_estimate(monkeypatch):
     assert cli.run_estimate(p.parse_args(["--model", "mixtral-8x7b", "--mode", "decode", "--seq", "64", "--dp", "8",
                                           "--ep", "8", "--tp", "2", "--compare", "none", "--top", "0"])) == 0
     assert seen["ep"] == 8 and seen["dp"] == 8
+
+
+def test_deepseek_v3_preset_has_the_published_size_and_serves_with_expert_parallelism():
+    """DeepSeek-V3: 671B parameters, 37B activated per token (DeepSeek-V3 technical report); its 58 MoE layers hold
+    256 routed experts of 3 x 7168 x 2048. Decoding one token at ep=64 (4 experts per core), each of its 8 routed
+    rows meets an expert somewhere, and a core reads at most its 4 experts per layer: 4 x 3 x 7168 x 2048 bf16
+    values per MoE layer (here 2 MoE layers after 1 dense one)."""
+    full = presets.hf_model(presets.config("deepseek-v3"))
+    n = sum(p.numel() for p in full.parameters())
+    routed = sum(p.numel() for k, p in full.named_parameters() if ".experts." in k)
+    assert routed == 58 * 256 * 3 * 7168 * 2048
+    assert n == pytest.approx(671e9, rel=0.005)
+    assert n - routed * (1 - 8 / 256) == pytest.approx(37e9, rel=0.02)
+    model = presets.hf_model(presets.config("deepseek-v3", num_hidden_layers=3, first_k_dense_replace=1))
+    r = estimate(model, presets.lm_inputs(model, mode="decode", context=128), target="trn2", mode="decode", dp=64,
+                 ep=64, dtype=BF16, compare=None, execution="eager")
+    read = sum(o.bytes for o in r.ops if o.op == "_grouped_mm")
+    assert read == pytest.approx(2 * 4 * 3 * 7168 * 2048 * 2, rel=0.01)
+    assert sum(o.count for o in r.ops if o.op == "all_to_all") == 2 * 2

@@ -28,9 +28,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                            num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
                                            max_position_embeddings=32768, tie_word_embeddings=False)),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): 61 layers, the first 3 dense, then 256 routed experts (8
+    # per token, sigmoid top-k in 8 groups) plus 1 shared; multi-head latent attention; 671B parameters, 37B active.
+    # The multi-token-prediction module is not part of the model.
+    "deepseek-v3": ("DeepseekV3Config", dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                                             moe_intermediate_size=2048, num_hidden_layers=61,
+                                             first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1,
+                                             num_experts_per_tok=8, n_group=8, topk_group=4,
+                                             num_attention_heads=128, num_key_value_heads=128,
+                                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                             qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
+                                             tie_word_embeddings=False)),
 }
 _MODELS = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM",
-           "MixtralConfig": "MixtralForCausalLM"}
+           "MixtralConfig": "MixtralForCausalLM", "DeepseekV3Config": "DeepseekV3ForCausalLM"}
 
 
 def hf_model(config: Any) -> torch.nn.Module:
@@ -72,9 +83,12 @@ def lm_inputs(model: torch.nn.Module, *, batch: int = 1, seq: int = 1024, mode: 
         cache = StaticCache(config=cfg, max_cache_len=context + 1)  # updated in place, as Neuron serving does
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv = torch.empty(batch, heads, 1, dim, dtype=dtype)
+        k = v = torch.empty(batch, heads, 1, dim, dtype=dtype)
+        if getattr(cfg, "kv_lora_rank", None):  # multi-head latent attention caches one compressed head and
+            k = torch.empty(batch, 1, 1, cfg.kv_lora_rank, dtype=dtype)  # the shared rotary key
+            v = torch.empty(batch, 1, 1, cfg.qk_rope_head_dim, dtype=dtype)
         for layer in cache.layers:
-            layer.lazy_initialization(kv, kv)
+            layer.lazy_initialization(k, v)
         return {"input_ids": torch.zeros(batch, 1, dtype=torch.long), key: cache, "use_cache": True,
                 "cache_position": torch.tensor([context])}
 
