@@ -65,10 +65,12 @@ def config(name: str, **overrides: Any) -> Any:
 
 
 def lm_inputs(model: torch.nn.Module, *, batch: int = 1, seq: int = 1024, mode: str = "train",
-              context: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict | Callable[[], dict]:
+              context: int = 0, dtype: torch.dtype = torch.bfloat16,
+              new_tokens: int = 1) -> dict | Callable[[], dict]:
     """Example inputs of a Hugging Face causal LM. train: input_ids and labels of [batch, seq]; forward:
-    input_ids; decode: one new token per sequence after `context` cached tokens, in a static cache (a
-    callable: the cache is built on the meta device by the estimator)."""
+    input_ids; decode: `new_tokens` new tokens per sequence (1; a speculative verification step checks
+    several) after `context` cached tokens, in a static cache (a callable: the cache is built on the meta
+    device by the estimator)."""
     if mode == "train":
         ids = torch.zeros(batch, seq, dtype=torch.long)
         return {"input_ids": ids, "labels": ids}
@@ -80,7 +82,7 @@ def lm_inputs(model: torch.nn.Module, *, batch: int = 1, seq: int = 1024, mode: 
     def build() -> dict:
         from transformers import StaticCache
 
-        cache = StaticCache(config=cfg, max_cache_len=context + 1)  # updated in place, as Neuron serving does
+        cache = StaticCache(config=cfg, max_cache_len=context + new_tokens)  # updated in place, as Neuron serving does
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         k = v = torch.empty(batch, heads, 1, dim, dtype=dtype)
@@ -89,8 +91,11 @@ def lm_inputs(model: torch.nn.Module, *, batch: int = 1, seq: int = 1024, mode: 
             v = torch.empty(batch, 1, 1, cfg.qk_rope_head_dim, dtype=dtype)
         for layer in cache.layers:
             layer.lazy_initialization(k, v)
-        return {"input_ids": torch.zeros(batch, 1, dtype=torch.long), key: cache, "use_cache": True,
-                "cache_position": torch.tensor([context])}
+        inputs = {"input_ids": torch.zeros(batch, new_tokens, dtype=torch.long), key: cache, "use_cache": True,
+                  "cache_position": torch.arange(context, context + new_tokens)}
+        if new_tokens > 1:  # the mask over cache and new tokens, given whole: building it needs the positions' values
+            inputs["attention_mask"] = torch.ones(batch, 1, new_tokens, context + new_tokens, dtype=torch.bool)
+        return inputs
 
     return build
 
