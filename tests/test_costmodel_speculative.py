@@ -47,3 +47,31 @@ def test_verification_runs_k_plus_one_tokens_through_each_weight_once(run):
 def test_acceptance_must_be_a_probability():
     with pytest.raises(ValueError, match=r"acceptance must be in \[0, 1\]"):
         speculative(_llama(1), _llama(1), context=8, k=2, acceptance=1.5)
+
+
+def test_cli_prints_the_speculative_tpot(capsys):
+    """`estimate --mode decode --speculate 3 --draft llama-1b --acceptance 0.5`: 1 + 0.5 + 0.25 + 0.125 = 1.875
+    tokens per round."""
+    import argparse
+
+    from torchneuron.costmodel import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    with pytest.raises(ValueError, match="needs --mode decode, --speculate K, --draft MODEL and --acceptance A"):
+        cli.check_estimate_arguments(p.parse_args(["--mode", "decode", "--speculate", "3"]), cli.usage_error)
+    with pytest.raises(ValueError, match=r"--acceptance must be in \[0, 1\]"):
+        cli.check_estimate_arguments(p.parse_args(["--mode", "decode", "--speculate", "3", "--draft", "llama-1b",
+                                                   "--acceptance", "2"]), cli.usage_error)
+    args = ["--model", "llama-8b", "--mode", "decode", "--seq", "64", "--tp", "8", "--speculate", "3", "--draft",
+            "llama-1b", "--acceptance", "0.5", "--compare", "none", "--top", "0"]
+    assert cli.run_estimate(p.parse_args(args)) == 0
+    out = capsys.readouterr().out
+    assert "8 x trn2: speculative decoding, k=3, acceptance 0.50: 1.88 tokens per round" in out
+
+
+def test_llama_1b_preset_is_the_published_draft_size():
+    """Llama-3.2-1B: 1.24B parameters (16 layers of 2048, tied 128,256-token embeddings)."""
+    m = presets.hf_model(presets.config("llama-1b"))
+    layer = 2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 8192 + 2 * 2048
+    assert sum(p.numel() for p in m.parameters()) == 16 * layer + 128256 * 2048 + 2048

@@ -17,6 +17,9 @@ _LLAMA = dict(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, max
               tie_word_embeddings=False)
 PRESETS: dict[str, tuple[str, dict]] = {
     "gpt2-small": ("GPT2Config", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)),
+    # Llama-3.2-1B (meta-llama/Llama-3.2-1B config; 1.24B parameters, tied embeddings): the usual draft model
+    "llama-1b": ("LlamaConfig", dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                     num_attention_heads=32, head_dim=64, tie_word_embeddings=True)),
     "llama-8b": ("LlamaConfig", dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32)),
     "llama-70b": ("LlamaConfig", dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
