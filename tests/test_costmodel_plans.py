@@ -374,3 +374,30 @@ def test_deepseek_v3_preset_has_the_published_size_and_serves_with_expert_parall
     read = sum(o.bytes for o in r.ops if o.op == "_grouped_mm")
     assert read == pytest.approx(2 * 4 * 3 * 7168 * 2048 * 2, rel=0.01)
     assert sum(o.count for o in r.ops if o.op == "all_to_all") == 2 * 2
+
+
+def test_search_tries_expert_parallelism_for_moe_models():
+    """Serving a 2-layer Mixtral (8 experts): the search adds ep = 2, 4, 8 (dp = ep replicas, ep x tp cores in the
+    instance); each such candidate is the estimate of its own layout, all-to-alls included; a dense model gets
+    none."""
+    from torchneuron.costmodel import search
+
+    def build(batch):
+        model = presets.hf_model(presets.config("mixtral-8x7b", num_hidden_layers=2))
+        return model, presets.lm_inputs(model, mode="decode", context=256, batch=batch)
+
+    cands = search.search(build, mode="decode", target="trn2", gpus=(), batches=(1,), latency_s=1.0)
+    eps = {c.result.ep for c in cands}
+    assert eps == {1, 2, 4, 8}
+    c = next(c for c in cands if c.result.ep == 8 and c.result.tp == 4 and c.result.precision is None)
+    assert "dp=8 ep=8" in c.layout and c.result.dp == 8
+    model, inputs = build(1)
+    direct = estimate(model, inputs, target="trn2", mode="decode", tp=4, dp=8, ep=8, dtype=BF16, compare=None)
+    assert c.result.step_time_s == pytest.approx(direct.step_time_s)
+    assert "all_to_all" in c.result.by("op")
+
+    def dense(batch):
+        model = _llama8b(layers=1)
+        return model, presets.lm_inputs(model, mode="decode", context=256, batch=batch)
+
+    assert {c.result.ep for c in search.search(dense, mode="decode", gpus=(), latency_s=1.0)} == {1}
