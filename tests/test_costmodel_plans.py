@@ -401,3 +401,17 @@ def test_search_tries_expert_parallelism_for_moe_models():
         return model, presets.lm_inputs(model, mode="decode", context=256, batch=batch)
 
     assert {c.result.ep for c in search.search(dense, mode="decode", gpus=(), latency_s=1.0)} == {1}
+
+
+def test_moe_serving_that_does_not_fit_names_the_expert_parallel_degree():
+    """Mixtral-8x7B in bf16 on 8 trn2 cores (24 GiB each) as 8 replicas: 2 bytes x 46.7B parameters per core do
+    not fit. Splitting the 8 experts over e replicas leaves 2 x (dense + experts / e) bytes and the cache (32 layers
+    x K, V x 8 heads x 128 x 65 positions x 2 bytes): the smallest power of two that fits is what the error names,
+    before 8-bit weights."""
+    model, expert, dense = _mixtral(32)
+    cache = 32 * 2 * 8 * 128 * 65 * 2
+    e = next(e for e in (2, 4, 8) if 2 * (dense + expert / e) + cache <= CORE_HBM)
+    assert e == 4
+    with pytest.raises(torch.OutOfMemoryError, match=rf"the smallest change that fits: ep={e}$"):
+        estimate(model, presets.lm_inputs(model, mode="decode", context=64), target="trn2", mode="decode", dp=8,
+                 dtype=BF16, compare=None)

@@ -458,7 +458,8 @@ def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float, micro: float = 1
 
 def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
     """None when the step fits in a core's memory; else what does not fit and the smallest change that would:
-    recomputation, FSDP, 8-bit weights (inference), in that order; else the smallest tensor-parallel degree
+    expert parallelism over the data-parallel replicas (MoE), recomputation, FSDP, 8-bit weights (inference), in
+    that order; else the smallest tensor-parallel degree
     inside an instance and the smallest pipeline depth that fit."""
     itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
     mem = lambda p: _memory(tr, Coster(tr, layout, p.tp, p.sp, True, p.precision, p.ep), p, itemsize,
@@ -471,6 +472,9 @@ def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
     what = (f"the {plan.mode} step needs {gib(m['total'])} per {layout.target.name} core ({parts}) but a core "
             f"has {gib(m['capacity'])}")
     changes: list[tuple[str, Plan]] = []
+    n = experts(tr).per_layer  # MoE over data-parallel replicas: split the experts first (the least change)
+    changes += [(f"ep={e}", replace(plan, ep=e)) for e in (2**k for k in range(1, 12))
+                if e > plan.ep and n % e == 0 and plan.dp % e == 0]
     if plan.train:
         if plan.recompute != "full":
             changes.append(("recompute='full'", replace(plan, recompute="full")))
