@@ -474,7 +474,7 @@ def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
     changes: list[tuple[str, Plan]] = []
     n = experts(tr).per_layer  # MoE over data-parallel replicas: split the experts first (the least change)
     changes += [(f"ep={e}", replace(plan, ep=e)) for e in (2**k for k in range(1, 12))
-                if e > plan.ep and n % e == 0 and plan.dp % e == 0]
+                if n and e > plan.ep and n % e == 0 and plan.dp % e == 0]
     if plan.train:
         if plan.recompute != "full":
             changes.append(("recompute='full'", replace(plan, recompute="full")))
