@@ -162,6 +162,22 @@ def test_collective_across_instances_adds_an_efa_stage():
     assert c.time_s == pytest.approx(58e-6 + intra + inter)
 
 
+def test_all_to_all_sends_each_block_straight_to_its_rank():
+    """MoE dispatch: 8 MiB per rank over 64 ranks, 32 per trn1.32xlarge. Each rank keeps 1/64 of its buffer,
+    sends 31/64 to ranks of its instance (one Mesh step of 1.5 us, at 192 GB/s x 0.295) and 32/64 to the other
+    instance (one 15 us EFA step, at 800 Gb/s shared by the instance's 32 ranks). Inside one instance only the
+    first part is paid."""
+    busbw = 384e9 / 2 * NEURON_FABRIC.efficiency
+    efa = 800e9 / 8 / 32
+    n = 8 * 2**20
+    c = collective_cost("all_to_all", n, 64, "trn1", ranks_per_node=32, efa_bw=efa)
+    assert c.time_s == pytest.approx(58e-6 + 1.5e-6 + 31 / 64 * n / busbw + 15e-6 + 32 / 64 * n / efa)
+    assert c.bytes == pytest.approx(63 / 64 * n)
+    one = collective_cost("all_to_all", n, 8, "trn1")
+    assert one.time_s == pytest.approx(58e-6 + 1.5e-6 + 7 / 8 * n / busbw)
+    assert collective_cost("all_to_all", n, 1, "trn1").time_s == 0
+
+
 def test_gpu_matmul_is_its_calibrated_roofline():
     """H100: 989 TF/s bf16 x the measured 80.3% (G1); 32 x 32 = 1,024 output tiles of 128 x 128 run in
     ceil(1024 / 132) = 8 waves over the SMs, the last one partial; 1.28 us per graph kernel (G2)."""

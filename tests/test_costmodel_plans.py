@@ -285,3 +285,133 @@ def test_reserved_pricing_uses_the_published_ri_rate_where_there_is_one():
     assert a.price == pytest.approx(8.197)
     with pytest.raises(ValueError, match="no reserved rate for trn2.48xlarge"):
         cli.check_estimate_arguments(p.parse_args(["--target", "trn2", "--pricing", "reserved"]), cli.usage_error)
+
+
+def _mixtral(layers: int = 2):
+    model = presets.hf_model(presets.config("mixtral-8x7b", num_hidden_layers=layers))
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert expert == layers * 8 * 3 * 4096 * 14336  # gate, up and down of 8 experts per layer
+    return model, expert, sum(p.numel() for p in model.parameters()) - expert
+
+
+def test_expert_parallelism_dispatches_routed_tokens_with_all_to_alls():
+    """Mixtral, 2 layers, a forward over 256 tokens on each of 8 trn2 cores with ep=8: every MoE layer sends its
+    256 x 2 routed rows of 4096 bf16 values (4 MiB) to the experts' cores and back: 2 layers x 2 all-to-alls of
+    58 us + one 1.5 us Mesh step + 7/8 of 4 MiB at 1024 GB/s / 4 cores x 0.295. A core holds 1 of the 8 experts:
+    7/8 of the expert weights (2 bytes each) leave its memory, and a decode step at batch 1 reads 1 expert per
+    layer there instead of the 2 the token is routed to."""
+    model, expert, _ = _mixtral()
+    kw = dict(target="trn2", dp=8, dtype=BF16, compare=None)
+    fwd = {ep: estimate(model, presets.lm_inputs(model, seq=256, mode="forward"), mode="forward", ep=ep, **kw)
+           for ep in (1, 8)}
+    busbw = 1024e9 / 4 * 52.83 * 2**30 / 192e9
+    nbytes = 256 * 2 * 4096 * 2
+    assert fwd[8].by("op")["all_to_all"] == pytest.approx(4 * (58e-6 + 1.5e-6 + 7 / 8 * nbytes / busbw))
+    assert "all_to_all" not in fwd[1].by("op")
+    assert fwd[1].memory["weights"] - fwd[8].memory["weights"] == pytest.approx(expert * 2 * 7 / 8)
+    dec = estimate(model, presets.lm_inputs(model, mode="decode", context=64), mode="decode", ep=8,
+                   execution="eager", **kw)
+    read = sum(o.bytes for o in dec.ops if o.op == "_grouped_mm")
+    assert read == pytest.approx(2 * 1 * 3 * 4096 * 14336 * 2, rel=0.01)
+
+
+@pytest.mark.parametrize("ep", [8, 4])
+def test_expert_parallel_gradients_sync_over_the_replicas_holding_the_same_experts(ep):
+    """Training on 8 cores: the dense parameters' gradients are all-reduced over all 8 (2 x 7/8 of their bf16
+    bytes sent per core), the experts' over the 8 / ep replicas holding the same 8 / ep experts (none at ep=8);
+    the backward adds 2 all-to-alls per layer for the gradients of the dispatched rows."""
+    model, expert, dense = _mixtral()
+    r = estimate(model, presets.lm_inputs(model, seq=128), target="trn2", dp=8, ep=ep, dtype=BF16, compare=None)
+    sync = sum(o.bytes * o.count for o in r.ops if o.phase == "grad_sync")
+    rest = 8 // ep
+    assert sync == pytest.approx(2 * 7 / 8 * dense * 2 + 2 * (rest - 1) / rest * expert / ep * 2)
+    assert sum(o.count for o in r.ops if o.op == "all_to_all") == 2 * 2 * 2  # layers x (dispatch, combine) x phases
+
+
+def test_expert_parallel_degree_must_split_whole_experts_over_data_parallel_replicas():
+    model, _, _ = _mixtral(1)
+    inputs = presets.lm_inputs(model, seq=8, mode="forward")
+    with pytest.raises(ValueError, match=r"ep=3 must divide the experts per layer \(8\)"):
+        estimate(model, inputs, mode="forward", dp=6, ep=3, dtype=BF16, compare=None)
+    with pytest.raises(ValueError, match="must divide the data-parallel degree"):
+        estimate(model, inputs, mode="forward", dp=2, ep=4, dtype=BF16, compare=None)
+    dense = _llama8b(1)
+    with pytest.raises(ValueError, match="no _grouped_mm experts"):
+        estimate(dense, presets.lm_inputs(dense, seq=8, mode="forward"), mode="forward", dp=2, ep=2, compare=None)
+
+
+def test_cli_expert_parallel_degree_reaches_the_estimate(monkeypatch):
+    seen = {}
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return estimate(*args, **kw)
+
+    monkeypatch.setattr(cli, "estimate", spy)
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    with pytest.raises(ValueError, match="--ep must divide --dp"):
+        cli.check_estimate_arguments(p.parse_args(["--dp", "2", "--ep", "4"]), cli.usage_error)
+    assert cli.run_estimate(p.parse_args(["--model", "mixtral-8x7b", "--mode", "decode", "--seq", "64", "--dp", "8",
+                                          "--ep", "8", "--tp", "2", "--compare", "none", "--top", "0"])) == 0
+    assert seen["ep"] == 8 and seen["dp"] == 8
+
+
+def test_deepseek_v3_preset_has_the_published_size_and_serves_with_expert_parallelism():
+    """DeepSeek-V3: 671B parameters, 37B activated per token (DeepSeek-V3 technical report); its 58 MoE layers hold
+    256 routed experts of 3 x 7168 x 2048. Decoding one token at ep=64 (4 experts per core), each of its 8 routed
+    rows meets an expert somewhere, and a core reads at most its 4 experts per layer: 4 x 3 x 7168 x 2048 bf16
+    values per MoE layer (here 2 MoE layers after 1 dense one)."""
+    full = presets.hf_model(presets.config("deepseek-v3"))
+    n = sum(p.numel() for p in full.parameters())
+    routed = sum(p.numel() for k, p in full.named_parameters() if ".experts." in k)
+    assert routed == 58 * 256 * 3 * 7168 * 2048
+    assert n == pytest.approx(671e9, rel=0.005)
+    assert n - routed * (1 - 8 / 256) == pytest.approx(37e9, rel=0.02)
+    model = presets.hf_model(presets.config("deepseek-v3", num_hidden_layers=3, first_k_dense_replace=1))
+    r = estimate(model, presets.lm_inputs(model, mode="decode", context=128), target="trn2", mode="decode", dp=64,
+                 ep=64, dtype=BF16, compare=None, execution="eager")
+    read = sum(o.bytes for o in r.ops if o.op == "_grouped_mm")
+    assert read == pytest.approx(2 * 4 * 3 * 7168 * 2048 * 2, rel=0.01)
+    assert sum(o.count for o in r.ops if o.op == "all_to_all") == 2 * 2
+
+
+def test_search_tries_expert_parallelism_for_moe_models():
+    """Serving a 2-layer Mixtral (8 experts): the search adds ep = 2, 4, 8 (dp = ep replicas, ep x tp cores in the
+    instance); each such candidate is the estimate of its own layout, all-to-alls included; a dense model gets
+    none."""
+    from torchneuron.costmodel import search
+
+    def build(batch):
+        model = presets.hf_model(presets.config("mixtral-8x7b", num_hidden_layers=2))
+        return model, presets.lm_inputs(model, mode="decode", context=256, batch=batch)
+
+    cands = search.search(build, mode="decode", target="trn2", gpus=(), batches=(1,), latency_s=1.0)
+    eps = {c.result.ep for c in cands}
+    assert eps == {1, 2, 4, 8}
+    c = next(c for c in cands if c.result.ep == 8 and c.result.tp == 4 and c.result.precision is None)
+    assert "dp=8 ep=8" in c.layout and c.result.dp == 8
+    model, inputs = build(1)
+    direct = estimate(model, inputs, target="trn2", mode="decode", tp=4, dp=8, ep=8, dtype=BF16, compare=None)
+    assert c.result.step_time_s == pytest.approx(direct.step_time_s)
+    assert "all_to_all" in c.result.by("op")
+
+    def dense(batch):
+        model = _llama8b(layers=1)
+        return model, presets.lm_inputs(model, mode="decode", context=256, batch=batch)
+
+    assert {c.result.ep for c in search.search(dense, mode="decode", gpus=(), latency_s=1.0)} == {1}
+
+
+def test_moe_serving_that_does_not_fit_names_the_expert_parallel_degree():
+    """Mixtral-8x7B in bf16 on 8 trn2 cores (24 GiB each) as 8 replicas: 2 bytes x 46.7B parameters per core do
+    not fit. Splitting the 8 experts over e replicas leaves 2 x (dense + experts / e) bytes and the cache (32 layers
+    x K, V x 8 heads x 128 x 65 positions x 2 bytes): the smallest power of two that fits is what the error names,
+    before 8-bit weights."""
+    model, expert, dense = _mixtral(32)
+    cache = 32 * 2 * 8 * 128 * 65 * 2
+    e = next(e for e in (2, 4, 8) if 2 * (dense + expert / e) + cache <= CORE_HBM)
+    assert e == 4
+    with pytest.raises(torch.OutOfMemoryError, match=rf"the smallest change that fits: ep={e}$"):
+        estimate(model, presets.lm_inputs(model, mode="decode", context=64), target="trn2", mode="decode", dp=8,
+                 dtype=BF16, compare=None)

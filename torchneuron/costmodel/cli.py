@@ -72,6 +72,13 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
     p.add_argument("--vpp", type=at_least(1), default=1, help="virtual stages per core (--schedule interleaved)")
     p.add_argument("--fsdp", action="store_true", help="ZeRO-3: weights and gradients sharded over --dp too")
+    p.add_argument("--speculate", type=at_least(1), metavar="K",
+                   help="decode: speculative decoding, --draft proposing K tokens per round (needs --acceptance)")
+    p.add_argument("--draft", help="the draft model for --speculate (a preset, e.g. llama-1b, or file.py:function)")
+    p.add_argument("--acceptance", type=float,
+                   help="--speculate: probability that the target accepts each drafted token, in [0, 1]")
+    p.add_argument("--ep", type=at_least(1), default=1,
+                   help="expert parallelism (MoE models): experts split over this many of the --dp replicas")
     p.add_argument("--compare", default="p5.48xlarge", choices=[*GPU_INSTANCES, "none"],
                    help="the GPU instance to compare with (--gpu names the GPU instead)")
     p.add_argument("--gpu", choices=[*GPUS, "none"],
@@ -139,6 +146,13 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
         error("--vpp needs --schedule interleaved")
     if a.fsdp and a.mode != "train":
         error("--fsdp shards training state: use it with --mode train")
+    if a.speculate is not None or a.draft is not None or a.acceptance is not None:
+        if a.mode != "decode" or a.speculate is None or a.draft is None or a.acceptance is None:
+            error("speculative decoding needs --mode decode, --speculate K, --draft MODEL and --acceptance A")
+        if not 0 <= a.acceptance <= 1:
+            error(f"--acceptance must be in [0, 1], got {a.acceptance}")
+    if a.dp % a.ep:
+        error(f"--ep must divide --dp (experts are split over data-parallel replicas), got --ep {a.ep} --dp {a.dp}")
     if a.global_batch is not None and a.global_batch < a.dp * a.batch:
         error(f"--global-batch must be at least --dp x --batch = {a.dp * a.batch}, got {a.global_batch}")
     if a.from_profile:
@@ -199,7 +213,7 @@ def run_estimate(a: argparse.Namespace) -> int:
         r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
                      dtype=DTYPES[a.dtype], batch_tokens=tokens, price_per_hour=a.price, lnc=a.lnc,
                      execution=a.execution, recompute=a.recompute, precision=a.precision, fsdp=a.fsdp,
-                     pp=a.pp, schedule=a.schedule, vpp=a.vpp,
+                     pp=a.pp, schedule=a.schedule, vpp=a.vpp, ep=a.ep,
                      compare=None if compare == "none" else compare, gpu_count=a.gpu_count, gpu_tp=a.gpu_tp,
                      gpu_precision=gpu_dtype, gpu_price=a.gpu_price)
     except torch.OutOfMemoryError as e:
@@ -212,10 +226,29 @@ def run_estimate(a: argparse.Namespace) -> int:
         print(r.comparison.summary())
         print(buyer_table(r))
     print(f"top ops on one {r.target} core:\n{_ops_table(r, a.top)}")
+    if a.speculate:
+        _print_speculation(a, model, r)
     if a.report:
         for path in report.write(r, a.report, a.model):
             print(f"wrote {path}")
     return 0
+
+
+def _print_speculation(a: argparse.Namespace, model: torch.nn.Module, r: EstimateResult) -> None:
+    """--speculate: the same decode with a draft model, on the Trainium layout and on the compared GPU one."""
+    from .presets import load
+    from .speculative import speculative
+
+    draft = load(a.draft, mode="decode", dtype=DTYPES[a.dtype])[0]
+    kw = dict(context=a.seq, k=a.speculate, acceptance=a.acceptance, batch=a.batch, dtype=DTYPES[a.dtype])
+    runs = [(r, speculative(model, draft, target=a.target, instance=a.instance, lnc=a.lnc, tp=a.tp, dp=a.dp,
+                            precision=a.precision, **kw))]
+    if r.comparison:
+        c = r.comparison
+        runs.append((c, speculative(model, draft, target=c.instance, tp=c.tp, dp=c.dp, precision=c.precision,
+                                    **kw)))
+    for e, s in runs:
+        print(f"{e.cores} x {e.target}: {s.summary()} (without: {e.step_time_s * 1e3:,.3f} ms)")
 
 
 def run_from_profile(a: argparse.Namespace) -> int:

@@ -145,6 +145,7 @@ class EstimateResult:
     note: str = ""  # how the layout was chosen (the GPU comparison)
     cores_per_instance: int = 0
     pp: int = 1
+    ep: int = 1
 
     @property
     def fits(self) -> bool:
@@ -175,6 +176,7 @@ class EstimateResult:
         kind = "core" if self.target in CHIPS else "GPU"
         lines = [f"{per} on {self.cores} x {self.target} {kind}{'s' if self.cores > 1 else ''} "
                  f"({self.instance}, dp={self.dp} tp={self.tp}{f' pp={self.pp}' if self.pp > 1 else ''}"
+                 f"{f' ep={self.ep}' if self.ep > 1 else ''}"
                  f"{', ' + self.precision if self.precision else ''}, "
                  f"{self.execution}): "
                  f"{_ms(self.step_time_s)}, {self.items_per_s:,.0f} {self.unit}/s, MFU {self.mfu:.1%}"]
@@ -199,12 +201,47 @@ def _shapes(r: Rec) -> str:
     return " ".join("x".join(map(str, t.shape)) or "scalar" for t in r.ins[:3])
 
 
+@dataclass(frozen=True)
+class Experts:
+    """The mixture-of-experts part of a trace: the expert weights ([E, K, N] operands of `_grouped_mm`, views
+    included), their parameters, the experts per layer, and per MoE layer the bytes of the routed rows
+    [tokens x experts per token, hidden] that expert parallelism dispatches to the experts' cores and
+    combines back (the forward's; the backward moves their gradients)."""
+
+    weights: frozenset[int]
+    params: int
+    per_layer: int
+    dispatch: tuple[float, ...]
+
+
+def experts(tr: Trace) -> Experts:
+    """The expert GEMMs of one MoE layer share its routing (the offsets of the rows grouped by expert): the first
+    of them reads the dispatched rows."""
+    grouped = [r for r in tr.recs if r.phase == "forward" and r.op == "_grouped_mm" and len(r.ins) > 2
+               and len(r.ins[1].shape) == 3]
+    weights = {i for r in tr.recs if r.op == "_grouped_mm"  # the backward's views of the weights too
+               for x, i in zip(r.ins, r.in_ids, strict=False) if len(x.shape) == 3 and tr.placement.get(i) == "W"}
+    layers = {r.in_ids[2]: r.ins[0].nbytes for r in reversed(grouped)}  # the first GEMM of each routing
+    return Experts(frozenset(weights), sum(r.ins[1].numel for r in grouped),
+                   grouped[0].ins[1].shape[0] if grouped else 0, tuple(layers.values()))
+
+
 class Coster:
     """Costs a trace on one layout: per-core shapes under tensor parallelism, fused kernels or eager ops."""
 
-    def __init__(self, tr: Trace, lay: Layout, tp: int, sp: bool, compiled: bool, precision: str | None = None):
+    def __init__(self, tr: Trace, lay: Layout, tp: int, sp: bool, compiled: bool, precision: str | None = None,
+                 ep: int = 1):
         self.tr, self.lay, self.t, self.tp, self.sp, self.compiled = tr, lay, lay.target, tp, sp, compiled
-        self.precision = precision
+        self.precision, self.ep = precision, ep
+        self.experts = experts(tr)
+
+    def _expert_shard(self, r: Rec, ins: list) -> list:
+        """Under expert parallelism a core holds 1/ep of every expert weight [E, K, N] (whole experts)."""
+        if self.ep == 1 or r.op != "_grouped_mm":
+            return ins
+        return [x._replace(shape=(x.shape[0] // self.ep, *x.shape[1:]))
+                if len(x.shape) == 3 and self.tr.placement.get(i) == "W" else x
+                for x, i in zip(ins, r.in_ids, strict=False)] + list(ins[len(r.in_ids):])
 
     def _quantized(self, r: Rec) -> list:
         """A matmul's inputs under the plan's precision: 8-bit weights (placement W), and under fp8 8-bit
@@ -228,7 +265,7 @@ class Coster:
         spec = self.tr.specs[i]
         nbytes = spec.numel if self.precision and p == "W" and spec.dtype.startswith(("float", "bfloat")) \
             else spec.nbytes  # 8-bit weights
-        return nbytes / (self.tp if split else 1)
+        return nbytes / (self.tp if split else 1) / (self.ep if i in self.experts.weights else 1)
 
     def op(self, r: Rec, mode: str) -> OpCost:
         if r.op == "all_reduce":
@@ -240,7 +277,8 @@ class Coster:
         shard = None
         if self.tp > 1 and r.shard and (r.shard != "sp" or self.sp):
             shard = ("all" if r.shard == "sp" else r.shard, self.tp)
-        return op_cost(r.op, self._quantized(r), r.outs, self.t, attrs=r.attrs, shard=shard, mode=mode)
+        return op_cost(r.op, self._expert_shard(r, self._quantized(r)), r.outs, self.t, attrs=r.attrs, shard=shard,
+                       mode=mode)
 
     def times(self, recs: list[Rec]) -> list[OpShare]:
         """Each op's cost and modelled time and traffic; collectives dropped when tp == 1. In a fused kernel each
@@ -318,6 +356,7 @@ class Plan:
     pp: int = 1  # pipeline stages (layers split evenly)
     schedule: str = "1f1b"
     vpp: int = 1  # virtual stages per core under the interleaved schedule
+    ep: int = 1  # expert-parallel degree: MoE experts split over ep of the dp replicas (all-to-all dispatch)
 
     def __post_init__(self):
         if self.mode not in MODES or self.recompute not in RECOMPUTE or self.execution not in EXECUTIONS:
@@ -330,6 +369,9 @@ class Plan:
                              f"got {self.precision!r}")
         if self.optimizer not in OPTIMIZER_BYTES or self.dp < 1 or self.tp < 1:
             raise ValueError(f"optimizer in {tuple(OPTIMIZER_BYTES)}; dp, tp >= 1")
+        if self.ep < 1 or self.dp % self.ep:
+            raise ValueError(f"the expert-parallel degree ({self.ep}) must divide the data-parallel degree "
+                             f"({self.dp}): experts are split over data-parallel replicas")
 
     @property
     def train(self) -> bool:
@@ -350,19 +392,26 @@ def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float, micro: f
     ZeRO-1 moves the same bytes; under FSDP two weight all-gathers and a gradient reduce-scatter every
     micro-step, not overlapped), then the optimizer update, bound by HBM bandwidth."""
     ops = []
-    per_core = tr.param_count / plan.tp / plan.pp
+    expert = experts(tr).params
     stride = plan.tp * plan.pp  # ranks: TP innermost, then pipeline stages, then data-parallel replicas
-    if plan.dp > 1 and plan.fsdp:  # every micro-step: gather the weights for the forward and the backward,
-        for kind in ("all_gather", "all_gather", "reduce_scatter"):  # reduce-scatter the gradients
-            c = lay.collective(kind, per_core * itemsize, plan.dp, stride=stride)
-            ops.append(OpTime(kind, "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound, c.achieved,
-                              micro))
-    elif plan.dp > 1:
-        c = lay.collective("all_reduce", per_core * itemsize, plan.dp, stride=stride)
-        ops.append(OpTime("all_reduce", "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound,
-                          c.achieved))
+    # (parameters per core, data-parallel group, its stride): under expert parallelism (ep replicas next to each
+    # other) a core holds 1/ep of the experts, synchronised over the dp / ep replicas holding the same ones
+    groups = [((tr.param_count - expert) / stride, plan.dp, stride),
+              (expert / plan.ep / stride, plan.dp // plan.ep, stride * plan.ep)]
+    for per_core, ranks, step in groups:
+        if ranks == 1 or not per_core:
+            continue
+        if plan.fsdp:  # every micro-step: gather the weights for the forward and the backward,
+            for kind in ("all_gather", "all_gather", "reduce_scatter"):  # reduce-scatter the gradients
+                c = lay.collective(kind, per_core * itemsize, ranks, stride=step)
+                ops.append(OpTime(kind, "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound, c.achieved,
+                                  micro))
+        else:
+            c = lay.collective("all_reduce", per_core * itemsize, ranks, stride=step)
+            ops.append(OpTime("all_reduce", "grad_sync", "collective", 0.0, c.bytes, c.time_s, c.bound,
+                              c.achieved))
     if plan.optimizer:
-        own = per_core / (plan.dp if plan.zero1 or plan.fsdp else 1)
+        own = sum(n / (r if plan.zero1 or plan.fsdp else 1) for n, r, _ in groups)
         nbytes = own * (OPTIMIZER_BYTES[plan.optimizer] + itemsize * (2 if itemsize < 4 else 1))
         bw = lay.target.hbm_bw
         t = nbytes / bw + lay.target.kernel_s
@@ -376,13 +425,17 @@ def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float, micro: float = 1
     and weights and gradients too under FSDP) and the activations kept for the backward: every forward tensor
     the backward reads; under selective recomputation less the attention's; under full recomputation one
     layer's worth plus each layer's input (layers = attention ops)."""
-    tp, shard = plan.tp * plan.pp, plan.dp if plan.fsdp else 1  # a core holds 1/pp of the layers
+    tp = plan.tp * plan.pp  # a core holds 1/pp of the layers
+    # the share of the parameters a core holds: experts split over ep (under FSDP / ZeRO-1 every parameter is
+    # split over all dp replicas anyway: the experts over ep, then over the dp / ep holding the same ones)
+    held = 1 - co.experts.params / tr.param_count * (1 - 1 / plan.ep) if tr.param_count else 1.0
+    shard = 1 / plan.dp if plan.fsdp else held
     stored = tr.param_count if plan.precision and not plan.train else tr.param_bytes  # 8-bit weights served
-    mem = {"weights": stored / tp / shard, "inputs": tr.input_bytes / tp}
+    mem = {"weights": stored / tp * shard, "inputs": tr.input_bytes / tp}
     if plan.train:
-        mem["gradients"] = tr.param_bytes / tp / shard
+        mem["gradients"] = tr.param_bytes / tp * shard
         state = OPTIMIZER_STATE[plan.optimizer] + (4 if itemsize < 4 else 0)
-        mem["optimizer"] = tr.param_count / tp * state / (plan.dp if plan.zero1 or plan.fsdp else 1)
+        mem["optimizer"] = tr.param_count / tp * state * (1 / plan.dp if plan.zero1 or plan.fsdp else held)
         fwd = {t: r for r in tr.recs if r.phase == "forward" for t in r.out_ids}
         saved = {t for r in tr.recs if r.phase == "backward" for t in r.in_ids} & set(fwd)
         attention = [r for r in tr.recs if r.phase == "forward" and op_info(r.op).rule is Rule.ATTENTION]
@@ -405,10 +458,11 @@ def _memory(tr: Trace, co: Coster, plan: Plan, itemsize: float, micro: float = 1
 
 def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
     """None when the step fits in a core's memory; else what does not fit and the smallest change that would:
-    recomputation, FSDP, 8-bit weights (inference), in that order; else the smallest tensor-parallel degree
+    expert parallelism over the data-parallel replicas (MoE), recomputation, FSDP, 8-bit weights (inference), in
+    that order; else the smallest tensor-parallel degree
     inside an instance and the smallest pipeline depth that fit."""
     itemsize = tr.param_bytes / tr.param_count if tr.param_count else 4
-    mem = lambda p: _memory(tr, Coster(tr, layout, p.tp, p.sp, True, p.precision), p, itemsize,
+    mem = lambda p: _memory(tr, Coster(tr, layout, p.tp, p.sp, True, p.precision, p.ep), p, itemsize,
                             _micro(tr, p))
     m = mem(plan)
     if m["total"] <= m["capacity"]:
@@ -418,6 +472,9 @@ def fit_error(tr: Trace, layout: Layout, plan: Plan) -> str | None:
     what = (f"the {plan.mode} step needs {gib(m['total'])} per {layout.target.name} core ({parts}) but a core "
             f"has {gib(m['capacity'])}")
     changes: list[tuple[str, Plan]] = []
+    n = experts(tr).per_layer  # MoE over data-parallel replicas: split the experts first (the least change)
+    changes += [(f"ep={e}", replace(plan, ep=e)) for e in (2**k for k in range(1, 12))
+                if n and e > plan.ep and n % e == 0 and plan.dp % e == 0]
     if plan.train:
         if plan.recompute != "full":
             changes.append(("recompute='full'", replace(plan, recompute="full")))
@@ -464,9 +521,23 @@ def _pipeline_ops(tr: Trace, lay: Layout, plan: Plan, slots: float) -> list[OpTi
                    slots * (2 if plan.train else 1))]
 
 
+def _expert_ops(ex: Experts, lay: Layout, plan: Plan, slots: float) -> list[OpTime]:
+    """Expert parallelism: every MoE layer sends its routed rows to the cores holding their experts and brings the
+    results back (two all-to-alls over the ep replicas, tp x pp cores apart), and in training the same for their
+    gradients; each core of a TP group sends 1/tp of the rows. Balanced routing (each core receives as many rows
+    as it sends); not overlapped with the expert GEMMs. A stage holds 1/pp of the layers."""
+    out = []
+    for nbytes in ex.dispatch:
+        c = lay.collective("all_to_all", nbytes / plan.tp, plan.ep, stride=plan.tp * plan.pp)
+        for phase in ("forward", "backward") if plan.train else ("forward",):
+            out.append(OpTime("all_to_all", phase, "collective", 0.0, c.bytes / plan.pp, c.time_s / plan.pp,
+                              c.bound, c.achieved, 2 * slots))
+    return out
+
+
 def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = None) -> EstimateResult:
     """Cost a recorded step on `layout` under `plan`."""
-    co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled", plan.precision)
+    co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled", plan.precision, plan.ep)
     micro, pp = _micro(tr, plan), plan.pp
     # a pipeline stage runs 1/pp of every micro-batch's work, over micro + bubble slots
     slots = micro + plan.bubble
@@ -474,6 +545,8 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
                   x.cost.flops / pp, x.hbm_bytes / pp, x.time_s / pp, x.cost.bound, x.cost.achieved, slots,
                   _shapes(x.rec))
            for x in co.times(tr.recs)]
+    if plan.ep > 1:
+        ops += _expert_ops(co.experts, layout, plan, slots)
     if plan.train and plan.recompute != "none":
         ops += [replace(o, phase="recompute") for o in ops if o.phase == "forward"
                 and (plan.recompute == "full" or op_info(o.op).rule is Rule.ATTENTION)]
@@ -497,7 +570,7 @@ def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = N
         cost_per_hour=per_hour, cost_per_step=None if per_hour is None else per_hour * step / 3600,
         cost_per_million=None if per_hour is None else per_hour / (items / step * 3600) * 1e6,
         memory=_memory(tr, co, plan, itemsize, micro), ops=ops, precision=plan.precision,
-        cores_per_instance=layout.cores_per_instance, pp=pp)
+        cores_per_instance=layout.cores_per_instance, pp=pp, ep=plan.ep)
 
 
 def _peak_class(plan: Plan, itemsize: float) -> str:
@@ -541,13 +614,14 @@ def compare_gpu(tr: Trace, res: EstimateResult, plan: Plan, gpu: str, *, count: 
     glay.check_tp(max(t for _, t in layouts))
     runs = []
     for gdp, gtp in layouts:
-        gplan = replace(plan, dp=gdp, tp=gtp, precision=gprec)
+        gplan = replace(plan, dp=gdp, tp=gtp, precision=gprec, ep=math.gcd(plan.ep, gdp))
         if fit_error(tr, glay, gplan) is None:
             runs.append(cost(tr, glay, gplan, price_per_hour))
     if not runs:
         gdp, gtp = layouts[-1]
-        r = cost(tr, glay, replace(plan, dp=gdp, tp=gtp, precision=gprec), price_per_hour)
-        r.note = f"does not fit: {fit_error(tr, glay, replace(plan, dp=gdp, tp=gtp, precision=gprec))}"
+        gplan = replace(plan, dp=gdp, tp=gtp, precision=gprec, ep=math.gcd(plan.ep, gdp))
+        r = cost(tr, glay, gplan, price_per_hour)
+        r.note = f"does not fit: {fit_error(tr, glay, gplan)}"
         return r
     if len(runs) == 1:
         return runs[0]
@@ -571,7 +645,7 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
              sequence_parallel: bool | None = None, recompute: str = "none", optimizer: str | None = "adamw",
              zero1: bool = True, compare: str | None = "p5.48xlarge",
              precision: str | None = None, fsdp: bool = False, pp: int = 1, schedule: str = "1f1b",
-             vpp: int = 1, check_memory: bool = True,
+             vpp: int = 1, ep: int = 1, check_memory: bool = True,
              gpu_count: int | None = None, gpu_tp: int | None = None, gpu_precision: str | None = "same",
              gpu_price: float | None = None) -> EstimateResult:
     """Model one step of `model` on `example_inputs` (one micro-batch per data-parallel rank) on Trainium.
@@ -590,16 +664,21 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
     MFU against the fp8 peak) or "w8" (8-bit weights, 16-bit math; inference). fsdp: ZeRO-3 (weights and
     gradients sharded over dp too, gathered every micro-step). pp: pipeline stages (layers split evenly over
     pp x tp cores), schedule "1f1b" | "gpipe" | "interleaved" (with vpp virtual stages): the bubble is p - 1 (or
-    (p - 1) / vpp) micro-step slots; batch_tokens sets the micro-batches. check_memory: raise
+    (p - 1) / vpp) micro-step slots; batch_tokens sets the micro-batches. ep: expert parallelism for MoE models,
+    dividing dp: each core holds 1/ep of every layer's experts and every MoE layer exchanges its routed tokens
+    with two all-to-alls (four in training). check_memory: raise
     torch.OutOfMemoryError naming what does not fit in a core's memory and the smallest change that would (False:
     report `fits` only)."""
     plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1,
-                precision, fsdp, pp, schedule, vpp)
+                precision, fsdp, pp, schedule, vpp, ep)
     lay = Layout.of(target, instance, lnc)
     lay.check_tp(tp)
     if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour > 0):
         raise ValueError(f"the price per instance-hour must be a finite number > 0, got {price_per_hour}")
     tr = trace(model, example_inputs, train=plan.train, dtype=dtype)
+    if ep > 1 and (not (n := experts(tr).per_layer) or n % ep):
+        raise ValueError(f"expert parallelism splits whole experts: ep={ep} must divide the experts per layer "
+                         f"({n or 'none: the model has no _grouped_mm experts'})")
     if check_memory and (message := fit_error(tr, lay, plan)):
         raise torch.OutOfMemoryError(f"does not fit: {message}")
     res = cost(tr, lay, plan, price_per_hour)

@@ -426,7 +426,7 @@ def kernel_time(costs: Sequence[OpCost], hbm_bytes: float, tgt: Target | str, *,
 
 # ---------------------------------------------------------------------------------------------- collectives
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def _steps(kind: str, n: int, nbytes: float) -> int:
@@ -439,7 +439,8 @@ def _steps(kind: str, n: int, nbytes: float) -> int:
 
 
 def _traffic(kind: str, n: int) -> float:
-    """Bytes each rank sends per byte of the full buffer (bandwidth-optimal algorithms)."""
+    """Bytes each rank sends per byte of the full buffer (bandwidth-optimal algorithms; all-to-all: the buffer is
+    the rank's own send buffer, of which 1/n stays home)."""
     return (2 if kind == "all_reduce" else 1) * (n - 1) / n
 
 
@@ -457,6 +458,8 @@ def collective_cost(kind: str, nbytes: float, ranks: int, tgt: Target | str, *,
     nodes = math.ceil(ranks / per_node)
     f = t.spec.fabric
     time = f.fixed_s if ranks > 1 else 0.0
+    if kind == "all_to_all":  # nothing to reduce or combine: each block goes straight to its rank
+        return _all_to_all(nbytes, ranks, per_node, nodes, t, efa_bw, time)
     if per_node > 1:
         time += _steps(kind, per_node, nbytes) * f.hop_s + _traffic(kind, per_node) * nbytes / t.busbw
     if nodes > 1:
@@ -466,3 +469,22 @@ def collective_cost(kind: str, nbytes: float, ranks: int, tgt: Target | str, *,
         time += _steps(kind, nodes, share) * f.efa_hop_s + _traffic(kind, nodes) * share / efa_bw
     moved = _traffic(kind, ranks) * nbytes
     return OpCost(kind, "collective", 0.0, moved, moved, time, 0.0, 0.0, 0.0, t.busbw)
+
+
+def _all_to_all(nbytes: float, ranks: int, per_node: int, nodes: int, t: Target, efa_bw: float,
+                time: float) -> OpCost:
+    """An all-to-all (MoE dispatch or combine): each rank sends 1/ranks of its `nbytes` send buffer to every other
+    rank, the blocks for ranks in its own instance over the fabric, the others over EFA, one exchange step per
+    destination group (Mesh, as the algorithm for small messages: S41). Not hierarchical: there is nothing to
+    combine before leaving the instance."""
+    f = t.spec.fabric
+    local = (per_node - 1) / ranks * nbytes
+    remote = (ranks - per_node) / ranks * nbytes
+    if per_node > 1:
+        time += f.hop_s + local / t.busbw
+    if nodes > 1:
+        if not efa_bw:
+            raise ValueError("a collective across instances needs the EFA bandwidth per rank")
+        time += f.efa_hop_s + remote / efa_bw
+    moved = local + remote
+    return OpCost("all_to_all", "collective", 0.0, moved, moved, time, 0.0, 0.0, 0.0, t.busbw)

@@ -17,6 +17,9 @@ _LLAMA = dict(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, max
               tie_word_embeddings=False)
 PRESETS: dict[str, tuple[str, dict]] = {
     "gpt2-small": ("GPT2Config", dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)),
+    # Llama-3.2-1B (meta-llama/Llama-3.2-1B config; 1.24B parameters, tied embeddings): the usual draft model
+    "llama-1b": ("LlamaConfig", dict(_LLAMA, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                     num_attention_heads=32, head_dim=64, tie_word_embeddings=True)),
     "llama-8b": ("LlamaConfig", dict(_LLAMA, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                      num_attention_heads=32)),
     "llama-70b": ("LlamaConfig", dict(_LLAMA, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
@@ -28,9 +31,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                            num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
                                            max_position_embeddings=32768, tie_word_embeddings=False)),
+    # DeepSeek-V3 (deepseek-ai/DeepSeek-V3 config.json): 61 layers, the first 3 dense, then 256 routed experts (8
+    # per token, sigmoid top-k in 8 groups) plus 1 shared; multi-head latent attention; 671B parameters, 37B active.
+    # The multi-token-prediction module is not part of the model.
+    "deepseek-v3": ("DeepseekV3Config", dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                                             moe_intermediate_size=2048, num_hidden_layers=61,
+                                             first_k_dense_replace=3, n_routed_experts=256, n_shared_experts=1,
+                                             num_experts_per_tok=8, n_group=8, topk_group=4,
+                                             num_attention_heads=128, num_key_value_heads=128,
+                                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                                             qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
+                                             tie_word_embeddings=False)),
 }
 _MODELS = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM",
-           "MixtralConfig": "MixtralForCausalLM"}
+           "MixtralConfig": "MixtralForCausalLM", "DeepseekV3Config": "DeepseekV3ForCausalLM"}
 
 
 def hf_model(config: Any) -> torch.nn.Module:
@@ -54,10 +68,12 @@ def config(name: str, **overrides: Any) -> Any:
 
 
 def lm_inputs(model: torch.nn.Module, *, batch: int = 1, seq: int = 1024, mode: str = "train",
-              context: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict | Callable[[], dict]:
+              context: int = 0, dtype: torch.dtype = torch.bfloat16,
+              new_tokens: int = 1) -> dict | Callable[[], dict]:
     """Example inputs of a Hugging Face causal LM. train: input_ids and labels of [batch, seq]; forward:
-    input_ids; decode: one new token per sequence after `context` cached tokens, in a static cache (a
-    callable: the cache is built on the meta device by the estimator)."""
+    input_ids; decode: `new_tokens` new tokens per sequence (1; a speculative verification step checks
+    several) after `context` cached tokens, in a static cache (a callable: the cache is built on the meta
+    device by the estimator)."""
     if mode == "train":
         ids = torch.zeros(batch, seq, dtype=torch.long)
         return {"input_ids": ids, "labels": ids}
@@ -69,14 +85,20 @@ def lm_inputs(model: torch.nn.Module, *, batch: int = 1, seq: int = 1024, mode: 
     def build() -> dict:
         from transformers import StaticCache
 
-        cache = StaticCache(config=cfg, max_cache_len=context + 1)  # updated in place, as Neuron serving does
+        cache = StaticCache(config=cfg, max_cache_len=context + new_tokens)  # updated in place, as Neuron serving does
         heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv = torch.empty(batch, heads, 1, dim, dtype=dtype)
+        k = v = torch.empty(batch, heads, 1, dim, dtype=dtype)
+        if getattr(cfg, "kv_lora_rank", None):  # multi-head latent attention caches one compressed head and
+            k = torch.empty(batch, 1, 1, cfg.kv_lora_rank, dtype=dtype)  # the shared rotary key
+            v = torch.empty(batch, 1, 1, cfg.qk_rope_head_dim, dtype=dtype)
         for layer in cache.layers:
-            layer.lazy_initialization(kv, kv)
-        return {"input_ids": torch.zeros(batch, 1, dtype=torch.long), key: cache, "use_cache": True,
-                "cache_position": torch.tensor([context])}
+            layer.lazy_initialization(k, v)
+        inputs = {"input_ids": torch.zeros(batch, new_tokens, dtype=torch.long), key: cache, "use_cache": True,
+                  "cache_position": torch.arange(context, context + new_tokens)}
+        if new_tokens > 1:  # the mask over cache and new tokens, given whole: building it needs the positions' values
+            inputs["attention_mask"] = torch.ones(batch, 1, new_tokens, context + new_tokens, dtype=torch.bool)
+        return inputs
 
     return build
 

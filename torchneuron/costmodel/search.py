@@ -2,8 +2,9 @@
 training; time per token or time to first token for serving), and the frontier of cost against speed.
 
 Each batch size is traced once; every layout (instance type, tensor- and pipeline-parallel degree, data-parallel
-replicas, precision) is then costed from that trace with estimate.cost, and skipped when it does not fit
-(estimate.fit_error). Cost per million tokens is the instance price pro rata for the cores used.
+replicas, expert parallelism for MoE models, precision) is then costed from that trace with estimate.cost, and
+skipped when it does not fit (estimate.fit_error). Cost per million tokens is the instance price pro rata for the
+cores used.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from ..hardware.chips import GPU_INSTANCE, GPUS, LARGEST_INSTANCE
-from .estimate import EstimateResult, Layout, Plan, cost, fit_error
+from .estimate import EstimateResult, Layout, Plan, cost, experts, fit_error
 from .trace import Trace, trace
 
 
@@ -39,6 +40,14 @@ def _layouts(lay: Layout, train: bool) -> list[tuple[int, int]]:
     training."""
     tps = [2**k for k in range(12) if 2**k <= lay.cores_per_instance]
     return [(t, p) for t in tps for p in ((1, 2, 4, 8) if train else (1,))]
+
+
+def _expert_degrees(tr: Trace, lay: Layout, tp: int, pp: int) -> list[int]:
+    """1, and for an MoE model every power of two that divides its experts per layer with ep x tp x pp cores
+    inside one instance (the all-to-alls stay on the fabric)."""
+    n = experts(tr).per_layer
+    return [1] + [e for e in (2**k for k in range(1, 12))
+                  if n and n % e == 0 and e * tp * pp <= lay.cores_per_instance]
 
 
 def _precisions(train: bool) -> tuple[str | None, ...]:
@@ -75,37 +84,38 @@ def search(build: Callable[[int], tuple[torch.nn.Module, Any]], *, mode: str, ta
         tr = trace(model, inputs, train=train, dtype=dtype)
         for platform, lay in platforms:
             for tp, pp in _layouts(lay, train):
-                for precision in _precisions(train):
-                    out += _configs(tr, lay, platform, batch, mode, tp, pp, precision, tokens_per_s, latency_s,
-                                    global_batch_tokens)
+                for ep in _expert_degrees(tr, lay, tp, pp):
+                    for precision in _precisions(train):
+                        out += _configs(tr, lay, platform, batch, mode, tp, pp, precision, tokens_per_s,
+                                        latency_s, global_batch_tokens, ep)
     return out
 
 
 def _configs(tr: Trace, lay: Layout, platform: str, batch: int, mode: str, tp: int, pp: int,
              precision: str | None, tokens_per_s: float | None, latency_s: float | None,
-             global_batch_tokens: float | None) -> list[Candidate]:
+             global_batch_tokens: float | None, ep: int = 1) -> list[Candidate]:
     train = mode == "train"
     micro = 4 * pp if pp > 1 else 1  # enough micro-batches to keep a pipeline's bubble small
 
     def plan(dp: int) -> Plan:
         tokens = global_batch_tokens or tr.items * dp * micro
         return Plan(mode, dp, tp, tokens if train else None, None, "compiled", "selective" if train else "none",
-                    "adamw" if train else None, True, precision, False, pp)
+                    "adamw" if train else None, True, precision, False, pp, ep=ep)
 
-    dp = 1
-    if fit_error(tr, lay, plan(1)) is not None:
+    dp = ep  # expert parallelism splits the experts over ep data-parallel replicas
+    if fit_error(tr, lay, plan(dp)) is not None:
         return []
-    r = cost(tr, lay, plan(1))
+    r = cost(tr, lay, plan(dp))
     if train and tokens_per_s:
         for _ in range(4):  # data-parallel replicas to the target (the gradient sync grows with dp: re-cost)
-            need = math.ceil(tokens_per_s / (r.items_per_s / dp) - 1e-9)
+            need = math.ceil(tokens_per_s / (r.items_per_s / dp) / ep - 1e-9) * ep
             if need <= dp or need * tp * pp > 4096:
                 break
             dp = need
             r = cost(tr, lay, plan(dp))
     prec = precision or "bf16"
-    text = (f"{lay.instance} x{r.instances}, tp={tp}" + (f" pp={pp}" if pp > 1 else "") + f" dp={dp}, {prec}"
-            + ("" if train else f", batch {batch}"))
+    text = (f"{lay.instance} x{r.instances}, tp={tp}" + (f" pp={pp}" if pp > 1 else "") + f" dp={dp}"
+            + (f" ep={ep}" if ep > 1 else "") + f", {prec}" + ("" if train else f", batch {batch}"))
     return [Candidate(platform, text, batch, r, _meets(r, tokens_per_s, latency_s))]
 
 

@@ -202,8 +202,13 @@ class FusedAttention(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention or kw.get("dropout_p", 0.0):
             return func(*args, **kwargs)  # no fused kernel with dropout is assumed: it runs decomposed
         flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        return flash(*args[:3], 0.0, kw.get("is_causal", False), attn_mask=kw.get("attn_mask"),
-                     scale=kw.get("scale"))[0]
+        q, k, v = args[:3]
+        dv = v.shape[-1]
+        if dv < q.shape[-1]:  # values narrower than queries (DeepSeek's MLA): padded to the query width, as
+            v = F.pad(v, (0, q.shape[-1] - dv))  # flash kernels take one head dim; the extra columns are cut off
+        out = flash(q, k, v, 0.0, kw.get("is_causal", False), attn_mask=kw.get("attn_mask"),
+                    scale=kw.get("scale"))[0]
+        return out[..., :dv] if dv < q.shape[-1] else out
 
 
 def _loss(out: Any) -> torch.Tensor:

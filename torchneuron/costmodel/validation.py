@@ -61,8 +61,8 @@ def _mpt(d_model: int, layers: int, heads: int, seq: int) -> torch.nn.Module:
                                        n_positions=seq, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
 
 
-_SHORT_PROMPT = ("a 128-token prefill is a few ms of weight streaming; the published time carries the serving "
-                 "engine's per-request work (enqueue, sampling, copies), which the model does not have")
+_SHORT_PROMPT = ("the per-token slope of the page's 128 -> 2,048 pairs is modelled; a fixed 3.5-14 ms is not (engines "
+                 "built for large batches, context step without a CUDA graph; no published breakdown): docs, Outliers")
 
 
 def _gpt3_175b() -> torch.nn.Module:
@@ -145,6 +145,20 @@ def _h100(**kw) -> dict:
     return dict(target="h100", instance="p5.48xlarge", **kw)
 
 
+def _h200(**kw) -> dict:
+    return dict(target="h200", instance="p5en.48xlarge", precision="fp8", **kw)
+
+
+def _mistral_7b() -> torch.nn.Module:
+    """Mistral-7B (v0.1 widths; the attention is costed over the whole prompt, as at 2,048 tokens its 4,096
+    sliding window does not bind)."""
+    from transformers import MistralConfig
+
+    return presets.hf_model(MistralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                          sliding_window=None, max_position_embeddings=32768))
+
+
 CASES = (
     # ---- Trainium
     Case("bf16 matmul [4096,8192]x[8192,8192]", "trn1, one NeuronCore, tuned NKI kernel", "ms", 6.97,
@@ -181,8 +195,8 @@ CASES = (
          "S29 trn1 latency_data_decoder.csv", lambda: _decode_ms(_llama("llama2-13b"), 6144, **_trn1())),
     Case("Llama-2-13B prefill, TTFT", "trn1.32xlarge, TP32, BS1, 4096 in", "ms", 864.1,
          "S29 trn1 latency_data_decoder.csv", lambda: _prefill_ms(_llama("llama2-13b"), 4096, **_trn1()),
-         outlier="transformers-neuronx prefill grows faster than its work: the same CSV's Llama-2-70B TTFT triples "
-                 "from 1,024 to 2,048 prompt tokens (232 -> 691 ms); no per-token model follows it"),
+         outlier="the CSV's context-encoding times are not a smooth function of the work (Llama-3-8B at 4,096 "
+                 "tokens: 153 ms, this 13B: 864 ms); its other rows run from -65% to +73%: docs, Outliers"),
     Case("Llama-2-70B prefill, TTFT", "trn1.32xlarge, TP32, BS1, 2048 in", "ms", 690.96,
          "S29 trn1 latency_data_decoder.csv", lambda: _prefill_ms(_llama("llama2-70b"), 2048, **_trn1())),
     Case("Llama-3-8B int8 weights decode, TPOT", "trn1.32xlarge, TP32, BS1, 4096 in / 4096 out", "ms", 7.04,
@@ -265,6 +279,34 @@ CASES = (
     Case("Llama-3.3-70B fp8 prefill, TTFT, short", "2x H100, TP2, fp8, BS1, 500 in", "ms", 47.77,
          "G9 NIM benchmarking (1.8.0)",
          lambda: _prefill_ms(_llama("llama-70b"), 500, precision="fp8", **_h100(tp=2)), "gpu"),
+)
+
+# Held out: added after the constants were fixed, reported whatever their error and not held to the bounds (the
+# acceptance of issue 28 says held-out rows will be run; these are the first). G10: TensorRT-LLM v0.9
+# performance.md, low-latency table, H200 fp8, batch 1, first-token latency.
+HELD_OUT = (
+    Case("H200 Llama-7B prefill, TTFT, 128 tokens", "1x H200, fp8, BS1, 128 in", "ms", 5.7,
+         "G10 TensorRT-LLM v0.9 performance.md", lambda: _prefill_ms(_llama("llama2-7b"), 128, **_h200(tp=1)),
+         "gpu"),
+    Case("H200 Llama-7B prefill, TTFT", "1x H200, fp8, BS1, 2048 in", "ms", 30.2,
+         "G10 TensorRT-LLM v0.9 performance.md", lambda: _prefill_ms(_llama("llama2-7b"), 2048, **_h200(tp=1)),
+         "gpu"),
+    Case("H200 Mistral-7B prefill, TTFT, 128 tokens", "1x H200, fp8, BS1, 128 in", "ms", 5.9,
+         "G10 TensorRT-LLM v0.9 performance.md", lambda: _prefill_ms(_mistral_7b(), 128, **_h200(tp=1)), "gpu"),
+    Case("H200 Mistral-7B prefill, TTFT", "1x H200, fp8, BS1, 2048 in", "ms", 31.7,
+         "G10 TensorRT-LLM v0.9 performance.md", lambda: _prefill_ms(_mistral_7b(), 2048, **_h200(tp=1)), "gpu"),
+    Case("H200 Llama-70B prefill, TTFT, 128 tokens", "4x H200, TP4, fp8, BS1, 128 in", "ms", 17.8,
+         "G10 TensorRT-LLM v0.9 performance.md", lambda: _prefill_ms(_llama("llama2-70b"), 128, **_h200(tp=4)),
+         "gpu"),
+    Case("H200 Llama-70B prefill, TTFT", "4x H200, TP4, fp8, BS1, 2048 in", "ms", 103.0,
+         "G10 TensorRT-LLM v0.9 performance.md", lambda: _prefill_ms(_llama("llama2-70b"), 2048, **_h200(tp=4)),
+         "gpu"),
+    Case("H200 Mixtral-8x7B prefill, TTFT, 128 tokens", "2x H200, TP2, fp8, BS1, 128 in", "ms", 12.1,
+         "G10 TensorRT-LLM v0.9 performance.md",
+         lambda: _prefill_ms(_llama("mixtral-8x7b"), 128, **_h200(tp=2)), "gpu"),
+    Case("H200 Mixtral-8x7B prefill, TTFT", "2x H200, TP2, fp8, BS1, 2048 in", "ms", 87.7,
+         "G10 TensorRT-LLM v0.9 performance.md",
+         lambda: _prefill_ms(_llama("mixtral-8x7b"), 2048, **_h200(tp=2)), "gpu"),
 )
 
 
@@ -361,9 +403,13 @@ def table(rows: list[Row]) -> str:
 
 
 if __name__ == "__main__":
-    rows = run()
+    rows, held = run(), run(HELD_OUT)
     print(table(rows))
+    print()
+    print(table(held))
     print()
     print(ratio_table(rows))
     for side, (med, worst, n) in summary(rows).items():
         print(f"{side}: {n} cases, median |error| {med:.1%}, max {worst:.1%}")
+    for side, (med, worst, n) in summary(rows + held).items():
+        print(f"{side} with the held-out rows: {n} cases, median |error| {med:.1%}, max {worst:.1%}")
