@@ -98,19 +98,33 @@ void install_fork_handler() {
 
 bool in_bad_fork() { return g_lifecycle.load() == static_cast<int>(Lifecycle::forked_child); }
 
+extern std::atomic<int> g_pushing;  // queue.cpp: threads inside a launch
+
 std::vector<std::string> drain_for_exit(double timeout_s) {
   if (in_bad_fork()) return {};  // a child that may not use the device has nothing queued
   g_exiting_thread = std::this_thread::get_id();
   g_lifecycle.store(static_cast<int>(Lifecycle::exiting));
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
   auto pause = std::chrono::microseconds(100);
+  constexpr auto kSettle = std::chrono::milliseconds(5);
+  bool settled = false;
   std::vector<std::string> busy;
   for (;;) {  // a launch that passed its check just before the refusal may still queue: wait until every queue idles
     busy.clear();
     for (StreamQueue* q : queues_of(-1))
       if (!q->idle())
         busy.push_back(c10::str("neuron:", static_cast<int>(q->device()), " stream ", q->id()));
-    if (busy.empty() || std::chrono::steady_clock::now() >= deadline) break;
+    if (busy.empty() && g_pushing.load() == 0) {
+      // Threads that launched just before the refusal return to Python (the GIL is free while this waits); their
+      // next device use parks them. Then no other thread is inside a device call when the interpreter finalizes.
+      if (!settled) {
+        settled = true;
+        std::this_thread::sleep_for(kSettle);
+        continue;
+      }
+      break;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) break;
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::microseconds(10000));
   }

@@ -23,6 +23,8 @@ std::atomic<bool> g_launch_stacks{true};
 
 // lifecycle.cpp: once the exit-time drain began, a thread other than the exiting one never takes the GIL again
 void park_other_threads_at_exit();
+// Threads inside push(): the exit-time drain waits for them (lifecycle.cpp), and each parks on its way out.
+std::atomic<int> g_pushing{0};
 
 namespace {
 
@@ -84,6 +86,16 @@ KernelThreadsGuard::~KernelThreadsGuard() {
 
 uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool control,
                            std::shared_ptr<const FusableOp> fuse, int64_t work, Access access) {
+  // A launch that began before the exit-time drain returns through PyTorch's binding, which takes the GIL back: were
+  // the interpreter finalizing by then, CPython would end the thread inside that noexcept frame and abort. So the
+  // drain waits for launches in progress, and they park on the way out (lifecycle.cpp).
+  struct Pushing {
+    Pushing() { g_pushing.fetch_add(1); }
+    ~Pushing() {
+      g_pushing.fetch_sub(1);
+      park_other_threads_at_exit();
+    }
+  } pushing;
   check_device_use();  // lifecycle.cpp: refused in a forked child; other threads park during exit
   Task t{std::move(run), name, nullptr, kernel_threads(at::get_num_threads(), work), control, std::move(fuse),
          std::move(access)};
@@ -192,14 +204,19 @@ void StreamQueue::wait_quiet(uint64_t ticket) {
   if (reached(ticket)) return;
   auto until = std::chrono::steady_clock::now() + kSpin;
   while (!reached(ticket) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
-  if (reached(ticket)) return;
-  ReleaseGil nogil;
-  std::unique_lock<std::mutex> l(mu_);
-  for (;;) {
-    if (ticket < wake_at_.load()) wake_at_.store(ticket);  // before the check: see finish()
-    if (completed_.load() >= ticket) break;
-    done_cv_.wait(l);
+  if (reached(ticket)) return park_other_threads_at_exit();
+  {
+    ReleaseGil nogil;
+    std::unique_lock<std::mutex> l(mu_);
+    for (;;) {
+      if (ticket < wake_at_.load()) wake_at_.store(ticket);  // before the check: see finish()
+      if (completed_.load() >= ticket) break;
+      done_cv_.wait(l);
+    }
   }
+  // A daemon thread whose wait the exit-time drain ended parks here, also when PyTorch's binding (not this wait)
+  // released its GIL: returning would take the GIL back in the binding while the interpreter finalizes, and abort.
+  park_other_threads_at_exit();
 }
 
 void StreamQueue::wait(uint64_t ticket) {
