@@ -21,6 +21,18 @@ def sync() -> None:
     torch.accelerator.synchronize()
 
 
+def warm_up(fn: Callable[[], object], times: int) -> None:
+    """Call `fn` `times` times, each followed by a synchronize and by the fusion compiles it started (eager fusion
+    compiles a hot group off the stream and runs it unfused until its kernel is ready): what is timed afterwards
+    is the steady state, never a compile."""
+    from torchneuron.compiler import eager_fusion
+
+    for _ in range(times):
+        fn()
+        sync()
+        eager_fusion.wait_compiles()
+
+
 def interleaved(fns: dict[str, Callable[[], object]], calls: int, repeats: int = 9, warmup: int = 3
                 ) -> dict[str, float]:
     """Median seconds per call of each function; the functions alternate (and swap order) every repeat, so a
@@ -28,9 +40,7 @@ def interleaved(fns: dict[str, Callable[[], object]], calls: int, repeats: int =
     device synchronize, for every function alike (on the CPU's it waits for nothing): without it an asynchronous
     device would be timed on the launches of its work only."""
     for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    sync()
+        warm_up(fn, warmup)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for r in range(repeats):
@@ -48,9 +58,7 @@ def _serve(conn, threads: int, build: Callable[..., Callable[[], object]], kwarg
     """One side of `paired`: build the function, then time `calls` calls (ending with a synchronize) per request."""
     torch.set_num_threads(threads)
     fn = build(**kwargs)
-    for _ in range(warmup):
-        fn()
-    sync()
+    warm_up(fn, warmup)
     conn.send("ready")
     while (calls := conn.recv()) is not None:
         t0 = time.perf_counter()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 
 import pytest
@@ -281,11 +282,12 @@ def test_queued_runs_fuse_once_they_recur_and_match_the_unfused_ops():
     ref = block(*cpu, ref_keep)
     before = fused_counts()
     results = []
-    for _ in range(ef.AFTER + 2):  # sightings, then the compile, then a cache hit
+    for _ in range(ef.AFTER + 3):  # first call, sightings (the last hands the group to the compiler thread), 2 fused
         busy_stream()
         keep: list = []
         out = block(*dev, keep)
         results.append((out.cpu(), keep[0].cpu()))
+        ef.wait_compiles()  # a hot group's kernel, compiled off the stream, serves the next step
     kernels, ops = fused_counts()
     assert kernels - before[0] >= 2 and ops - before[1] >= 2 * 4, "the last two runs: one kernel for the 4 ops"
     for out, h in results:
@@ -293,6 +295,44 @@ def test_queued_runs_fuse_once_they_recur_and_match_the_unfused_ops():
         torch.testing.assert_close(h, ref_keep[0])  # an intermediate Python holds is stored too
     assert torch.equal(results[-1][0], results[-2][0]), "deterministic run to run"
     assert torch.equal(results[0][0], ref), "the first sightings run unfused: bit-identical to the CPU"
+
+
+def test_a_hot_group_compiles_off_the_stream_which_runs_it_unfused_meanwhile(monkeypatch):
+    """The compile of a hot group runs on the fusion compiler thread, never on a stream worker: while it is held
+    (here: until the test lets it go) the stream computes the same group unfused, and synchronizes; once the kernel
+    is ready the group runs fused. Values are the CPU's throughout."""
+    release, started, threads = threading.Event(), threading.Event(), []
+    real = ef._compile
+
+    def held_compile(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        started.set()
+        release.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ef, "_compile", held_compile)
+    g = torch.Generator().manual_seed(5)
+    shape = (128, 2048)  # 2^18 elements, a layout no other test's group has: this group is compiled here
+    cpu = [torch.randn(shape, generator=g), torch.randn(shape[1], generator=g), torch.randn(shape, generator=g)]
+    dev = [t.to("neuron") for t in cpu]
+    ref = block(*cpu, [])
+    before = fused_counts()
+    try:
+        for _ in range(ef.AFTER + 1):  # the first call, then AFTER sightings: the last hands it to the compiler
+            busy_stream()
+            torch.testing.assert_close(block(*dev, []).cpu(), ref)
+        assert started.wait(60), "the hot group was handed to the compiler thread"
+        for _ in range(2):  # the compile is held: the stream runs the group unfused and synchronizes
+            busy_stream()
+            torch.testing.assert_close(block(*dev, []).cpu(), ref)
+        assert fused_counts() == before
+    finally:
+        release.set()
+    ef.wait_compiles()
+    busy_stream()
+    torch.testing.assert_close(block(*dev, []).cpu(), ref)
+    assert fused_counts()[0] > before[0]
+    assert threads and set(threads) == {"torchneuron-fusion-compiler"}
 
 
 def test_a_result_python_frees_is_still_stored_for_the_queued_ops_that_read_it():
@@ -308,6 +348,7 @@ def test_a_result_python_frees_is_still_stored_for_the_queued_ops_that_read_it()
         total = ((dev[0] * 2 + 1) * 3 + dev[2]) * 0.5  # each temporary freed, its block reused by the next op
         torch.testing.assert_close(copy.cpu(), ref)
         torch.testing.assert_close(total.cpu(), ((cpu[0] * 2 + 1) * 3 + cpu[2]) * 0.5)
+        ef.wait_compiles()
     assert fused_counts()[0] > before[0]
 
 
@@ -317,6 +358,7 @@ def test_printing_deterministic_mode_and_views_end_a_fused_run(capsys):
         busy_stream()
         block(*dev, [])
     torch.neuron.synchronize()
+    ef.wait_compiles()
     before = fused_counts()
     busy_stream()
     h = torch.nn.functional.gelu(dev[0] + dev[1])
@@ -350,21 +392,23 @@ def test_an_optimizer_step_becomes_one_kernel_and_tracks_the_cpus_optimizer(requ
     dev = [p.to("neuron") for p in cpu]
     opts = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True) for ps in (cpu, dev)]
     before = fused_counts()
-    for step in range(ef.AFTER + 4):
+    fused_from = ef.AFTER + 1  # the first call runs on the host; AFTER sightings; the kernel, compiled off the stream
+    for step in range(fused_from + 4):
         grads = [torch.randn(p.shape, generator=g) for p in cpu]
         for p, q, grad in zip(cpu, dev, grads, strict=True):
             q.grad = None  # freed first, as zero_grad does: a steady loop's tensors come back at the same addresses
             p.grad, q.grad = grad, grad.to("neuron")
-        if step == ef.AFTER + 1:
+        if step == fused_from + 1:  # the first fused step recorded the plan: replayed from here
             lookups = stats().cache_hits + stats().cold + stats().compiled
         busy_stream()
         for opt in opts:
             opt.step()
         for p, q in zip(cpu, dev, strict=True):
-            exact = step < ef.AFTER - 1
+            exact = step < fused_from
             torch.testing.assert_close(q.cpu(), p, rtol=0 if exact else None, atol=0 if exact else None)
             for k in ("exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(opts[1].state[q][k].cpu(), opts[0].state[p][k])
+        ef.wait_compiles()
     kernels, ops = fused_counts()
     assert kernels - before[0] >= 4 and ops - before[1] >= 4 * 8, "the last steps: one kernel for the 8 list ops"
     if not request.config.getoption("--verify-replay"):  # verification rebuilds on purpose
@@ -395,6 +439,7 @@ def test_in_place_ops_fuse_and_a_run_stops_where_their_memory_is_read_another_wa
             got.append([t.cpu() for t in (a, hh, c, v, e, w)])
         for mine, ref in zip(*got, strict=True):
             torch.testing.assert_close(mine, ref)
+        ef.wait_compiles()
     assert fused_counts()[0] > before[0]
 
 
@@ -426,6 +471,7 @@ def test_list_ops_take_new_numbers_every_call_and_a_changed_constant_is_not_repl
             outs.append([t.cpu() for t in (*xs, *sq, *ns, a)])
         for mine, ref in zip(*outs, strict=True):
             torch.testing.assert_close(mine, ref)
+        ef.wait_compiles()
     assert fused_counts()[0] - before[0] >= 2
 
 

@@ -15,6 +15,8 @@ eager execution): `compile_group` then returns None. Importing this module is ch
 compile."""
 from __future__ import annotations
 
+import atexit
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -68,7 +70,8 @@ class Node:
 class Stats:
     """What fusion did in this process (the porting report reads it): distinct groups compiled, cache hits, fused
     kernel runs, groups that could not be compiled (run unfused) and why the last one failed, groups refused
-    because fusion was off, and sightings of a signature not yet seen `after` times (run unfused)."""
+    because fusion was off, and sightings of a signature not yet seen `after` times or still compiling (run
+    unfused)."""
 
     compiled: int = 0
     cache_hits: int = 0
@@ -76,13 +79,14 @@ class Stats:
     failures: int = 0
     disabled: int = 0
     cold: int = 0
+    deferred: int = 0  # hot groups not handed to the compiler thread (its queue was full): submitted again later
     last_failure: str | None = None
 
 
 _STATS = Stats()
 _CACHE: dict[tuple, FusedKernel | None] = {}
 _SIGHTINGS: dict[tuple, int] = {}  # signatures seen but not compiled yet (compile_group's `after`)
-_LOCK = threading.Lock()  # one compile at a time (stream workers release the GIL inside Inductor's build)
+_LOCK = threading.Lock()  # sightings and the cache: one compile decision at a time
 ABI = 1  # bump when the meaning of a cached group changes
 
 
@@ -241,12 +245,14 @@ def _key(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value
 
 
 def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tuple[Value, ...],
-                  mutations: tuple[tuple[int, Value], ...] = (), *, after: int = 1) -> FusedKernel | None:
+                  mutations: tuple[tuple[int, Value], ...] = (), *, after: int = 1,
+                  background: bool = False) -> FusedKernel | None:
     """The fused kernel of a group (cached by signature), or None when fusion is off, the group cannot be
     compiled, or its signature has been seen fewer than `after` times (each counted; the caller runs the ops
     unfused). `mutations`: (input, value) pairs, the kernel stores that value into that input's memory (what the
     group's in-place ops left there). `after` > 1 spends a compile (seconds) only on groups that recur, as a
-    training step's do. Never raises."""
+    training step's do. `background`: the compile is handed to the fusion compiler thread and None is returned
+    until the kernel is ready (a stream worker never waits for Inductor). Never raises."""
     if not enabled():
         _STATS.disabled += 1
         return None
@@ -262,9 +268,17 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
         if key in _CACHE:
             _STATS.cache_hits += 1
             return _CACHE[key]
+        if key in _BACKGROUND.pending:
+            _STATS.cold += 1
+            return None
         seen = _SIGHTINGS[key] = _SIGHTINGS.get(key, 0) + 1
         if seen < after:
             _STATS.cold += 1
+            return None
+        if background:
+            _STATS.cold += 1
+            if _BACKGROUND.submit(key, nodes, mutations):
+                _SIGHTINGS.pop(key)
             return None
         dynamo = _dynamo_compile_lock()
         if not dynamo.acquire(blocking=False):  # torch.compile is compiling on another thread: not now
@@ -272,14 +286,91 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
             return None
         try:
             _SIGHTINGS.pop(key)
-            kernel = _compile(tuple(Spec(*s) for s in key[1]), tuple(Value(*v) for v in key[2]), nodes, mutations)
-        except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
-            return _failed(key, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+            return _compile_key(key, nodes, mutations)
         finally:
             dynamo.release()
-        _CACHE[key] = kernel
-        _STATS.compiled += 1
-        return kernel
+
+
+def _compile_key(key: tuple, nodes: tuple[Node, ...], mutations: tuple[tuple[int, Value], ...]) -> FusedKernel | None:
+    """Compile a signature into _CACHE (None there when it cannot be compiled: it is not tried again)."""
+    try:
+        kernel = _compile(tuple(Spec(*s) for s in key[1]), tuple(Value(*v) for v in key[2]), nodes, mutations)
+    except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
+        return _failed(key, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+    _CACHE[key] = kernel
+    _STATS.compiled += 1
+    return kernel
+
+
+class _Background:
+    """The fusion compiler thread: compiles the groups stream workers found hot, one at a time, while they run the
+    ops unfused (a worker that compiled itself stalled its stream for seconds, minutes for large groups). Bounded: at
+    most MAX_PENDING signatures wait; a hot group that finds the queue full is counted (`stats().deferred`) and
+    submitted again at a later sighting. Started at the first submit; a forked child starts its own."""
+
+    def __init__(self) -> None:
+        self.pending: set[tuple] = set()
+        self.jobs: list[tuple] = []
+        self.ready = threading.Condition(threading.Lock())
+        self.compiling = threading.Lock()  # held around each compile; a fork waits for it (below)
+        self.thread: threading.Thread | None = None
+
+    def submit(self, key: tuple, nodes: tuple[Node, ...], mutations: tuple[tuple[int, Value], ...]) -> bool:
+        with self.ready:
+            if len(self.pending) >= MAX_PENDING:
+                _STATS.deferred += 1
+                return False
+            self.pending.add(key)
+            self.jobs.append((key, nodes, mutations))
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._loop, name="torchneuron-fusion-compiler", daemon=True)
+                self.thread.start()
+            self.ready.notify_all()
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            with self.ready:
+                while not self.jobs:
+                    self.ready.wait()
+                key, nodes, mutations = self.jobs[0]
+            with self.compiling, _dynamo_compile_lock():  # waits here, never on a stream worker
+                _compile_key(key, nodes, mutations)
+            with self.ready:
+                self.jobs.pop(0)
+                self.pending.discard(key)
+                self.ready.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every submitted compile has finished (False: `timeout` seconds passed first)."""
+        with self.ready:
+            return self.ready.wait_for(lambda: not self.jobs, timeout)
+
+    def forget(self) -> None:
+        """In a forked child: the parent's thread does not exist there, and its jobs are the parent's."""
+        self.__init__()
+
+    def stop(self) -> None:
+        """At exit: wait (TORCHNEURON_EXIT_TIMEOUT at most) for the compile in progress and start no other. A daemon
+        thread still inside Inductor's C++ code when the interpreter finalizes is unwound by CPython through frames
+        that may not be unwound, and the process aborts ("terminate called without an active exception")."""
+        if self.thread is not None:
+            cfg = config.current_or_none()
+            self.compiling.acquire(timeout=cfg.exit_timeout if cfg is not None else 60.0)
+
+
+_BACKGROUND = _Background()
+# A fork waits for the compile in progress (as it waits for the streams): the compiler thread must not hold
+# Dynamo's compile lock in a child where it does not exist, or the child's first torch.compile would hang.
+os.register_at_fork(before=_BACKGROUND.compiling.acquire, after_in_parent=_BACKGROUND.compiling.release,
+                    after_in_child=_BACKGROUND.forget)
+atexit.register(_BACKGROUND.stop)
+
+
+def wait_compiles(timeout: float | None = None) -> bool:
+    """Wait for the fusion compiles stream workers handed to the compiler thread (tests, benchmarks: make the hot
+    groups' kernels ready before measuring). False when `timeout` seconds passed first."""
+    return _BACKGROUND.wait(timeout)
 
 
 AFTER = 3  # sightings of a group's signature before the stream worker compiles it (a step's groups recur)
@@ -287,6 +378,7 @@ AFTER = 3  # sightings of a group's signature before the stream worker compiles 
 # 4 s, over 16 in 7 s, over 32 in 65 s (on the stream worker, which waits). A group stops short of these sizes.
 MAX_NODES = 64
 MAX_LIST = 8  # tensors of a list op that joins a group
+MAX_PENDING = 16  # signatures waiting for the compiler thread
 
 
 class QueuedOp(NamedTuple):
@@ -588,7 +680,8 @@ def _fused_group(ops: list[QueuedOp]) -> tuple[_Group, FusedKernel, list[_Result
         return None
     wanted = [r for r in group.results if r.stored]
     kernel = compile_group(tuple(group.nodes), tuple(Spec(tuple(t.shape), t.stride(), t.dtype) for t in group.inputs),
-                           tuple(r.value for r in wanted), tuple(sorted(group.mutations.items())), after=AFTER)
+                           tuple(r.value for r in wanted), tuple(sorted(group.mutations.items())), after=AFTER,
+                           background=True)
     return None if kernel is None else (group, kernel, wanted)
 
 
