@@ -13,7 +13,7 @@ from tests.conftest import run_py
 
 # Shared by the scripts: fork a child running `body` (it writes a JSON line to `out`), wait at most 60 s.
 FORK = """
-import json, os, signal, time, torch
+import json, os, signal, threading, torch
 
 def in_child(body):
     r, w = os.pipe()
@@ -27,15 +27,14 @@ def in_child(body):
                 out.write(json.dumps({"child raised": repr(e)}) + "\\n")
         os._exit(0)
     os.close(w)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            with os.fdopen(r) as f:
-                return json.loads(f.read() or "null")
-        time.sleep(0.02)
+    waiter = threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True)
+    waiter.start()
+    waiter.join(60)
+    if not waiter.is_alive():
+        with os.fdopen(r) as f:
+            return json.loads(f.read() or "null")
     os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    waiter.join()
     return "hung"
 
 def slow():  # ~0.2 s of queued matmuls: what is launched after them really queues
