@@ -6,6 +6,7 @@ in stream order), and their times are `time.monotonic_ns()`, the clock of the de
 C++'s steady_clock), so a test can bound an event's elapsed time by what it knows ran between the records."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -13,6 +14,40 @@ from typing import Any
 import torch
 
 import torchneuron
+
+# What configures the device (and the neuron tools): a child process under test starts without it.
+DEVICE_PREFIXES = ("TORCHNEURON_", "NEURON_")
+
+
+def clean_env(drop: tuple[str, ...] = (), **extra: Any) -> dict[str, str]:
+    """This process's environment without the device's configuration (and variables starting with `drop`), plus
+    `extra` (values as strings): what a child process under test starts with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(DEVICE_PREFIXES + drop)}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def to_cpu(x: Any) -> Any:
+    """One value moved to the CPU: a neuron tensor (detached, keeping requires_grad), a neuron device or device
+    string; anything else unchanged. For the CPU reference run of a sample."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().requires_grad_(x.requires_grad) if x.is_neuron else x
+    if isinstance(x, torch.device) and x.type == "neuron":
+        return torch.device("cpu")
+    if isinstance(x, str) and x.startswith("neuron"):
+        return "cpu"
+    return x
+
+
+def to_cpu_tree(x: Any) -> Any:
+    """Results (any pytree: tuples, named tuples, lists, dicts) as detached CPU tensors, to compare with the CPU's;
+    a tensor on another device than neuron or the CPU fails."""
+    def cpu(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        assert t.device.type in ("neuron", "cpu"), t.device
+        return t.detach().cpu()
+    return torch.utils._pytree.tree_map(cpu, x)
 
 
 def _queue(name: str, run: Any) -> None:

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 import torch
 import torch._dynamo
+from helpers import clean_env
 
 from torchneuron.compiler import cache as cache_mod
 from torchneuron.compiler import inductor
@@ -27,8 +28,7 @@ PROGRAM = textwrap.dedent("""
 
 
 def compile_in_subprocess(cache_dir, extra_env: dict | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "TORCHINDUCTOR_"))}
-    env.update({"TORCHNEURON_CACHE_DIR": str(cache_dir), **(extra_env or {})})
+    env = clean_env(("TORCHINDUCTOR_",), **{"TORCHNEURON_CACHE_DIR": str(cache_dir), **(extra_env or {})})
     return subprocess.Popen([sys.executable, "-c", PROGRAM], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

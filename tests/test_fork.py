@@ -4,10 +4,11 @@ suite."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
+
+from helpers import clean_env
 
 from tests.conftest import run_py
 
@@ -201,7 +202,7 @@ def test_dataloader_workers_see_finished_memory(tmp_path):
     copy memory at the fork (drained before it), spawn workers get the rows pickled (drained before sharing);
     and a neuron tensor pickled by value for spawned workers, which may use the device."""
     (tmp_path / "loader.py").write_text(LOADER)  # a file: spawned workers re-import it
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_"))}
+    env = clean_env()
     p = subprocess.run([sys.executable, str(tmp_path / "loader.py")], capture_output=True, text=True, env=env,
                        timeout=300)
     assert p.stdout.split("\n")[:3] == ["fork pinned rows True", "spawn pinned rows True", "spawn pickled True"], (
