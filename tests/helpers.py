@@ -2,8 +2,8 @@
 
 Streams are held and observed without timing: `Gate` holds the current stream until the host opens it, `stamp`
 records when the stream reached a point. Both are kernels queued with `_C._queue_kernel` (run by the stream's worker,
-in stream order), and their times are `time.monotonic_ns()`, the clock of the device's events (CLOCK_MONOTONIC,
-C++'s steady_clock), so a test can bound an event's elapsed time by what it knows ran between the records."""
+in stream order). A stamp's time is `time.monotonic_ns()`, the clock of the device's events (CLOCK_MONOTONIC, C++'s
+steady_clock), so a test can bound an event's elapsed time by what it knows ran between the records."""
 from __future__ import annotations
 
 import os
@@ -57,8 +57,8 @@ def _queue(name: str, run: Any) -> None:
 class Gate:
     """A kernel on the current stream that waits until the host calls `open()`: work queued behind it cannot have
     run while it is closed, whatever the machine's load. `released` is whether the host opened it (False: it gave up
-    after `timeout` seconds, so a launch that waits for queued work fails a test instead of hanging it);
-    `started_ns`/`ended_ns`: when the stream's worker entered and left it. A context manager: it opens on exit.
+    after `timeout` seconds, so a launch that waits for queued work fails a test instead of hanging it). A context
+    manager: it opens on exit.
     What is launched behind a closed gate must have run once before: the first call of an op signature runs on the
     host thread after the stream's queued work, so it would wait for the gate."""
 
@@ -66,14 +66,10 @@ class Gate:
         self._event = threading.Event()
         self.timeout = timeout
         self.released: bool | None = None
-        self.started_ns: int | None = None
-        self.ended_ns: int | None = None
         _queue("test-gate", self._hold)
 
     def _hold(self) -> None:
-        self.started_ns = time.monotonic_ns()
         self.released = self._event.wait(self.timeout)  # releases the GIL while it waits
-        self.ended_ns = time.monotonic_ns()
 
     def open(self) -> None:
         self._event.set()
