@@ -1,7 +1,6 @@
 """Shared test helpers. `import torch` autoloads the neuron device (the entry point under test)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -9,14 +8,14 @@ import warnings
 
 import pytest
 import torch
+from helpers import clean_env
 
 import torchneuron
 
 
 def run_py(code: str, env: dict | None = None, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     """Run Python code in a fresh interpreter (for environment-dependent behaviour); returns the process."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_"))}
-    full_env.update(env or {})
+    full_env = clean_env(**(env or {}))
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                        env=full_env, timeout=timeout)
     if check and p.returncode != 0:

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from helpers import clean_env, to_cpu_tree
+
 HERE = Path(__file__).resolve().parent
 TIMEOUT = 180  # seconds for a whole multi-process run; each process group gets far less
 
@@ -34,10 +36,8 @@ def free_port() -> int:
 
 def child_env(**extra: Any) -> dict[str, str]:
     """The environment of a rank: ours minus device configuration, one thread, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_", "LOCAL_"))}
-    env.update(OMP_NUM_THREADS="1", TORCHNEURON_FALLBACK="silent", PYTHONUNBUFFERED="1")
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return clean_env(("LOCAL_",), **{"OMP_NUM_THREADS": "1", "TORCHNEURON_FALLBACK": "silent", "PYTHONUNBUFFERED": "1",
+                                     **extra})
 
 
 class RankFailed(AssertionError):
@@ -112,13 +112,6 @@ def init(timeout: float = 60, **kwargs: Any) -> tuple[int, int]:
     kwargs.setdefault("backend", "neuron")
     dist.init_process_group(timeout=datetime.timedelta(seconds=timeout), **kwargs)
     return dist.get_rank(), dist.get_world_size()
-
-
-def to_cpu(x: Any) -> Any:
-    import torch
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t.detach().cpu() if isinstance(t, torch.Tensor) else t, x)
 
 
 # ---- a tiny GPT and its data ----
@@ -196,7 +189,7 @@ def _main() -> None:
     module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     result = getattr(module, func)(*pickle.loads((outdir / "args.pkl").read_bytes()))
-    (outdir / f"rank{os.environ['RANK']}.pkl").write_bytes(pickle.dumps(to_cpu(result)))
+    (outdir / f"rank{os.environ['RANK']}.pkl").write_bytes(pickle.dumps(to_cpu_tree(result)))
 
 
 if __name__ == "__main__":

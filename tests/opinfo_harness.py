@@ -14,6 +14,7 @@ import unittest
 
 import pytest
 import torch
+from helpers import to_cpu, to_cpu_tree
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.testing._internal.opinfo.core import DecorateInfo
 
@@ -33,16 +34,6 @@ def pytorch_skips_compare_cpu(op, test_name: str = "test_compare_cpu") -> bool:
                any(getattr(x, "__name__", "") in ("skip", "decorator") or x is unittest.expectedFailure
                    for x in d.decorators)
                for d in op.decorators)
-
-
-def to_cpu(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().requires_grad_(x.requires_grad) if x.is_neuron else x
-    if isinstance(x, torch.device) and x.type == "neuron":
-        return torch.device("cpu")
-    if isinstance(x, str) and x.startswith("neuron"):
-        return "cpu"
-    return x
 
 
 def seeded_call(op, sample, seed: int = 1234):
@@ -86,15 +77,6 @@ def compare_forward(op, dtype: torch.dtype, atol: float, rtol: float) -> int:
                                    check_device=False, msg=lambda m, n=n: f"{op_id(op)} sample {n}: {m}")
         n += 1
     return n
-
-
-def to_cpu_tree(x):
-    if isinstance(x, torch.Tensor):
-        assert x.device.type in ("neuron", "cpu"), x.device
-        return x.detach().cpu() if x.is_neuron else x.detach()
-    if isinstance(x, (list, tuple)):
-        return type(x)(to_cpu_tree(v) for v in x) if not hasattr(x, "_fields") else type(x)(*map(to_cpu_tree, x))
-    return x
 
 
 def _grad_inputs(sample):

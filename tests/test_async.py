@@ -7,7 +7,9 @@ equal the CPU's after every kind of edge and sync point) hold on any build; test
 hazard without `record_stream`) need the asynchronous device and fail on a synchronous one by design.
 
 Racy cases assert only what must hold: an event recorded just before a producer's write that has not completed
-proves the write had not started.
+proves the write had not started. Where a test needs work to be still pending, a `Gate` (tests/helpers.py) holds the
+stream until the host opens it, so nothing depends on how fast the machine is; time is compared only as causal
+bounds on the events' own clock (no ratios, no sleeps).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from copy import deepcopy
 
 import pytest
 import torch
+from helpers import Gate, stamp
 
 import torchneuron
 from tests.conftest import run_py
@@ -61,6 +64,15 @@ def on_device(*ts: torch.Tensor) -> list[torch.Tensor]:
 def launch_line() -> int:
     """The line number of the caller's next line (the launch whose stack an error must name)."""
     return inspect.currentframe().f_back.f_lineno + 1
+
+
+def warm_operands(seed: int = 0) -> list[torch.Tensor]:
+    """Device operands whose slow kernel already ran once: a first call of an op signature runs on the host thread
+    after the stream's queued work, so launched behind a closed `Gate` it would wait for the gate."""
+    xd, wd = on_device(*operands(seed))
+    slow(xd, wd, 1)
+    torch.neuron.synchronize()
+    return [xd, wd]
 
 
 @pytest.fixture(autouse=True)
@@ -189,46 +201,53 @@ def test_synchronize_waits_for_every_stream():
 
 @needs_async
 def test_launch_returns_before_the_work_ends():
-    xd, wd = on_device(*operands())
-    t0 = time.perf_counter()
-    slow(xd, wd)
-    launched = time.perf_counter() - t0
-    assert not torch.neuron.current_stream().query(), "the launch returned after the work was done"
+    """The slow kernel's launches return while the stream is held (a launch that waited for its work would wait for
+    the gate, which then times out instead of being opened), and the work runs once the stream moves on."""
+    xd, wd = warm_operands()
+    with Gate() as gate:
+        out = slow(xd, wd)
+        assert not torch.neuron.current_stream().query(), "the stream finished while held"
     torch.neuron.synchronize()
-    finished = time.perf_counter() - t0
-    assert launched < 0.5 * finished
+    assert gate.released, "a launch waited for the queued work"
+    torch.testing.assert_close(out.cpu(), reference())
 
 
-def test_elapsed_time_of_a_slow_kernel_matches_the_synchronized_wall_time():
+def test_elapsed_time_measures_the_work_between_the_events():
+    """elapsed_time is the device time between the two records: it covers the slow kernel (stamped just before
+    and after it on the stream) and lies inside the host interval enclosing both records and the wait."""
     xd, wd = on_device(*operands())
     start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
-    t0 = time.perf_counter()
+    stamps: list[int] = []
+    t0 = time.monotonic_ns()
     start.record()
+    stamp(stamps)
     slow(xd, wd)
+    stamp(stamps)
     end.record()
     end.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3
-    ms = start.elapsed_time(end)
-    # device time between the events lies inside the host interval that encloses both records and the wait
-    assert 0 < ms <= wall_ms * 1.05 + 1.0
-    assert ms >= 0.5 * wall_ms  # the slow kernel is most of that interval
+    t1 = time.monotonic_ns()
+    ns = start.elapsed_time(end) * 1e6
+    assert 0 < stamps[1] - stamps[0] <= ns <= t1 - t0, (stamps, ns, t1 - t0)
 
 
 @needs_async
 def test_a_host_timer_without_synchronize_misses_the_queued_work():
-    """The timing bug: `perf_counter()` around queued work measures the launches only. The events and the timer
-    with a synchronize agree on the real cost."""
-    xd, wd = on_device(*operands())
+    """The timing bug: a host timer around queued work measures the launches only. With the stream held while the
+    timer runs, none of the work is done when it stops; the events' interval lies entirely after that stop and
+    before a timer stopped after synchronize(), so only the synchronized timer covers the real cost."""
+    xd, wd = warm_operands()
     start, end = torch.neuron.Event(enable_timing=True), torch.neuron.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    slow(xd, wd)
-    end.record()
-    unsynced = time.perf_counter() - t0
+    with Gate() as gate:
+        start.record()
+        out = slow(xd, wd)
+        end.record()
+        unsynced = time.monotonic_ns()
+        assert not end.query(), "the work between the events was done when the host timer stopped"
     torch.neuron.synchronize()
-    synced = time.perf_counter() - t0
-    assert unsynced < 0.25 * synced, f"unsynchronized {unsynced * 1e3:.1f} ms vs synchronized {synced * 1e3:.1f} ms"
-    assert start.elapsed_time(end) > 2 * unsynced * 1e3
+    synced = time.monotonic_ns()
+    assert gate.released
+    assert 0 < start.elapsed_time(end) * 1e6 <= synced - unsynced
+    torch.testing.assert_close(out.cpu(), reference())
 
 
 # ---------------------------------------------------------------- copies and host reads
@@ -565,28 +584,27 @@ def test_two_threads_each_on_its_own_stream_get_correct_results():
 
 
 
+@needs_async
 def test_two_host_threads_waiting_on_one_stream_each_wake_when_their_own_work_is_done():
     """A finished kernel wakes only a waiter whose point it reached: the waiter on the earlier event returns with
-    its value while the later work still runs, and the waiter on the later event is not lost."""
-    x, w = on_device(*operands(0))
+    its value while the later work is held on the stream, and the waiter on the later event is not lost."""
+    x, w = warm_operands(0)
     first = slow(x, w, 2)
     early = torch.neuron.Event()
     early.record()
-    second = slow(first, w, 4)
-    late = torch.neuron.Event()
-    late.record()
-    done: dict[str, float] = {}
-
-    def wait(name: str, event: torch.neuron.Event) -> None:
-        event.synchronize()
-        done[name] = time.perf_counter()
-
-    threads = [threading.Thread(target=wait, args=(n, e)) for n, e in (("late", late), ("early", early))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert set(done) == {"early", "late"} and done["early"] <= done["late"]
+    with Gate() as gate:
+        second = slow(first, w, 4)
+        late = torch.neuron.Event()
+        late.record()
+        done: list[str] = []
+        threads = {n: threading.Thread(target=lambda n=n, e=e: (e.synchronize(), done.append(n)))
+                   for n, e in (("late", late), ("early", early))}
+        for t in threads.values():
+            t.start()
+        threads["early"].join(120)
+        assert done == ["early"] and not late.query(), "the early waiter was not woken while the later work waited"
+    threads["late"].join(120)
+    assert gate.released and done == ["early", "late"]
     torch.testing.assert_close(first.cpu(), reference(0, 2))
     torch.testing.assert_close(second.cpu(), slow(reference(0, 2), operands(0)[1], 4))
 

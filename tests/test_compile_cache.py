@@ -10,9 +10,10 @@ import textwrap
 import pytest
 import torch
 import torch._dynamo
+from helpers import clean_env
 
 from torchneuron.compiler import cache as cache_mod
-from torchneuron.compiler import kernel
+from torchneuron.compiler import inductor
 
 # A training step compiled in a fresh process; prints its compile metrics as JSON.
 PROGRAM = textwrap.dedent("""
@@ -27,8 +28,7 @@ PROGRAM = textwrap.dedent("""
 
 
 def compile_in_subprocess(cache_dir, extra_env: dict | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "TORCHINDUCTOR_"))}
-    env.update({"TORCHNEURON_CACHE_DIR": str(cache_dir), **(extra_env or {})})
+    env = clean_env(("TORCHINDUCTOR_",), **{"TORCHNEURON_CACHE_DIR": str(cache_dir), **(extra_env or {})})
     return subprocess.Popen([sys.executable, "-c", PROGRAM], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -120,13 +120,13 @@ def test_key_covers_the_modelled_target(monkeypatch):
 
     from torchneuron.hardware.chips import INSTANCES
 
-    base = kernel._target()
+    base = inductor.target()
     cfg = torch.neuron.config()
     other = next(i for i in INSTANCES.values() if i.name != cfg.instance.name)
     monkeypatch.setattr(torch.neuron, "config", lambda: dataclasses.replace(cfg, instance=other))
-    assert kernel._target()["instance"] == other.name and kernel._target() != base
+    assert inductor.target()["instance"] == other.name and inductor.target() != base
     monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
-    assert kernel._target()["threads"] == 97
+    assert inductor.target()["threads"] == 97
 
 
 @pytest.mark.slow

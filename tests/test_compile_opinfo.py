@@ -19,6 +19,7 @@ import re
 import pytest
 import torch
 import torch._dynamo
+from helpers import to_cpu, to_cpu_tree
 from opinfo_harness import OPS, pytorch_skips_compare_cpu
 
 DTYPE = torch.float32
@@ -38,18 +39,6 @@ NA = "n/a: "  # the CPU reference itself fails (e.g. CUDA-only jiterator ops): n
 def run_seeded(fn, seed: int = 1234):
     torch.manual_seed(seed)  # seeds the CPU and every neuron generator alike
     return fn()
-
-
-def to_cpu(x):
-    if isinstance(x, torch.Tensor) and x.device.type == "neuron":
-        return x.detach().cpu()
-    if isinstance(x, torch.device) and x.type == "neuron" or isinstance(x, str) and x.startswith("neuron"):
-        return torch.device("cpu") if isinstance(x, torch.device) else "cpu"
-    return x
-
-
-def to_cpu_tree(x):
-    return torch.utils._pytree.tree_map(to_cpu, x)
 
 
 def _ops() -> list[str]:

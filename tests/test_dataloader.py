@@ -1,6 +1,7 @@
 """Pinned host memory and DataLoader(pin_memory=True) feeding the device."""
 import pytest
 import torch
+from helpers import clean_env
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -65,13 +66,12 @@ def test_worker_returning_a_neuron_tensor_raises_in_the_main_process(tmp_path):
             dl = DataLoader(torch.arange(8.0), batch_size=4, num_workers=1)
             print(torch.cat([b.to("neuron") for b in dl]).sum().item())
     """
-    import os
     import subprocess
     import sys
     import textwrap
 
     (tmp_path / "loader.py").write_text(textwrap.dedent(code))  # a file: spawned workers re-import it
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_"))}
+    env = clean_env()
     p = subprocess.run([sys.executable, str(tmp_path / "loader.py")], capture_output=True, text=True, env=env,
                        timeout=240)
     assert p.stdout.split() == ["fork", "True", "True", "spawn", "True", "True", "28.0"], p.stdout + p.stderr[-2000:]

@@ -6,6 +6,7 @@ that DDP kept the ranks' weights identical.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import torch
 from conftest import run_py
 from dist_helpers import free_port
+from helpers import clean_env
 
 import torchneuron
 from torchneuron.hardware import config
@@ -24,11 +26,9 @@ from torchneuron.hardware import config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_", "ACCELERATE_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
-    return env
+# A child's environment: no device or Accelerate configuration, this tree importable, the Hugging Face hub offline.
+_env = functools.partial(clean_env, ("ACCELERATE_",), PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get(
+    "PYTHONPATH", "")]), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
 def _results(out: str) -> list[dict]:

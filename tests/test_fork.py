@@ -4,16 +4,17 @@ suite."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
+
+from helpers import clean_env
 
 from tests.conftest import run_py
 
 # Shared by the scripts: fork a child running `body` (it writes a JSON line to `out`), wait at most 60 s.
 FORK = """
-import json, os, signal, time, torch
+import json, os, signal, threading, torch
 
 def in_child(body):
     r, w = os.pipe()
@@ -27,15 +28,14 @@ def in_child(body):
                 out.write(json.dumps({"child raised": repr(e)}) + "\\n")
         os._exit(0)
     os.close(w)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            with os.fdopen(r) as f:
-                return json.loads(f.read() or "null")
-        time.sleep(0.02)
+    waiter = threading.Thread(target=os.waitpid, args=(pid, 0), daemon=True)
+    waiter.start()
+    waiter.join(60)
+    if not waiter.is_alive():
+        with os.fdopen(r) as f:
+            return json.loads(f.read() or "null")
     os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
+    waiter.join()
     return "hung"
 
 def slow():  # ~0.2 s of queued matmuls: what is launched after them really queues
@@ -202,7 +202,7 @@ def test_dataloader_workers_see_finished_memory(tmp_path):
     copy memory at the fork (drained before it), spawn workers get the rows pickled (drained before sharing);
     and a neuron tensor pickled by value for spawned workers, which may use the device."""
     (tmp_path / "loader.py").write_text(LOADER)  # a file: spawned workers re-import it
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_"))}
+    env = clean_env()
     p = subprocess.run([sys.executable, str(tmp_path / "loader.py")], capture_output=True, text=True, env=env,
                        timeout=300)
     assert p.stdout.split("\n")[:3] == ["fork pinned rows True", "spawn pinned rows True", "spawn pickled True"], (

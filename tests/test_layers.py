@@ -1,10 +1,15 @@
 """The import graph of torchneuron (and torch_neuronx) follows the documented layers: nothing imports upward,
-peers of the middle layer import each other only along ALLOWED, so no cycle joins two packages. Imports at
-module level and inside functions count alike (ast, relative and absolute)."""
+peers of the middle layer import each other only along ALLOWED, so no cycle joins two packages; and inside one
+package no module imports, directly or through others, a module that imports it back. Every import statement
+counts, found with ast (relative and absolute): at module level, inside functions (a deferred import still closes
+a cycle), and under `if TYPE_CHECKING:` (the types still depend on each other). `from pkg import name` is an edge
+to the module pkg.name when that is a module, else to pkg (its __init__); a package's implicit import of its
+parent __init__ is not an edge."""
 from __future__ import annotations
 
 import ast
 import graphlib
+import itertools
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,3 +103,24 @@ def test_no_cycle_between_packages():
         if _component(me) != _component(target):
             graph.setdefault(_component(me), set()).add(_component(target))
     graphlib.TopologicalSorter(graph).prepare()
+
+
+def test_no_cycle_inside_a_package():
+    """Modules of one component (compiler, migrate, nki, ...) import each other without a cycle: each cycle found
+    is listed, module by module, with the import statements that close it."""
+    graph: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
+    for me, target, at in import_edges():
+        if me != target and _component(me) == _component(target):
+            graph.setdefault(me, set()).add(target)
+            where.setdefault((me, target), at)
+    cycles = []
+    while True:
+        try:
+            graphlib.TopologicalSorter(graph).prepare()
+            break
+        except graphlib.CycleError as e:
+            cycle = e.args[1][::-1]  # [a, b, ..., a]: each module imports the next
+            cycles.append(" -> ".join(cycle) + ": " + ", ".join(where[m, n] for m, n in itertools.pairwise(cycle)))
+            graph[cycle[0]].discard(cycle[1])  # report this cycle once, then look for the next
+    assert not cycles, "import cycles inside a package:\n" + "\n".join(cycles)

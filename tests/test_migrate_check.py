@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -355,10 +356,10 @@ def test_tool_errors_have_their_own_exit_code(tmp_path, monkeypatch):
     (tmp_path / "a.py").write_text("import torch\ntorch.cuda.synchronize()\n")
     assert check.run([str(tmp_path)], out=io.StringIO(), err=io.StringIO()) == 1
     monkeypatch.setattr(check, "FILE_TIMEOUT", 0.001)
-    monkeypatch.setattr(check, "analyze", lambda *a, **k: time.sleep(1))
-    err = io.StringIO()
-    assert check.run([str(tmp_path)], out=io.StringIO(), err=err) == check.TOOL_ERROR == 3
-    assert "failed on 1 file" in err.getvalue()
+    monkeypatch.setattr(check, "analyze", lambda *a, **k: threading.Event().wait(60))  # ends at the time limit
+    out, err = io.StringIO(), io.StringIO()
+    assert check.run([str(tmp_path)], out=out, err=err) == check.TOOL_ERROR == 3
+    assert "failed on 1 file" in err.getvalue() and "analysis took over" in out.getvalue(), out.getvalue()
     monkeypatch.setattr(fix, "fix_source", lambda *a, **k: 1 / 0)
     assert fix.run([str(tmp_path)], out=io.StringIO(), err=io.StringIO()) == 3
 

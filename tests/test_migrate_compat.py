@@ -3,8 +3,8 @@ of a plain-torch CPU run, and the redirect machinery (isinstance, compile, pre-i
 Compat mode patches the process for good, so everything runs in subprocesses."""
 from __future__ import annotations
 
+import functools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import run_py
+from helpers import clean_env
 
 SCRIPTS = Path(__file__).parent / "fixtures" / "cuda_scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -25,9 +26,7 @@ REFERENCES = {  # script -> CPU reference losses (plain torch, same seeds and mo
 }
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHNEURON_", "NEURON_"))}
-    return env | {"PYTHONWARNINGS": "ignore"} | extra
+_env = functools.partial(clean_env, PYTHONWARNINGS="ignore")  # a child's environment: no device configuration
 
 
 @pytest.fixture(scope="module")

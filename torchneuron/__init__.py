@@ -47,6 +47,12 @@ if _aws.installed() is None:  # ours owns the `neuron` device
         from .integrations.cuda_compat import maybe_enable_from_env
 
         maybe_enable_from_env()  # TORCHNEURON_CUDA_COMPAT=1: unmodified CUDA code runs on neuron
+        if _cfg.porting_report:  # TORCHNEURON_PORTING_REPORT=path.json|path.md|-: the porting report at exit
+            import atexit
+
+            from .integrations import porting_report as _porting_report
+
+            atexit.register(_porting_report.write, _cfg.porting_report)
 
     from .integrations import install as _install_integrations
 

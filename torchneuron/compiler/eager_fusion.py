@@ -28,6 +28,8 @@ import torch
 from ..hardware import config
 from ..runtime import patches
 from ..runtime.optable import op_info
+from .cache import Cache, digest
+from .inductor import GIL_FREE_KERNELS, build, target
 
 
 @dataclass(frozen=True)
@@ -795,27 +797,6 @@ def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[No
     return gm, example, out_specs
 
 
-# Inductor's Python binding of a CPU kernel holds the GIL while the loop runs; fused groups and compiled graphs run on
-# a stream worker, and holding the GIL there would stop the host thread from launching (the overlap async execution
-# is for).
-_GIL_FREE_CALL = ("auto parsed = std::make_tuple({}); {{ struct NoGil {{ PyThreadState* s = PyEval_SaveThread();"
-                  " ~NoGil() {{ PyEval_RestoreThread(s); }} }} nogil; std::apply(kernel, parsed); }} Py_RETURN_NONE;")
-
-
-def _gil_free_bindings(done: patches.Applied) -> None:
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    done.replace(CppPythonBindingsCodeCache, "call_entry_function", _GIL_FREE_CALL)
-
-
-GIL_FREE_KERNELS = patches.declare(
-    "gil-free-kernels", "torch._inductor.codecache.CppPythonBindingsCodeCache.call_entry_function (while a fused "
-    "group or a compiled graph's kernel compiles or loads)", "a kernel's loop runs without the GIL, so the host "
-    "thread keeps launching while a stream worker runs it (its binding is a different source, so a different cache "
-    "entry)", "tests/test_eager_fusion.py::test_a_fused_kernel_runs_without_the_gil", _gil_free_bindings,
-    when="on demand")
-
-
 def _build(gm: Any, example: list, out_specs: tuple[Spec, ...], inputs: tuple[Spec, ...]) -> FusedKernel:
     """Inductor's code for the traced group, from the compile cache or compiled now (and stored there); its
     kernels bound without the GIL."""
@@ -829,17 +810,15 @@ def _build(gm: Any, example: list, out_specs: tuple[Spec, ...], inputs: tuple[Sp
 def _build_bound(gm: Any, example: list, out_specs: tuple[Spec, ...], inputs: tuple[Spec, ...]) -> FusedKernel:
     from torch._inductor.codecache import PyCodeCache
 
-    from .cache import Cache, digest
-    from .kernel import _inductor, _target
 
     disk = Cache()
     key = digest({"eager_fusion": ABI, "graph": gm.code, "inputs": repr(inputs), "outputs": repr(out_specs),
-                  "target": _target()})
+                  "target": target()})
     with disk.inductor_dir():
         entry = disk.load(key)
         if entry is not None:
             return FusedKernel(PyCodeCache.load(entry["source"]).call, out_specs, entry["source"])
-        call, _, source = _inductor(gm, example, {"is_inference": True})
+        call, _, source = build(gm, example, {"is_inference": True})
         if call is None:  # no constants held by the module: it reloads from its source text
             call = PyCodeCache.load(source).call
             disk.store(key, {"graph": gm.code, "source": source, "output_strides": [s.strides for s in out_specs]})

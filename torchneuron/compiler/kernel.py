@@ -20,15 +20,13 @@ import torch
 import torch.fx as fx
 
 from .. import _C
-from .._version import __version__
 from ..runtime import patches
 from ..runtime.tracking import KERNEL_OBSERVERS
 from .cache import Cache, digest
-from .eager_fusion import GIL_FREE_KERNELS
+from .inductor import GIL_FREE_KERNELS, build, target
 
 CPU = torch.device("cpu")
 _DEVICE_STR = re.compile(r"neuron(:\d+)?")
-ABI = 1  # bump when the meaning of a cache entry changes
 
 
 def _on_host(a: Any) -> Any:
@@ -81,18 +79,6 @@ def to_host(gm: fx.GraphModule, example_inputs: list) -> list:
 def signature(inputs: list) -> list:
     return [(tuple(x.shape), tuple(x.stride()), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor)
             else repr(x) for x in inputs]
-
-
-def _target() -> dict:
-    from torch._inductor import config as inductor_config
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    cfg = torch.neuron.config()
-    return {"instance": cfg.instance.name, "chip": cfg.chip.name, "lnc": cfg.lnc,
-            "dtype_policy": cfg.dtype_policy,
-            "torch": torch.__version__, "torchneuron": __version__, "abi": ABI,
-            "threads": torch.get_num_threads(), "isa": str(pick_vec_isa()),
-            "inductor": digest(inductor_config.save_config_portable())}
 
 
 # The buffers of the generated code: its `empty_strided_cpu` is `_allocate`, which serves them from the plan of the
@@ -347,7 +333,7 @@ def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner
                      if isinstance(x, torch.Tensor) and x.device.type == "neuron"]
     inputs = to_host(gm, example_inputs)
     visible = gm.graph.output_node().meta.get("user_visible_output_idxs")
-    key = digest({"graph": gm.code, "inputs": signature(inputs), "target": _target(), "visible": visible,
+    key = digest({"graph": gm.code, "inputs": signature(inputs), "target": target(), "visible": visible,
                   "kwargs": {k: inner_kwargs.get(k) for k in ("is_backward", "is_inference")}})
     patches.apply(GIL_FREE_KERNELS)  # queued calls run on a stream worker: their loops must not hold the GIL
     try:
@@ -358,7 +344,7 @@ def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner
                 strides = [tuple(s) if s is not None else None for s in entry["output_strides"]]
                 source = entry["source"]
             else:
-                call, strides, source = _inductor(gm, inputs, inner_kwargs)
+                call, strides, source = build(gm, inputs, inner_kwargs)
                 if call is None:
                     cache.store(key, {"graph": gm.code, "source": source, "output_strides": strides})
             queueable = call is None  # a module loaded from its source (no constants it holds)
@@ -370,19 +356,3 @@ def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner
         patches.undo(GIL_FREE_KERNELS)
     return Compiled(Kernel(call, device_inputs, outputs, name, gm, queueable), strides, entry is not None,
                     time.perf_counter() - start, source)
-
-
-def _inductor(gm: fx.GraphModule, inputs: list, inner_kwargs: dict) -> tuple[Any, list, str]:
-    """Inductor's CPU compile of a host graph, with Inductor's pickling FX-graph cache off (ours stores text).
-    Returns (a callable, or None when the module reloads from its source; output strides; source)."""
-    from torch._guards import TracingContext
-    from torch._inductor import config as inductor_config
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.utils import BoxedBool
-
-    kwargs = {k: v for k, v in inner_kwargs.items() if k in ("graph_id", "is_inference", "is_backward")}
-    with inductor_config.patch(fx_graph_cache=False), TracingContext.report_output_strides():
-        compiled = compile_fx_inner(gm, inputs, cudagraphs=BoxedBool(False), static_input_idxs=[], **kwargs)
-    strides = [None if s is None else tuple(int(x) for x in s) for s in compiled.output_strides or []]
-    constants = getattr(compiled, "constants", None)
-    return (compiled.current_callable if constants else None), strides, compiled.source_code

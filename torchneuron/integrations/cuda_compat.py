@@ -18,7 +18,6 @@ Compat mode is runtime behaviour, so it lives here and not in torchneuron.migrat
 """
 from __future__ import annotations
 
-import atexit
 import functools
 import inspect
 import os
@@ -515,13 +514,9 @@ def disable() -> None:
 
 
 def maybe_enable_from_env() -> None:
-    """Autoload hook: TORCHNEURON_CUDA_COMPAT=1 enables the mode; TORCHNEURON_PORTING_REPORT=path.json|path.md|-
-    writes the porting report at exit."""
+    """Autoload hook: TORCHNEURON_CUDA_COMPAT=1 enables the mode (torchneuron's import also registers the porting
+    report at exit under TORCHNEURON_PORTING_REPORT: the report reads this module, not the other way round)."""
     cfg = config.current_or_none()  # an invalid configuration (None) is raised at the first use of the device
     if is_enabled() or cfg is None or not cfg.cuda_compat:
         return
     enable()
-    dest = cfg.porting_report
-    if dest:
-        from . import porting_report
-        atexit.register(porting_report.write, dest)

@@ -18,12 +18,14 @@ import tokenize
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import libcst as cst
 
 # `x as x`: re-exported, `check` is the module the tests and users import
+from .findings import Finding as Finding
+from .findings import Report as Report
 from .matcher import MATCHER
 from .matcher import template as template
 from .output import FORMATS
@@ -33,26 +35,12 @@ from .output import format_text as format_text
 from .rules import BENIGN, TRIGGER, shown
 from .syntax import _Positions
 from .visitor import ONLY as ONLY
-from .visitor import Imports, Site, _Visitor
+from .visitor import Imports, _Visitor
 from .visitor import free_quote as free_quote
 
 MAX_BYTES = 2 << 20  # larger files are generated or data, not code to migrate
 SKIP_DIRS = {"__pycache__", "node_modules", "venv", "site-packages"}
 NOQA = re.compile(r"#\s*noqa(?::\s*(?P<codes>[A-Z]+[0-9]+(?:[,\s]+[A-Z]+[0-9]+)*))?", re.I)
-
-
-@dataclass
-class Finding:
-    path: str
-    line: int
-    col: int  # 1-based, like ruff and SARIF
-    code: str
-    message: str
-    fix: str  # auto | suggest | report: what `torchneuron fix` does with it here
-    site: Site | None = field(default=None, repr=False, compare=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("path", "line", "col", "code", "message", "fix")}
 
 
 @dataclass
@@ -105,7 +93,7 @@ def analyze(source: bytes | str, path: str = "<string>", noqa: bool = True, keep
         findings.append(Finding(path, line, col + 1, rule.code, msg, fix, site))
     _downgrade_guards(findings, v, pos)
     if any(f.code == "NRN041" and f.fix == "auto" and not f.site.guarded for f in findings):
-        from .fix import downgrade_escaping_events  # fix imports this module; only files with events pay for it
+        from .events import downgrade_escaping_events  # only files with events pay for its import
         downgrade_escaping_events(module, findings)
     if noqa:
         findings = suppress(findings, re.split(r"\r\n|\r|\n", text))
@@ -194,16 +182,6 @@ def suppress(findings: list[Finding], lines: list[str]) -> list[Finding]:
 
 
 # ---- files ------------------------------------------------------------------------------------------------------
-
-@dataclass
-class Report:
-    findings: list[Finding] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)  # skipped paths, with why
-    files: int = 0
-    seconds: float = 0.0  # wall clock
-    cpu: float = 0.0  # CPU time (workers included): the rate that does not depend on the machine's load
-    errors: int = 0  # files the tool failed on (each also an NRN000 finding)
-
 
 def iter_files(paths: Iterable[str], notes: list[str]) -> Iterator[str]:
     """Python files under `paths`, recursively; symlinks are followed only when they stay inside the tree."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from .rules import RULES
 
 if TYPE_CHECKING:
-    from .check import Report
+    from .findings import Report
 
 # ---- output -----------------------------------------------------------------------------------------------------
 

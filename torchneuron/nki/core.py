@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,22 @@ import numpy as np
 import torch
 
 from ..hardware.chips import CHIPS, Chip
+from .ops import OPS
+
+# The nki.isa instructions a tile's item assignment and `+=` issue (dma_copy, tensor_copy, memset,
+# accumulate_psum): nki.isa builds on this module, so it hands them over when it is imported (`provide`; nki.kernel
+# imports it before any kernel runs) instead of this module importing it.
+_ISSUED: dict[str, Callable[..., Any]] = {}
+
+
+def provide(**instructions: Callable[..., Any]) -> None:
+    _ISSUED.update(instructions)
+
+
+def _issue(name: str) -> Callable[..., Any]:
+    if name not in _ISSUED:
+        raise RuntimeError(f"NKI: {name} is not available yet: import torchneuron.nki.isa (nki.isa) first")
+    return _ISSUED[name]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -431,16 +448,14 @@ class NkiTensor:
         return NkiTensor(self.alloc, data, tuple(dims) if self.dims is not None else None, pdim, tuple(fixed))
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        from . import isa
-
         dst = self[key]
         if isinstance(value, NkiTensor):
             if value.buffer.is_hbm or dst.buffer.is_hbm:
-                isa.dma_copy(dst=dst, src=value)
+                _issue("dma_copy")(dst=dst, src=value)
             else:
-                isa.tensor_copy(dst=dst, src=value)
+                _issue("tensor_copy")(dst=dst, src=value)
         else:
-            isa.memset(dst=dst, value=value)
+            _issue("memset")(dst=dst, value=value)
 
     def broadcast_to(self, shape: Any) -> NkiTensor:
         """A view repeating this tile's size-1 axes (e.g. one partition read by all 128: stride 0)."""
@@ -464,9 +479,7 @@ class NkiTensor:
 
     # ---- operators (nl functions)
     def _op(self, name: str, other: Any, reverse: bool = False) -> NkiTensor:
-        from . import language as nl
-
-        fn = getattr(nl, name)
+        fn = OPS[name]  # nl.<name>
         return fn(other, self) if reverse else fn(self, other)
 
     def __add__(self, o): return self._op("add", o)
@@ -481,14 +494,12 @@ class NkiTensor:
 
     def __iadd__(self, other: Any) -> NkiTensor:
         """`psum += matmul(...)` accumulates (the Tensor engine's accumulate); elsewhere an in-place add."""
-        from . import isa
-
         if isinstance(other, NkiTensor) and self.buffer is PSUM and other.buffer is PSUM \
                 and getattr(other.alloc, "matmul_result", False):
-            isa.accumulate_psum(self, other)
+            _issue("accumulate_psum")(self, other)
         else:
             res = self + other
-            isa.tensor_copy(dst=self, src=res)
+            _issue("tensor_copy")(dst=self, src=res)
         return self
 
 

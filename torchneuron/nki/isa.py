@@ -893,3 +893,4 @@ def tensor_tensor_scan(*args: Any, dst: NkiTensor | None = None, data0: NkiTenso
 
 
 core.refuse_masks(globals())
+core.provide(dma_copy=dma_copy, tensor_copy=tensor_copy, memset=memset, accumulate_psum=accumulate_psum)

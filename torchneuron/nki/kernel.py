@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from . import core
+from . import language as _language  # noqa: F401  (hands core and ops their instructions before a kernel runs)
 from .core import NkiTensor
 from .cost import KernelProfile, Timeline
 

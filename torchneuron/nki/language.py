@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import core, isa
+from . import core, isa, ops
 from .core import HBM, PRIVATE_HBM, PSUM, SBUF, SHARED_HBM, DynSlice, IndexExpr, NkiTensor, ParDim, fail
 from .ops import OPS, Op
 
@@ -302,3 +302,4 @@ def softmax(x: NkiTensor, axis: int = -1, dtype: Any = None, **_: Any) -> NkiTen
 
 
 core.refuse_masks(globals())
+ops.provide(apply_op)

@@ -13,6 +13,15 @@ from typing import Any
 
 import torch
 
+# How an op runs on tiles: nki.language's `apply_op`. nki.language builds on this table, so it hands the function over
+# when it is imported (`provide`) instead of this module importing it.
+_APPLY: Callable[..., Any] | None = None
+
+
+def provide(apply: Callable[..., Any]) -> None:
+    global _APPLY
+    _APPLY = apply
+
 
 @dataclass(frozen=True, eq=False)
 class Op:
@@ -25,9 +34,9 @@ class Op:
     reduce: Callable[..., torch.Tensor] | None = None  # over free axes, when the op reduces
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from . import language
-
-        return language.apply_op(self, *args, **kwargs)
+        if _APPLY is None:
+            raise RuntimeError(f"nl.{self.name}: import torchneuron.nki.language (nki.language) first")
+        return _APPLY(self, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"nl.{self.name}"
