@@ -53,6 +53,15 @@ def private_cache(tmp_path_factory):
         yield
 
 
+@pytest.fixture(autouse=True)
+def own_compiles():
+    """Each test starts and ends with no fusion compile pending: one test's hot group never compiles in the next."""
+    ef.wait_compiles()
+    yield
+    torch.neuron.synchronize()
+    ef.wait_compiles()
+
+
 def test_a_chain_matches_the_unfused_ops_and_stores_into_the_given_buffers():
     for dtype in (torch.float32, torch.bfloat16):
         ins = chain_inputs(dtype)
