@@ -581,7 +581,7 @@ class Generator:
             return self.create()
         name = self.fresh()
         src = self.r.choice([f"{name} = {a} + {a}.to(other)", f"{name} = torch.maximum({a}.to(other), {a})"])
-        self.emit(src, "mixed_device", (name,))
+        self.emit(src, "mixed_device", (name,), sync=True)  # `.to(other)` copies to the host: a sync point
 
     def dtype_out(self) -> None:
         a = self.pick(lambda t, n: t.is_floating_point())
@@ -863,6 +863,8 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
                 pass
             elif n.exc == "OutOfMemoryError" and "can't allocate memory" in c.msg:
                 pass  # the device's allocator raises torch.OutOfMemoryError (a RuntimeError), as CUDA's does
+            elif mode != "blocking" and st.sync and n.exc in {p for p, _ in pending}:
+                pending = []  # the statement's sync point (a copy to the host) reported it before the op's own check
             elif n.exc in {p for p, _ in pending}:  # a pending error surfaced here, in place of this one's
                 bad(4 if mode == "blocking" else 1, f"CPU raised {c.exc} ({c.msg}); neuron raised the pending "
                     f"{n.exc} of statement {pending[0][1]} instead ({n.msg})")
@@ -878,7 +880,8 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
                 if surfaced:
                     pending = []
                 tainted |= writes | binds
-                lost |= set(st.binds)
+                diverged |= writes  # it raised on neuron: its later writes did not happen there (an op that raises
+                lost |= set(st.binds)  # writes nothing), while the CPU made them
             else:
                 why = ("pending: " + ", ".join(f"{p} of statement {j}" for p, j in pending)) if pending else \
                       "no error pending"

@@ -2,6 +2,7 @@
 storage classes, and results the device cannot hold. Every expectation is the CPU's behaviour (or CUDA's, where
 the CPU has none)."""
 import copy
+import os
 import warnings
 
 import pytest
@@ -214,3 +215,29 @@ def test_quantized_and_nested_results_are_refused_at_the_call():
     # float results of quantization arithmetic are ordinary tensors and match the CPU
     cpu = torch.fake_quantize_per_tensor_affine(x.cpu(), 0.1, 0, 0, 255)
     assert torch.equal(torch.fake_quantize_per_tensor_affine(x, 0.1, 0, 0, 255).cpu(), cpu)
+
+
+def test_half_precision_reductions_give_the_cpus_answer_when_threads_fill_the_cores():
+    """Item 5: a float16/bfloat16 reduction rounds each thread's partial sum to its dtype, so its value follows the
+    thread split. Such kernels run with the launching thread's count (not one thread fewer, which the device uses
+    for small kernels when threads fill the cores), so they split, and round, as the CPU does at that count. The
+    cases are 40K-element strided float16 views whose CPU result at one thread fewer differs."""
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip("one core: no thread fewer")
+    saved = torch.get_num_threads()
+    cases = []
+    try:
+        for seed in range(5):
+            g = torch.Generator().manual_seed(seed)
+            x = torch.randn(400, 200, generator=g).half()[:, ::2]
+            for op in (torch.nansum, torch.sum):
+                torch.set_num_threads(cores - 1)
+                fewer = op(x)
+                torch.set_num_threads(cores)
+                cpu, dev = op(x), op(x.to(N)).cpu()
+                cases.append(not torch.equal(fewer, cpu))
+                assert torch.equal(dev, cpu), (seed, op.__name__, dev.item(), cpu.item(), fewer.item())
+    finally:
+        torch.set_num_threads(saved)
+    assert any(cases), "premise: some case rounds differently at one thread fewer"

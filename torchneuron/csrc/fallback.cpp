@@ -66,6 +66,19 @@ c10::IValue map_tensors(const c10::IValue& v, F&& f) {
 
 bool is_neuron(const at::Tensor& t) { return t.defined() && t.device().type() == kNeuron; }
 
+// The work a kernel's thread count is chosen by (kernel_threads). A float16/bfloat16 reduction (ATen's reduction
+// tag) rounds each thread's partial result to its dtype, so its value follows the thread split: it counts as full
+// work and runs with the launching thread's count, the split (and the answer) of the CPU at that count.
+int64_t thread_work(const c10::OperatorHandle& op, int64_t work, const c10::IValue* args, size_t nargs) {
+  if (work >= kFullThreadsWork || !op.hasTag(at::Tag::reduction)) return work;
+  bool half = false;
+  for (size_t i = 0; i < nargs; ++i)
+    for_each_tensor(args[i], [&](const at::Tensor& t) {
+      half |= t.defined() && (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16);
+    });
+  return half ? kFullThreadsWork : work;
+}
+
 // The device storages a call reads and writes: every device argument is read, except an out= argument (written
 // only); written arguments are the schema's mutable ones.
 Access access_of(const OpEntry& e, const c10::FunctionSchema& schema, const c10::IValue* args, size_t nargs) {
@@ -562,7 +575,7 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntr
   int64_t work = 0;  // its largest argument (its results are not known yet)
   for (size_t i = 0; i < nargs; ++i) for_each_tensor(args[i], [&](const at::Tensor& t) { work = std::max(work, t.numel()); });
   {
-    KernelThreadsGuard threads(work);
+    KernelThreadsGuard threads(thread_work(op, work, args, nargs));
     with_device_oom(c.device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack); });
   }
   if (!drawn.empty()) {
@@ -855,8 +868,9 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   StreamQueue& q = current_queue(c.device);
   bool blocking = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed);
   if (exec == OpEntry::Exec::host || blocking || (trainium && c.fp64)) {
-    if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed);
-    drain_current(c.device);
+    // A runtime-internal wait, not a sync point: a failure pending on the stream waits for one (this op raises it
+    // only if it reads memory the failure left uncomputed). `t[idx]` is no sync point on CUDA either.
+    if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed), q.wait_quiet(q.enqueued());
     warn_deferred();  // what the kernels it waited for found
     return on_host_now();
   }
@@ -877,6 +891,7 @@ void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     work = std::max<int64_t>(work, t.defined() ? t.numel() : 0);
     int64_args |= t.defined() && t.scalar_type() == at::kLong;
   }
+  work = thread_work(op, work, args, nargs);
   // int64 values the trainium rules look at (on the worker, once the kernel ran): not an op's indices into arguments
   // that cannot hold 2^31 values, which fit int32 by construction
   const bool inspect_int64 = trainium && ((L && L->int64) || writes_int64) &&
