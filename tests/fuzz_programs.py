@@ -49,6 +49,7 @@ of a mixed-device statement is `meta` (on neuron it is the CPU).
 from __future__ import annotations
 
 import gc
+import math
 import random
 import re
 import textwrap
@@ -808,7 +809,9 @@ def _same(c: object, n: object, exact: bool) -> bool:
     if isinstance(c, float) and isinstance(n, float):
         if exact:
             return c == n or (c != c and n != n)
-        return abs(c - n) <= 1e-5 * max(1.0, abs(c)) * 64 or (c != c and n != n)
+        if c == n or (c != c and n != n):
+            return True
+        return math.isfinite(c) and abs(c - n) <= 1e-5 * max(1.0, abs(c)) * 64  # an infinity only equals itself
     if isinstance(c, list) and isinstance(n, list):
         return len(c) == len(n) and all(_same(x, y, exact) for x, y in zip(c, n, strict=True))
     return type(c) is type(n) and c == n
