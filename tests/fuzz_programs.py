@@ -32,7 +32,8 @@ Comparison rules (the device's error semantics; CPU is the reference):
    when a failing data-dependent statement wrote it (the CPU may have written it partially; on neuron the launch
    may have been skipped), when a statement on neuron raised a deferred error in its place, or when a successful
    statement read a tainted tensor; taint is by storage, so views share it. A read of a tainted tensor may raise
-   a deferred error's type (any time: precise poisoning) or must equal the CPU's value; nothing else. Reads of
+   a deferred error's type (any time: precise poisoning) or must equal the CPU's value; nothing else (a failing
+   statement that raised at the call on both devices leaves what it wrote unspecified: not compared). Reads of
    untainted tensors return the CPU's values. Once a program's tensors are freed, none of its memory stays poisoned
    (the next tensors the allocator puts there are computed as any).
 4. Under launch blocking (TORCHNEURON_LAUNCH_BLOCKING=1, `torchneuron._C._set_launch_blocking(True)`) nothing is
@@ -858,6 +859,9 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
             elif n.exc == c.exc:
                 if data:
                     seen.add(c.exc)
+                    # raised at the call on both: each kernel stopped part way, after a split that follows its own
+                    # thread count, so what it wrote is unspecified on both (as a failed op's output on the CPU)
+                    diverged |= writes
             elif n.exc is None:
                 if data and mode != "blocking":
                     pending.append((c.exc, i))
