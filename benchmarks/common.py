@@ -21,16 +21,25 @@ def sync() -> None:
     torch.accelerator.synchronize()
 
 
-def warm_up(fn: Callable[[], object], times: int) -> None:
-    """Call `fn` `times` times, each followed by a synchronize and by the fusion compiles it started (eager fusion
-    compiles a hot group off the stream and runs it unfused until its kernel is ready): what is timed afterwards
-    is the steady state, never a compile."""
+def warm_up(fn: Callable[[], object], times: int, most: int = 20) -> None:
+    """Call `fn` at least `times` times, each followed by a synchronize and by the fusion compiles it started (eager
+    fusion compiles a hot group off the stream and runs it unfused until its kernel is ready), and then until a call
+    sights no group that is not compiled yet (at most `most` more): the run of queued ops that forms a group can
+    change once other groups run fused, and a compile left for the timed repeats would take a core from both sides.
+    What is timed afterwards is the steady state, never a compile."""
     from torchneuron.compiler import eager_fusion
 
-    for _ in range(times):
+    def unsettled() -> int:
+        s = eager_fusion.stats()
+        return s.cold + s.compiled + s.failures
+
+    for n in range(times + most):
+        before = unsettled()
         fn()
         sync()
         eager_fusion.wait_compiles()
+        if n + 1 >= times and unsettled() == before:
+            return
 
 
 def interleaved(fns: dict[str, Callable[[], object]], calls: int, repeats: int = 9, warmup: int = 3
