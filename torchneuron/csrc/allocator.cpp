@@ -158,8 +158,8 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     else c.pending.push_back(std::move(p));
   }
 
-  // The block of adopted memory at `ptr` (the free of a DataPtr without a header), or of any pointer into a block.
-  Block* find(const void* ptr, bool interior) {
+  // The block holding any pointer into its memory (device_of).
+  Block* find(const void* ptr) {
     auto key = reinterpret_cast<uintptr_t>(ptr);
     for (int d = 0; d <= max_device_.load(std::memory_order_acquire); ++d) {
       DeviceCache& c = devices_[d];
@@ -167,7 +167,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
       auto it = c.segments.upper_bound(key);
       if (it == c.segments.begin()) continue;
       --it;
-      if (it->first == key || (interior && key < it->first + it->second->size)) return it->second;
+      if (key < it->first + it->second->size) return it->second;
     }
     return nullptr;
   }
@@ -185,7 +185,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   c10::DeviceIndex device_of(const void* ptr) {
-    Block* b = find(ptr, /*interior=*/true);
+    Block* b = find(ptr);
     return b ? b->device : -1;
   }
 
