@@ -17,6 +17,7 @@ from torchneuron.compiler import eager_fusion as ef
 from torchneuron.compiler import inductor
 from torchneuron.compiler.eager_fusion import Input, Node, Spec, Value, compile_group, fusable, stats
 from torchneuron.hardware import config
+from torchneuron.runtime import patches
 from torchneuron.runtime.optable import TABLE
 
 aten = torch.ops.aten
@@ -343,6 +344,40 @@ def test_a_hot_group_compiles_off_the_stream_which_runs_it_unfused_meanwhile(mon
     torch.testing.assert_close(block(*dev, []).cpu(), ref)
     assert fused_counts()[0] > before[0]
     assert threads and set(threads) == {"torchneuron-fusion-compiler"}
+    assert patches.is_active(ef.PER_THREAD_FX_TRACING), "the compiler thread's traces are its own"
+
+
+def test_a_trace_on_another_thread_is_not_this_threads():
+    """torch.fx keeps one global 'tracing' flag. While another thread traces (the fusion compiler thread does, with
+    make_fx and Inductor's pattern matcher), a torch.compile'd function runs on this thread instead of raising
+    'Detected that you are using FX to symbolically trace a dynamo-optimized function'; a trace on this thread
+    still raises it, as in torch."""
+    from torch.fx._symbolic_trace import is_fx_tracing  # a reference taken before the patch: it follows it
+
+    patches.apply(ef.PER_THREAD_FX_TRACING)
+    inside, release, traced = threading.Event(), threading.Event(), []
+
+    class Waits(torch.nn.Module):
+        def forward(self, x):
+            inside.set()
+            release.wait(60)
+            return x + 1
+
+    compiled = torch.compile(lambda x: x * 2, backend="eager")
+    other = threading.Thread(target=lambda: traced.append(torch.fx.symbolic_trace(Waits())))
+    other.start()
+    try:
+        assert inside.wait(60)
+        assert torch.fx._symbolic_trace._is_fx_tracing_flag, "premise: the other thread set torch.fx's flag"
+        assert not is_fx_tracing()
+        x = torch.arange(3.0)
+        assert torch.equal(compiled(x), x * 2)
+    finally:
+        release.set()
+        other.join(60)
+    assert traced and torch.equal(traced[0](torch.ones(2)), torch.full((2,), 2.0))
+    with pytest.raises(RuntimeError, match="symbolically trace a dynamo-optimized function"):
+        torch.fx.symbolic_trace(lambda x: compiled(x))
 
 
 def test_a_result_python_frees_is_still_stored_for_the_queued_ops_that_read_it():

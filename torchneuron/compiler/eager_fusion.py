@@ -304,6 +304,55 @@ def _compile_key(key: tuple, nodes: tuple[Node, ...], mutations: tuple[tuple[int
     return kernel
 
 
+_FX_TRACES: dict[int, int] = {}  # thread ident -> depth of torch.fx Tracer.trace calls running on it
+
+
+def _fx_traces_here() -> bool:
+    """Whether torch.fx's global tracing flag is this thread's: it traces, or no thread known to trace does (a
+    trace that began before the patch below)."""
+    return threading.get_ident() in _FX_TRACES or not _FX_TRACES
+
+
+def _per_thread_fx_tracing(done: patches.Applied) -> None:
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    original = symbolic_trace.Tracer.trace
+
+    def trace(self: Any, root: Any, concrete_args: Any = None) -> Any:
+        me = threading.get_ident()
+        _FX_TRACES[me] = _FX_TRACES.get(me, 0) + 1
+        try:
+            return original(self, root, concrete_args)
+        finally:
+            _FX_TRACES[me] -= 1
+            if not _FX_TRACES[me]:
+                del _FX_TRACES[me]
+
+    trace.__wrapped__ = original
+    done.replace(symbolic_trace.Tracer, "trace", trace)
+    done.replace(symbolic_trace, "_torchneuron_fx_traces_here", _fx_traces_here)
+
+    # Bodies for torch.fx's own two readers of the flag; their names resolve in torch.fx._symbolic_trace.
+    def is_fx_tracing() -> bool:
+        return _is_fx_tracing_flag and _torchneuron_fx_traces_here()  # noqa: F821
+
+    def is_fx_symbolic_tracing() -> bool:
+        return _is_fx_tracing_flag and _torchneuron_fx_traces_here() and not torch.compiler.is_compiling()  # noqa: F821
+
+    done.replace_code(symbolic_trace.is_fx_tracing, is_fx_tracing.__code__)
+    done.replace_code(symbolic_trace.is_fx_symbolic_tracing, is_fx_symbolic_tracing.__code__)
+
+
+PER_THREAD_FX_TRACING = patches.declare(
+    "per-thread-fx-tracing", "torch.fx._symbolic_trace.Tracer.trace, is_fx_tracing, is_fx_symbolic_tracing (when "
+    "the fusion compiler thread starts)", "torch.fx keeps one global 'tracing' flag: while the fusion compiler "
+    "thread traces a group (make_fx, Inductor's pattern matcher), a torch.compile'd function called on the host "
+    "thread would raise 'Detected that you are using FX to symbolically trace a dynamo-optimized function'; the flag "
+    "now counts for the thread that traces",
+    "tests/test_eager_fusion.py::test_a_trace_on_another_thread_is_not_this_threads", _per_thread_fx_tracing,
+    when="first use")
+
+
 class _Background:
     """The fusion compiler thread: compiles the groups stream workers found hot, one at a time, while they run the
     ops unfused (a worker that compiled itself stalled its stream for seconds, minutes for large groups). Bounded: at
@@ -325,6 +374,7 @@ class _Background:
             self.pending.add(key)
             self.jobs.append((key, nodes, mutations))
             if self.thread is None:
+                patches.apply(PER_THREAD_FX_TRACING)
                 self.thread = threading.Thread(target=self._loop, name="torchneuron-fusion-compiler", daemon=True)
                 self.thread.start()
             self.ready.notify_all()

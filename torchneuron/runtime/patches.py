@@ -27,7 +27,8 @@ class Patch:
     apply: Callable[[Applied], None]
     undo: Callable[[], None] | None = None  # what the Applied record does not restore itself
     no_undo: str = ""  # why the patch cannot be undone (then `undo` raises this)
-    when: str = "import"  # "import" (autoload), "compat" (CUDA compatibility mode) or "on demand"
+    when: str = "import"  # "import" (autoload), "compat" (CUDA compatibility mode), "on demand" (for one call) or
+    # "first use" (when the feature it serves first runs, then kept)
 
 
 class Applied:
@@ -40,6 +41,11 @@ class Applied:
         """owner.attr = value, remembering the object it had in its own __dict__ (not an inherited one)."""
         self.originals.append((owner, attr, vars(owner).get(attr, _MISSING), False))
         setattr(owner, attr, value)
+
+    def replace_code(self, func: Callable, code: Any) -> None:
+        """func.__code__ = code: references to `func` taken before (e.g. by a wrapper built earlier) run it too."""
+        self.originals.append((func, "__code__", func.__code__, False))
+        func.__code__ = code
 
     def replace_item(self, mapping: MutableMapping, key: Any, value: Any) -> None:
         self.originals.append((mapping, key, mapping.get(key, _MISSING), True))
