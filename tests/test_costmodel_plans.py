@@ -158,6 +158,23 @@ def test_pipeline_bubble_and_stage_memory(schedule, vpp):
     assert r.cores == p and 0 < r.mfu < one.mfu  # the bubble idles the stages
 
 
+
+def test_ranks_are_ordered_tensor_then_data_parallel_then_pipeline_stages():
+    """Megatron-LM's and NxD's rank order (pipeline stages outermost): 2 stages x 8 data-parallel replicas on two
+    p5.48xlarge put each stage's 8 replicas on one instance, so their gradient all-reduce (bf16, half the
+    parameters each, ring: 2 x 7 steps) never leaves NVLink (470 GB/s, G3), while every activation handed to the
+    next stage (512 x 4096 bf16, 4 MiB, sent as halves by both ends) crosses EFA: 15 us NCCL floor + one 15 us EFA
+    step + half the 8 MiB buffer at 3,200 Gb/s shared by the instance's 8 GPUs."""
+    model = _llama8b(layers=2)
+    r = estimate(model, presets.lm_inputs(model, seq=512), target="h100", instance="p5.48xlarge", pp=2, dp=8,
+                 dtype=BF16, batch_tokens=16 * 512, optimizer=None, compare=None, check_memory=False)
+    params = sum(p.numel() for p in model.parameters())
+    sync = 15e-6 + 2 * 7 * 1e-6 + 2 * 7 / 8 * params / 2 * 2 / 470e9
+    assert r.by("phase")["grad_sync"] == pytest.approx(sync)
+    hop = 15e-6 + 15e-6 + 0.5 * 2 * 512 * 4096 * 2 / (3200e9 / 8 / 8)
+    slots = 2 + 1  # 2 micro-batches per replica, one bubble slot (1F1B)
+    assert r.by("phase")["pipeline"] == pytest.approx(2 * slots * hop)
+
 def test_search_finds_the_cheapest_configuration_meeting_the_target_and_its_frontier():
     """Serving a 2-layer Llama-3.1-8B at batch 1 and 8: every candidate is the estimate of its own layout, the
     reported choice is the cheapest per token among those within the time per token, and no candidate is both

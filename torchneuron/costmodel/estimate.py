@@ -25,6 +25,9 @@ MODES = ("train", "forward", "decode")
 RECOMPUTE = ("none", "selective", "full")
 EXECUTIONS = ("compiled", "eager")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")  # pipeline schedules
+# Rank order: tensor-parallel ranks innermost, then expert- and data-parallel replicas, pipeline stages outermost,
+# as Megatron-LM (`initialize_model_parallel(order="tp-cp-ep-dp-pp")`) and NxD (`parallel_state`: a pipeline
+# group's ranks are world / pp apart) number them: TP and then DP groups fill an instance first.
 # Matmul precision beyond the traced dtype: "fp8" runs every 16-bit matmul in fp8 (weights, activations and, in
 # training, gradients, as Transformer Engine / NxD fp8 recipes do) at the fp8 peak; "w8" stores weights in 8 bits
 # (int8 / fp8 weight-only quantization) and computes in 16 bits. None: as traced.
@@ -393,11 +396,12 @@ def _optimizer_ops(tr: Trace, lay: Layout, plan: Plan, itemsize: float, micro: f
     micro-step, not overlapped), then the optimizer update, bound by HBM bandwidth."""
     ops = []
     expert = experts(tr).params
-    stride = plan.tp * plan.pp  # ranks: TP innermost, then pipeline stages, then data-parallel replicas
-    # (parameters per core, data-parallel group, its stride): under expert parallelism (ep replicas next to each
-    # other) a core holds 1/ep of the experts, synchronised over the dp / ep replicas holding the same ones
-    groups = [((tr.param_count - expert) / stride, plan.dp, stride),
-              (expert / plan.ep / stride, plan.dp // plan.ep, stride * plan.ep)]
+    split = plan.tp * plan.pp  # a core holds 1/tp of 1/pp of the layers
+    # (parameters per core, data-parallel group, its stride) (rank order above): the dp replicas of a stage are tp
+    # ranks apart; under expert parallelism (ep replicas next to each other) a core holds 1/ep of the experts,
+    # synchronised over the dp / ep replicas holding the same ones
+    groups = [((tr.param_count - expert) / split, plan.dp, plan.tp),
+              (expert / plan.ep / split, plan.dp // plan.ep, plan.tp * plan.ep)]
     for per_core, ranks, step in groups:
         if ranks == 1 or not per_core:
             continue
@@ -510,25 +514,25 @@ def _micro(tr: Trace, plan: Plan) -> float:
 
 def _pipeline_ops(tr: Trace, lay: Layout, plan: Plan, slots: float) -> list[OpTime]:
     """Between stages, every slot: the activation [tokens, hidden] sent forward (and in training its gradient
-    sent back), point to point between neighbouring stages, tp cores apart (across instances when a stage
-    fills one); not overlapped."""
+    sent back), point to point between neighbouring stages, tp x dp cores apart (rank order above: across instances
+    when a stage's replicas fill one); not overlapped."""
     attention = next((r for r in tr.recs if r.phase == "forward" and op_info(r.op).rule is Rule.ATTENTION), None)
     if attention is None:
         return []
     nbytes = attention.ins[0].nbytes / (plan.tp if plan.sp else 1)
-    c = lay.collective("all_gather", 2 * nbytes, 2, stride=plan.tp)  # 2 ranks: each sends its half
+    c = lay.collective("all_gather", 2 * nbytes, 2, stride=plan.tp * plan.dp)  # 2 ranks: each sends its half
     return [OpTime("send_recv", "pipeline", "collective", 0.0, c.bytes, c.time_s, c.bound, c.achieved,
                    slots * (2 if plan.train else 1))]
 
 
 def _expert_ops(ex: Experts, lay: Layout, plan: Plan, slots: float) -> list[OpTime]:
     """Expert parallelism: every MoE layer sends its routed rows to the cores holding their experts and brings the
-    results back (two all-to-alls over the ep replicas, tp x pp cores apart), and in training the same for their
+    results back (two all-to-alls over the ep replicas, tp cores apart), and in training the same for their
     gradients; each core of a TP group sends 1/tp of the rows. Balanced routing (each core receives as many rows
     as it sends); not overlapped with the expert GEMMs. A stage holds 1/pp of the layers."""
     out = []
     for nbytes in ex.dispatch:
-        c = lay.collective("all_to_all", nbytes / plan.tp, plan.ep, stride=plan.tp * plan.pp)
+        c = lay.collective("all_to_all", nbytes / plan.tp, plan.ep, stride=plan.tp)
         for phase in ("forward", "backward") if plan.train else ("forward",):
             out.append(OpTime("all_to_all", phase, "collective", 0.0, c.bytes / plan.pp, c.time_s / plan.pp,
                               c.bound, c.achieved, 2 * slots))

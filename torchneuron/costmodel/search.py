@@ -42,12 +42,12 @@ def _layouts(lay: Layout, train: bool) -> list[tuple[int, int]]:
     return [(t, p) for t in tps for p in ((1, 2, 4, 8) if train else (1,))]
 
 
-def _expert_degrees(tr: Trace, lay: Layout, tp: int, pp: int) -> list[int]:
-    """1, and for an MoE model every power of two that divides its experts per layer with ep x tp x pp cores
-    inside one instance (the all-to-alls stay on the fabric)."""
+def _expert_degrees(tr: Trace, lay: Layout, tp: int) -> list[int]:
+    """1, and for an MoE model every power of two that divides its experts per layer with ep x tp cores inside
+    one instance (expert-parallel ranks are next to each other, pipeline stages outermost: the all-to-alls stay on
+    the fabric)."""
     n = experts(tr).per_layer
-    return [1] + [e for e in (2**k for k in range(1, 12))
-                  if n and n % e == 0 and e * tp * pp <= lay.cores_per_instance]
+    return [1] + [e for e in (2**k for k in range(1, 12)) if n and n % e == 0 and e * tp <= lay.cores_per_instance]
 
 
 def _precisions(train: bool) -> tuple[str | None, ...]:
@@ -84,7 +84,7 @@ def search(build: Callable[[int], tuple[torch.nn.Module, Any]], *, mode: str, ta
         tr = trace(model, inputs, train=train, dtype=dtype)
         for platform, lay in platforms:
             for tp, pp in _layouts(lay, train):
-                for ep in _expert_degrees(tr, lay, tp, pp):
+                for ep in _expert_degrees(tr, lay, tp):
                     for precision in _precisions(train):
                         out += _configs(tr, lay, platform, batch, mode, tp, pp, precision, tokens_per_s,
                                         latency_s, global_batch_tokens, ep)

@@ -21,6 +21,7 @@ from .ops import op_cost
 
 MEDIAN_BOUND = 0.15  # the aim, on each side: median |modelled / published - 1| <= 15%
 MAX_BOUND = 0.40  # and no case beyond 40%
+OUTLIER_BOUND = 0.55  # except a documented outlier (at most one case in ten), and none beyond 55%: the worst is 52.4%
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,10 @@ def _h100(**kw) -> dict:
 
 def _h200(**kw) -> dict:
     return dict(target="h200", instance="p5en.48xlarge", precision="fp8", **kw)
+
+
+def _b200(**kw) -> dict:
+    return dict(target="b200", instance="p6-b200.48xlarge", **kw)
 
 
 def _mistral_7b() -> torch.nn.Module:
@@ -283,7 +288,7 @@ CASES = (
 
 # Held out: added after the constants were fixed, reported whatever their error and not held to the bounds (the
 # acceptance of issue 28 says held-out rows will be run; these are the first). G10: TensorRT-LLM v0.9
-# performance.md, low-latency table, H200 fp8, batch 1, first-token latency.
+# performance.md, low-latency table, H200 fp8, batch 1, first-token latency; G7: B200 training.
 HELD_OUT = (
     Case("H200 Llama-7B prefill, TTFT, 128 tokens", "1x H200, fp8, BS1, 128 in", "ms", 5.7,
          "G10 TensorRT-LLM v0.9 performance.md", lambda: _prefill_ms(_llama("llama2-7b"), 128, **_h200(tp=1)),
@@ -307,6 +312,18 @@ HELD_OUT = (
     Case("H200 Mixtral-8x7B prefill, TTFT", "2x H200, TP2, fp8, BS1, 2048 in", "ms", 87.7,
          "G10 TensorRT-LLM v0.9 performance.md",
          lambda: _prefill_ms(_llama("mixtral-8x7b"), 2048, **_h200(tp=2)), "gpu"),
+    # G7 (the same Megatron-Bridge 25.11 table as the H100 rows), DGX-B200: the two B200 rows the model can run as
+    # published (the 405B row uses context parallelism, which it does not model; GPT-OSS and Qwen3 have no preset).
+    Case("B200 Llama-3-8B pre-training, fp8", "8x B200, TP1 DP8, seq 8192, mb 2, GBS 128", "tok/s/GPU", 30624,
+         "G7 Megatron-Bridge performance summary (25.11)",
+         lambda: _train(_llama("llama-8b"), 8192, 2, per="token", precision="fp8", batch_tokens=128 * 8192,
+                        **_b200(dp=8)) / 8, "gpu"),
+    # MXFP8, routing force-balanced (as the model assumes). The recipe's recomputation is not published and the
+    # model's memory estimate exceeds a B200 without full recomputation, so it is costed as published, unchecked.
+    Case("B200 DeepSeek-V3 pre-training, fp8", "256x B200, PP16 EP8 DP16, seq 4096, mb 1, GBS 2048", "tok/s/GPU",
+         2139, "G7 Megatron-Bridge performance summary (25.11)",
+         lambda: _train(_llama("deepseek-v3"), 4096, 1, per="token", precision="fp8", batch_tokens=2048 * 4096,
+                        pp=16, check_memory=False, **_b200(dp=16, ep=8)) / 256, "gpu"),
 )
 
 

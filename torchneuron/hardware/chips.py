@@ -6,6 +6,7 @@ S1/S2/S3 = trainium{,2,3}.rst chip pages, S4-S6 = neuron-core-v{2,3,4}.rst, S7-S
 S10 = data-types.rst, S11 = logical-neuroncore-config.rst, S12-S14 = NKI architecture guides,
 S15 = NKI performance guide, S16/S17 = NKI DMA guides, S40 = nccom-test user guide (measured collectives),
 S41/S42 = intra-/inter-node collective deep dives, S34/S35/S37/S38 = H100, p5, H200, B200 specifications [3p],
+S45/S46 = p5en / p6-b200 on-demand prices [3p],
 G1-G3 = published GPU measurements [3p] (matmul, HBM and launch, NCCL),
 [3p] = third party, [derived] = arithmetic on cited values, [assumption] = no published figure.
 Where AWS pages disagree the value used is noted. Nothing here imports torch: the device, the compiler and the
@@ -270,10 +271,11 @@ GPU_INSTANCES: dict[str, GpuInstance] = {
         GpuInstance("p5.48xlarge", "h100", 8, 55.04,
                     "[3p] us-east-1 on-demand after the June 2025 P5 price cut (2026 price tables); $98.32 at launch",
                     3200e9),  # S35
-        GpuInstance("p5en.48xlarge", "h200", 8, None,
-                    "no on-demand price found (EC2 Capacity Block effective rate $43.26, 2024 snapshot, S35); "
-                    "pass --gpu-price", 3200e9),
-        GpuInstance("p6-b200.48xlarge", "b200", 8, None, "no on-demand price found; pass --gpu-price", 3200e9),
+        GpuInstance("p5en.48xlarge", "h200", 8, 63.296,
+                    "[3p] us-east-1 on-demand, AWS price list as listed by dstack (PR #4110, Aug 2026) and 2026 "
+                    "price tables", 3200e9),  # S45
+        GpuInstance("p6-b200.48xlarge", "b200", 8, 113.9328,
+                    "[3p] us-east-1 on-demand, 2026 public price tables (Vantage, DoiT)", 3200e9),  # S46
     )
 }
 
