@@ -32,8 +32,7 @@ demo: venv
 ASYNC_LEGS := tests/test_async_errors.py tests/test_async_fuzz.py tests/test_eager_fusion.py tests/test_foreach.py \
               tests/test_training.py
 
-test: venv
-	$(VPY) -m ruff check torchneuron torch_neuronx tests benchmarks
+test: venv lint
 	$(VPY) -m pytest -q -rs $(PYTEST_ARGS)
 	TORCHNEURON_LAUNCH_BLOCKING=1 $(VPY) -m pytest -q -m "not needs_async" $(ASYNC_LEGS)
 	$(VPY) -m pytest -q -rs --queue-everything --verify-replay $(ASYNC_LEGS)
@@ -44,8 +43,11 @@ test-fast: venv
 bench: venv
 	$(VPY) -m benchmarks.run $(BENCH_ARGS)
 
+# Python: ruff; the C++ core: clang-format's layout (.clang-format) and cpplint (torchneuron/csrc/CPPLINT.cfg).
 lint: venv
 	$(VPY) -m ruff check torchneuron torch_neuronx tests benchmarks
+	$(VENV)/bin/clang-format --dry-run --Werror $(CSRC)
+	$(VENV)/bin/cpplint --quiet $(CSRC)
 
 clean:
 	rm -rf build *.egg-info torchneuron/*.so $(VENV)

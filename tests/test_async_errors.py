@@ -118,7 +118,7 @@ def test_host_checkable_errors_raise_at_the_call_while_work_is_queued(busy):
 def test_integer_division_by_zero_never_fuses_and_an_in_place_op_before_it_applies_once(busy):
     """A fused group whose kernel stores `x` and then raises would leave `x` added twice when re-run unfused; integer
     division may raise on a value, so it never joins a group (op table: int_errors) and the error is the CPU's."""
-    n = 1 << 18  # large enough to fuse
+    n = eager_fusion.MIN_ELEMENTS  # large enough to fuse
     for step in range(4):  # a group is compiled at its AFTER-th sighting: later steps would run it fused
         busy(1)
         x = torch.zeros(n, dtype=torch.int32, device=DEV)

@@ -259,7 +259,7 @@ def test_a_fused_kernel_runs_without_the_gil():
 
 # ---- the device: stream workers fuse runs of queued ops ----
 
-BIG = (64, 4096)  # 2^18 elements: the smallest ops the device fuses (csrc/runtime.h kFuseElements)
+BIG = (64, 4096)  # 2^18 elements: the smallest ops the device fuses (eager_fusion.MIN_ELEMENTS)
 
 
 def busy_stream() -> None:

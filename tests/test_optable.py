@@ -2,6 +2,9 @@
 is the same everywhere, and the cross-layer check can fail."""
 from __future__ import annotations
 
+import ast
+import re
+import sys
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -109,3 +112,75 @@ def test_structured_rows_are_structured_kernels_in_atens_own_definitions():
     assert named and named <= delegates, named - delegates
     assert op_info("aten::mm.default").structured and op_info("aten::sum.dim_IntList").structured
     assert not op_info("aten::mm.dtype").structured and not op_info("aten::sum.default").structured
+
+
+# ---- the op table is the only list of ops ----------------------------------------------------------------------
+
+ROOT = Path(torchneuron.__file__).parent
+_QUALIFIED = re.compile(r'"aten::([A-Za-z0-9_]+)(\.[A-Za-z0-9_]+)?"')
+
+
+def _prefix_literals(tree: ast.AST) -> set[int]:
+    """ids of the string constants used as a prefix or suffix (`name.startswith("aten::_foreach_")`)."""
+    return {id(a) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("startswith", "endswith", "removeprefix", "removesuffix") for a in n.args}
+
+
+def _named_ops(path: Path) -> list[str]:
+    """The `aten::name` literals a file holds (Python: string constants that are not a prefix; C++: string literals,
+    except one assigned to a variable named `prefix`)."""
+    if path.suffix == ".py":
+        tree = ast.parse(path.read_text())
+        skip = _prefix_literals(tree)
+        return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and id(n) not in skip and _QUALIFIED.fullmatch(f'"{n.value}"')]
+    return [m.group(0).strip('"') for line in path.read_text().splitlines() if "prefix =" not in line
+            for m in _QUALIFIED.finditer(line)]
+
+
+def _op_sets(path: Path) -> list[str]:
+    """Module-level collections of op names outside the table (`_FOLD = ("add", "sub")`): two or more strings, each
+    a qualified aten name or a base name the table lists."""
+    found = []
+    for node in ast.parse(path.read_text()).body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.Dict):
+            elts = value.keys
+        elif isinstance(value, (ast.Tuple, ast.List, ast.Set)):
+            elts = value.elts
+        else:
+            continue
+        strings = [e.value for e in elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        if len(strings) >= 2 and len(strings) == len(elts) and all(
+                s.startswith("aten::") or base_name(s) in TABLE for s in strings):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def test_every_op_a_module_names_is_in_the_table_and_no_module_keeps_an_op_set_of_its_own():
+    files = [p for p in ROOT.rglob("*") if p.suffix in (".py", ".cpp", ".h") and p.name != "optable.py"]
+    named = {(str(p.relative_to(ROOT)), n) for p in files for n in _named_ops(p)}
+    assert len(named) > 40, "the scan sees the modules' op names"
+    assert [(f, n) for f, n in sorted(named) if base_name(n) not in TABLE] == []
+    assert [s for p in files if p.suffix == ".py" for s in _op_sets(p)] == []
+
+
+def test_the_scan_sees_an_unknown_op_and_a_private_op_set(tmp_path, monkeypatch):
+    f = tmp_path / "m.py"
+    f.write_text('FOLD = ("add", "sub")\nOK = ("x", "add")\nname = "aten::warp_drive.default"\n'
+                 'ours = name.startswith("aten::_foreach_")\n')
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _named_ops(f) == ["aten::warp_drive.default"] and base_name("aten::warp_drive") not in TABLE
+    assert [s.split(": ", 1)[1] for s in _op_sets(f)] == ["FOLD = ('add', 'sub')"]
+
+
+def test_the_fast_rows_are_the_kernels_fastpath_cpp_registers():
+    """csrc/fastpath.cpp binds an unboxed kernel per `FAST(id, "aten::name", "overload")`: exactly the table's `fast`
+    overload rows, each a real overload."""
+    text = (ROOT / "csrc" / "fastpath.cpp").read_text()
+    registered = {f"{n}.{o or 'default'}" for n, o in re.findall(r'FAST\(\w+, "aten::(\w+)", "(\w*)"\)', text)}
+    assert len(registered) >= 20
+    assert registered == {k for k, o in TABLE.items() if o.fast}
+    for k in registered:
+        name, overload = k.split(".")
+        assert getattr(getattr(torch.ops.aten, name), overload) is not None

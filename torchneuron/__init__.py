@@ -20,14 +20,20 @@ import torch  # noqa: E402,F401  (loads libtorch before the C++ core links again
 from ._version import __version__  # noqa: E402,F401  (torchneuron.__version__)
 from .hardware import aws as _aws  # noqa: E402
 
-__all__ = ["clear_op_tracking", "get_dtype_events", "get_executed_ops", "get_fallback_ops", "set_policies",
-           "estimate", "profiler"]
+__all__ = ["clear_op_tracking", "get_dtype_events", "get_executed_ops", "get_execution_paths", "get_fallback_ops",
+           "set_policies", "estimate", "profiler"]
 
 if _aws.installed() is None:  # ours owns the `neuron` device
     from . import _C  # noqa: F401  (the C++ core: allocator, guard, hooks, fallback, kernels, autocast)
     from .device import module as _module
     from .runtime.policy import set_policies
-    from .runtime.tracking import clear_op_tracking, get_dtype_events, get_executed_ops, get_fallback_ops
+    from .runtime.tracking import (
+        clear_op_tracking,
+        get_dtype_events,
+        get_executed_ops,
+        get_execution_paths,
+        get_fallback_ops,
+    )
 
     _module.register()
 

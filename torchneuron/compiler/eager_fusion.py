@@ -101,7 +101,7 @@ def install() -> None:
     cfg = config.current_or_none()
     if cfg is not None and cfg.eager_fusion:
         _C._set_eager_fusion(fusable, lambda ops, verify=False: (plan_of if verify else run_queued)(
-            [QueuedOp(*q) for q in ops]), MAX_LIST)
+            [QueuedOp(*q) for q in ops]), min_elements=MIN_ELEMENTS, max_ops=MAX_OPS, max_list=MAX_LIST)
 
 
 def stats() -> Stats:
@@ -166,9 +166,6 @@ class PerTensor:
     inplace: bool
 
 
-_FOLD = ("add", "sub", "addcmul", "addcdiv")  # their last Scalar multiplies argument 1 (see PerTensor.fold)
-
-
 @cache
 def per_tensor(op: str) -> PerTensor | None:
     """The per-tensor form of a list op ("aten::_foreach_mul_.Scalar" -> `mul.Tensor` with the scalar lifted), or
@@ -193,7 +190,7 @@ def per_tensor(op: str) -> PerTensor | None:
         kinds.append(kind)
         types.append("Tensor" if kind in ("each", "lift") else t)
     packet = getattr(torch.ops.aten, base, None)
-    tries = [(types, False)] + ([(types[:-1], True)] if base in _FOLD and kinds[-1] == "lift" else [])
+    tries = [(types, False)] + ([(types[:-1], True)] if op_info(base).scalar_scales and kinds[-1] == "lift" else [])
     for want, fold in tries:
         for name in packet.overloads() if packet is not None else ():
             cargs = getattr(packet, name)._schema.arguments
@@ -430,6 +427,8 @@ AFTER = 3  # sightings of a group's signature before the stream worker compiles 
 # 4 s, over 16 in 7 s, over 32 in 65 s (on the stream worker, which waits). A group stops short of these sizes.
 MAX_NODES = 64
 MAX_LIST = 8  # tensors of a list op that joins a group
+MIN_ELEMENTS = 1 << 18  # a smaller op is not worth a fused kernel: the hand-over to Python costs tens of microseconds
+MAX_OPS = 16  # queued ops a stream worker hands over as one run
 MAX_PENDING = 16  # signatures waiting for the compiler thread
 
 

@@ -230,6 +230,7 @@ class Kernel:
         self._boxed_call = True
 
     def __call__(self, args: list) -> list:
+        _C._count_path("compiled")
         if KERNEL_OBSERVERS:  # torchneuron.profiler.profile(ops=False)
             return KERNEL_OBSERVERS[-1](self, args)
         if _C._tracing_device():  # torch.profiler with ProfilerActivity.PrivateUse1

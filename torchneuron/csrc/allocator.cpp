@@ -29,9 +29,9 @@ namespace {
 using c10::CachingAllocator::StatType;
 using c10::CachingDeviceAllocator::DeviceStats;
 
-constexpr size_t kRound = 512;               // allocation granularity, like CUDA's
-constexpr size_t kSmall = 1 << 20;            // blocks up to 1 MiB count in the small pool
-constexpr size_t kAlign = 64;                 // host alignment for vectorised CPU kernels
+constexpr size_t kRound = 512;      // allocation granularity, like CUDA's
+constexpr size_t kSmall = 1 << 20;  // blocks up to 1 MiB count in the small pool
+constexpr size_t kAlign = 64;       // host alignment for vectorised CPU kernels
 
 struct Block {
   void* ptr;
@@ -39,10 +39,10 @@ struct Block {
   size_t requested;
   c10::DeviceIndex device;
   bool in_use;
-  c10::DataPtr host;  // set when the memory was adopted from a CPU kernel
-  c10::StreamId stream = 0;  // the allocating stream
+  c10::DataPtr host;                         // set when the memory was adopted from a CPU kernel
+  c10::StreamId stream = 0;                  // the allocating stream
   std::vector<c10::StreamId> recorded = {};  // other streams that used it (Tensor.record_stream)
-  uint64_t id = 0;  // the allocation that holds it now (allocation_id)
+  uint64_t id = 0;                           // the allocation that holds it now (allocation_id)
 };
 
 std::atomic<uint64_t> g_allocations{0};
@@ -154,8 +154,10 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     if (b->host) p.until.emplace_back(&queue_of(b->device, b->stream), 0);
     for (c10::StreamId s : b->recorded) p.until.emplace_back(&queue_of(b->device, s), 0);
     for (auto& [q, t] : p.until) t = q->enqueued();
-    if (p.ready()) finish(c, b, ctx);
-    else c.pending.push_back(std::move(p));
+    if (p.ready())
+      finish(c, b, ctx);
+    else
+      c.pending.push_back(std::move(p));
   }
 
   // The block holding any pointer into its memory (device_of).
@@ -215,7 +217,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     TORCH_CHECK(stream.device_type() == kNeuron, "record_stream: expected a neuron stream, got a ",
                 stream.device_type(), " stream");
     check_device_index(stream.device_index());
-    Block* b = ptr.get_deleter() == &delete_block ? header_of(ptr.get())
+    Block* b = ptr.get_deleter() == &delete_block     ? header_of(ptr.get())
                : ptr.get_deleter() == &delete_adopted ? static_cast<Block*>(ptr.get_context())
                                                       : nullptr;
     TORCH_CHECK(b, "record_stream: the tensor's memory was not allocated by the neuron allocator");
@@ -287,8 +289,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   static std::vector<c10::CachingAllocator::StatArray*> arrays(DeviceStats& st) {
-    return {&st.allocation, &st.segment, &st.active, &st.inactive_split, &st.allocated_bytes, &st.reserved_bytes,
-            &st.active_bytes, &st.inactive_split_bytes, &st.requested_bytes};
+    return {&st.allocation,      &st.segment,        &st.active,       &st.inactive_split,
+            &st.allocated_bytes, &st.reserved_bytes, &st.active_bytes, &st.inactive_split_bytes,
+            &st.requested_bytes};
   }
 
   void new_segment(DeviceCache& c, Block* b, const std::shared_ptr<c10::GatheredContext>& ctx) {
@@ -302,15 +305,19 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   void finish(DeviceCache& c, Block* b, const std::shared_ptr<c10::GatheredContext>& ctx = nullptr) {
     history(MemoryAction::free_completed, b, ctx);
     b->recorded.clear();
-    if (b->host) drop_segment(c, b);
-    else c.free[b->stream].emplace(b->size, b);
+    if (b->host)
+      drop_segment(c, b);
+    else
+      c.free[b->stream].emplace(b->size, b);
   }
 
   void finish_pending(DeviceCache& c) {
     std::vector<PendingFree> still;
     for (auto& p : c.pending) {
-      if (p.ready()) finish(c, p.block);
-      else still.push_back(std::move(p));
+      if (p.ready())
+        finish(c, p.block);
+      else
+        still.push_back(std::move(p));
     }
     c.pending.swap(still);
   }
@@ -398,16 +405,17 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   [[noreturn]] void throw_oom(const DeviceCache& c, c10::DeviceIndex dev, size_t requested, const char* why) {
     auto& st = c.stats;
     size_t cap = device_capacity(dev);
-    std::string frac = c.fraction < 1.0 ? "; the per-process memory fraction " + c10::str(c.fraction) +
-                                              " limits this process to " + fmt_bytes(limit(c, dev)) +
-                                              " (torch.neuron.set_per_process_memory_fraction)"
-                                        : "";
+    std::string frac = c.fraction < 1.0
+                           ? "; the per-process memory fraction " + c10::str(c.fraction) + " limits this process to " +
+                                 fmt_bytes(limit(c, dev)) + " (torch.neuron.set_per_process_memory_fraction)"
+                           : "";
     TORCH_CHECK_WITH(OutOfMemoryError, false, "neuron:", static_cast<int>(dev), " out of memory: tried to allocate ",
                      fmt_bytes(requested), " (", requested, " bytes); the device has a capacity of ", fmt_bytes(cap),
                      frac, ", of which ", fmt_bytes(st.allocated_bytes[0].current), " is allocated by PyTorch and ",
                      fmt_bytes(st.reserved_bytes[0].current), " reserved. ",
-                     why ? why : "Free tensors, lower the batch size, or model a larger core "
-                                 "(TORCHNEURON_MEMORY_LIMIT / TORCHNEURON_INSTANCE).");
+                     why ? why
+                         : "Free tensors, lower the batch size, or model a larger core "
+                           "(TORCHNEURON_MEMORY_LIMIT / TORCHNEURON_INSTANCE).");
   }
 
   std::array<DeviceCache, 128> devices_;  // by device index (validated): no hashing on the op path
@@ -458,8 +466,9 @@ void throw_host_oom(c10::DeviceIndex device, const c10::Error& host_error) {
   const std::string tried = "tried to allocate ";  // "... you tried to allocate N bytes"
   auto at = msg.find(tried);
   size_t requested = at == std::string::npos ? 0 : std::strtoull(msg.c_str() + at + tried.size(), nullptr, 10);
-  g_allocator.host_oom(device, requested, "The host could not provide the memory for the kernel's result (" +
-                                              msg.substr(0, msg.find('\n')) + ").");
+  g_allocator.host_oom(
+      device, requested,
+      "The host could not provide the memory for the kernel's result (" + msg.substr(0, msg.find('\n')) + ").");
 }
 
 void set_memory_fraction(c10::DeviceIndex device, double fraction) {

@@ -22,9 +22,8 @@ namespace {
 
 using sdp::SDPBackend;
 
-int64_t choose_sdp(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const std::optional<at::Tensor>& mask, double p, bool causal, std::optional<double> scale,
-                   bool enable_gqa) {
+int64_t choose_sdp(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& mask,
+                   double p, bool causal, std::optional<double> scale, bool enable_gqa) {
   auto fused_dtype = [](const at::Tensor& t) {
     return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf;
   };
@@ -57,9 +56,8 @@ at::Tensor keep_scale(uint64_t seed, uint64_t offset, at::IntArrayRef sizes, dou
   float* d = m.data_ptr<float>();
   const BelowP keep(1.0 - p);
   const float kept = static_cast<float>(1.0 / (1.0 - p));
-  for_each_philox(seed, offset, m.numel(), [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
-    d[i] = keep(w0, w1) ? kept : 0.0f;
-  });
+  for_each_philox(seed, offset, m.numel(),
+                  [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) { d[i] = keep(w0, w1) ? kept : 0.0f; });
   return m;
 }
 
@@ -138,12 +136,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
   auto b = on_host(bias);
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), S = k.size(2);
   // What the kernel would fail on, raised at the launch (as CUDA's checks are), not at the next sync point.
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "scaled_dot_product_attention: expected query, key and value to "
-              "have the same batch size, got ", q.sizes(), ", ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(v.size(2) == S, "scaled_dot_product_attention: expected key and value to have the same sequence "
-              "length, got ", k.sizes(), " and ", v.sizes());
-  TORCH_CHECK(k.size(3) == q.size(3), "scaled_dot_product_attention: expected query and key to have the same "
-              "embedding dimension, got ", q.sizes(), " and ", k.sizes());
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B,
+              "scaled_dot_product_attention: expected query, key and value to "
+              "have the same batch size, got ",
+              q.sizes(), ", ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(v.size(2) == S,
+              "scaled_dot_product_attention: expected key and value to have the same sequence "
+              "length, got ",
+              k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.size(3) == q.size(3),
+              "scaled_dot_product_attention: expected query and key to have the same "
+              "embedding dimension, got ",
+              q.sizes(), " and ", k.sizes());
   if (b) at::infer_size(b->sizes(), {B, H, L, S});  // the mask broadcasts to the scores' shape (or raises)
   auto out = fused_layout_like({B, H, L, v.size(3)}, query.options());
   auto lse = at::empty({B, H, compute_lse ? (L + 31) / 32 * 32 : 0}, query.options().dtype(at::kFloat));
@@ -179,9 +183,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention(
 }
 
 // The gradient of the math formula: P = softmax(S), O = (P * keep / (1 - p)) V.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> math_backward(
-    const at::Tensor& go, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const std::optional<at::Tensor>& b, double p, bool causal, double scale, uint64_t seed, uint64_t offset) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> math_backward(const at::Tensor& go, const at::Tensor& q,
+                                                                         const at::Tensor& k, const at::Tensor& v,
+                                                                         const std::optional<at::Tensor>& b, double p,
+                                                                         bool causal, double scale, uint64_t seed,
+                                                                         uint64_t offset) {
   auto P = at::softmax(scores(q, k, b, causal, scale), -1);
   at::Tensor drop;
   if (p > 0) {
@@ -242,8 +248,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> efficient_attention_b
     for (size_t i = 0; i < dst.size(); ++i)
       if (dst[i].defined()) dst[i].copy_(res[i]);
   };
-  launch(dev, "aten::_scaled_dot_product_efficient_attention_backward",
-         q.size(0) * q.size(1) * q.size(2) * k.size(2),
+  launch(dev, "aten::_scaled_dot_product_efficient_attention_backward", q.size(0) * q.size(1) * q.size(2) * k.size(2),
          access({grad_out, query, key, value, bias, out, lse}, {gq, gk, gv, gb}), std::move(kernel));
   return {gq, gk, gv, gb};
 }

@@ -72,7 +72,7 @@ py::list device_results(py::sequence outs, const std::vector<std::optional<int64
       out = adopt_host_tensor(shared ? o.clone() : o, dev);
       if (!shared) {
         o.unsafeGetTensorImpl()->set_sizes_contiguous({0});  // the CPU result is left empty, never dangling
-        owners.emplace(ptr, out);                           // the memory moved whole
+        owners.emplace(ptr, out);                            // the memory moved whole
       }
     }
     done.emplace(o.unsafeGetTensorImpl(), out);
@@ -121,15 +121,18 @@ void queue_kernel(c10::DeviceIndex device, const std::string& name, py::object r
       delete o;
     }
   });
-  current_queue(device).push(label, [fn] {
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
-    py::gil_scoped_acquire gil;
-    try {
-      (*fn)();
-    } catch (py::error_already_set& e) {  // reported at the stream's next sync point, with the op's name
-      throw std::runtime_error(e.what());
-    }
-  }, false, nullptr, work, std::move(acc));
+  current_queue(device).push(
+      label,
+      [fn] {
+        if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+        py::gil_scoped_acquire gil;
+        try {
+          (*fn)();
+        } catch (py::error_already_set& e) {  // reported at the stream's next sync point, with the op's name
+          throw std::runtime_error(e.what());
+        }
+      },
+      false, nullptr, work, std::move(acc));
 }
 
 }  // namespace

@@ -64,7 +64,8 @@ std::string unheld_kind(const at::Tensor& host) {
 
 at::Tensor adopt_host_tensor(const at::Tensor& host, c10::DeviceIndex device) {
   std::string kind = unheld_kind(host);
-  TORCH_CHECK_NOT_IMPLEMENTED(kind.empty(), "neuron: a kernel returned a ", kind, " tensor, which the neuron device "
+  TORCH_CHECK_NOT_IMPLEMENTED(kind.empty(), "neuron: a kernel returned a ", kind,
+                              " tensor, which the neuron device "
                               "cannot hold (it holds only strided dense and sparse COO tensors)");
   auto* simpl = host.storage().unsafeGetStorageImpl();
   size_t nbytes = simpl->nbytes();

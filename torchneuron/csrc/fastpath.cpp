@@ -86,9 +86,9 @@ c10::Storage host_storage(const c10::Storage& device) {
     if (e.data == data && e.nbytes == nbytes && e.host.use_count() == 1 && e.host.data() == data &&
         e.host.nbytes() == nbytes)
       return e.host;
-  c10::Storage host(c10::make_intrusive<c10::StorageImpl>(
-      c10::StorageImpl::use_byte_size_t(), nbytes, c10::DataPtr(device.mutable_data(), c10::Device(c10::kCPU)),
-      c10::GetCPUAllocator(), /*resizable=*/true));
+  c10::Storage host(c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), nbytes,
+                                                          c10::DataPtr(device.mutable_data(), c10::Device(c10::kCPU)),
+                                                          c10::GetCPUAllocator(), /*resizable=*/true));
   if (nbytes) recent[next++ % recent.size()] = {data, nbytes, host};  // empty storages: one each (overlap checks)
   return host;
 }
@@ -98,8 +98,9 @@ c10::Storage host_storage(const c10::Storage& device) {
 at::Tensor device_result(at::IntArrayRef sizes, at::IntArrayRef strides, const at::TensorOptions& options) {
   const auto keys = c10::DispatchKeySet(c10::DispatchKey::PrivateUse1);
   const auto dtype = options.dtype().toScalarType();
-  return strides.empty() ? at::detail::empty_generic(sizes, neuron_allocator(), keys, dtype, options.memory_format_opt())
-                         : at::detail::empty_strided_generic(sizes, strides, neuron_allocator(), keys, dtype);
+  return strides.empty()
+             ? at::detail::empty_generic(sizes, neuron_allocator(), keys, dtype, options.memory_format_opt())
+             : at::detail::empty_strided_generic(sizes, strides, neuron_allocator(), keys, dtype);
 }
 
 // The structured CPU kernel `Native`, with its one result allocated in device memory and seen through a host alias.
@@ -209,11 +210,12 @@ at::Tensor fast_kernel(Args... args) {
   if (o.plain && o.device >= 0 && !(trainium && o.fp64) && !g_tracing_device.load(std::memory_order_relaxed) &&
       !g_launch_blocking.load(std::memory_order_relaxed) && !g_queue_everything.load(std::memory_order_relaxed) &&
       o.elements() < kInlineElements && !poisoned_storages()) {  // poisoned memory: the fallback checks the reads
-    std::optional<c10::DeviceGuard> guard;  // the result is allocated on the current device
+    std::optional<c10::DeviceGuard> guard;                       // the result is allocated on the current device
     if (current_device() != o.device) guard.emplace(c10::Device(kNeuron, o.device));
     StreamQueue& q = current_queue(o.device);
     if (q.idle()) {
       count_call(e);  // not a sync point: a pending kernel error waits for one
+      count_path(Path::fast);
       if (kDirect && TORCHNEURON_DIRECT_STUBS && o.direct && at::isFloatingType(*o.dtype)) {
         Direct<Native> k;
         if (with_device_oom(o.device, [&] {
@@ -248,8 +250,7 @@ at::Tensor fast_kernel(Args... args) {
   return stack.back().toTensor();
 }
 
-#define FAST(id, name, overload) \
-  constexpr char id##_name[] = name, id##_overload[] = overload;
+#define FAST(id, name, overload) constexpr char id##_name[] = name, id##_overload[] = overload;
 FAST(add, "aten::add", "Tensor")
 FAST(sub, "aten::sub", "Tensor")
 FAST(mul, "aten::mul", "Tensor")

@@ -1,6 +1,6 @@
 // Adaptive eager fusion, the device's half: a queued launch of a large functional or in-place op that fuses (the op
-// table's `fuse`, asked of compiler/eager_fusion.py once per op) carries a FusableOp; a stream worker that finds several
-// of them queued back to back (the host ran ahead) hands the run to eager_fusion.run_queued, which fuses its
+// table's `fuse`, asked of compiler/eager_fusion.py once per op) carries a FusableOp; a stream worker that finds
+// several of them queued back to back (the host ran ahead) hands the run to eager_fusion.run_queued, which fuses its
 // leading ops into one Inductor CPU kernel (compiled once a group recurs) and runs it, or declines. Declined ops run
 // one by one as they were queued, so fusion changes speed only. Python is entered holding the GIL, on the worker.
 #include <ATen/Parallel.h>
@@ -18,14 +18,14 @@
 namespace torchneuron {
 namespace {
 
-PyObject* g_fusable = nullptr;  // eager_fusion.fusable, kept for the process
-PyObject* g_run = nullptr;      // eager_fusion.run_queued (verify=True: eager_fusion.plan_of)
+PyObject* g_fusable = nullptr;      // eager_fusion.fusable, kept for the process
+PyObject* g_run = nullptr;          // eager_fusion.run_queued (verify=True: eager_fusion.plan_of)
 std::atomic<bool> g_verify{false};  // replay verification (tests): rebuild each replayed plan in Python and compare
 std::atomic<int64_t> g_verified{0}, g_mismatched{0};
 std::mutex g_mismatch_mu;
 std::string g_last_mismatch;
 std::atomic<bool> g_installed{false};
-size_t g_max_list = 0;  // eager_fusion.MAX_LIST, set before g_installed
+FusionLimits g_limits;  // set before g_installed
 std::atomic<int64_t> g_kernels{0}, g_ops{0};
 
 bool python_usable() { return Py_IsInitialized() && !_Py_IsFinalizing(); }
@@ -37,15 +37,18 @@ std::string qualified_name(const c10::OperatorHandle& op) {
 
 }  // namespace
 
-void set_eager_fusion(PyObject* fusable, PyObject* run, size_t max_list) {
+void set_eager_fusion(PyObject* fusable, PyObject* run, FusionLimits limits) {
   Py_XINCREF(fusable);
   Py_XINCREF(run);
-  g_fusable = fusable, g_run = run, g_max_list = max_list;
+  g_fusable = fusable, g_run = run, g_limits = limits;
   g_installed.store(fusable && run);
 }
 
+size_t fusion_max_ops() { return g_installed.load() ? g_limits.max_ops : 0; }
+
 bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements, size_t list) {
-  if (elements < kFuseElements || list > g_max_list || !g_installed.load(std::memory_order_relaxed)) return false;
+  if (!g_installed.load(std::memory_order_acquire) || elements < g_limits.min_elements || list > g_limits.max_list)
+    return false;
   uint8_t known = e.fuses.load(std::memory_order_relaxed);
   if (known) return known == 2;
   if (!python_usable()) return false;
@@ -53,8 +56,10 @@ bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements, 
   {
     pybind11::gil_scoped_acquire gil;
     PyObject* r = PyObject_CallFunction(g_fusable, "s", qualified_name(op).c_str());
-    if (r) yes = PyObject_IsTrue(r) == 1;
-    else PyErr_Clear();  // an op eager fusion cannot look up does not fuse
+    if (r)
+      yes = PyObject_IsTrue(r) == 1;
+    else
+      PyErr_Clear();  // an op eager fusion cannot look up does not fuse
     Py_XDECREF(r);
   }
   e.fuses.store(yes ? 2 : 1);
@@ -70,8 +75,8 @@ struct FusedPlan {
   std::vector<int64_t> key;
   pybind11::object kernel;
   size_t ops = 0;
-  std::vector<int> args;                  // the leaf of each kernel argument: inputs, then outputs
-  std::vector<int> lifts;                 // per input: the ScalarType of a lifted scalar, -1 for a tensor
+  std::vector<int> args;                           // the leaf of each kernel argument: inputs, then outputs
+  std::vector<int> lifts;                          // per input: the ScalarType of a lifted scalar, -1 for a tensor
   std::vector<std::pair<int, c10::IValue>> baked;  // number leaves compiled into the kernel, with their values
 };
 // read and written holding the GIL; never destroyed (its Python references would be released without the GIL at exit)
@@ -132,8 +137,10 @@ struct Signature {
     int64_t reach = 0;
     for (size_t j = 0; j < m; ++j) {
       const Memory& x = memory[order[j]];
-      if (start.empty() || x.begin >= reach) start.push_back(x.begin), reach = x.end;
-      else reach = std::max(reach, x.end);
+      if (start.empty() || x.begin >= reach)
+        start.push_back(x.begin), reach = x.end;
+      else
+        reach = std::max(reach, x.end);
       region[order[j]] = start.size() - 1;
     }
     std::vector<int64_t> number(start.size(), -1);
@@ -172,12 +179,15 @@ bool replay(const FusedPlan& p, const Signature& s) {
   pybind11::list inputs(n_in), outs(p.args.size() - n_in);
   for (size_t j = 0; j < p.args.size(); ++j) {
     const c10::IValue& leaf = s.leaves[p.args[j]];
-    at::Tensor t = j < n_in && p.lifts[j] >= 0
-                       ? at::scalar_tensor(leaf.toScalar(), at::TensorOptions().dtype(static_cast<at::ScalarType>(p.lifts[j])))
-                       : leaf.toTensor();
+    at::Tensor t =
+        j < n_in && p.lifts[j] >= 0
+            ? at::scalar_tensor(leaf.toScalar(), at::TensorOptions().dtype(static_cast<at::ScalarType>(p.lifts[j])))
+            : leaf.toTensor();
     pybind11::object o = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(std::move(t)));
-    if (j < n_in) inputs[j] = o;
-    else outs[j - n_in] = o;
+    if (j < n_in)
+      inputs[j] = o;
+    else
+      outs[j - n_in] = o;
   }
   p.kernel(inputs, outs);
   return true;
@@ -208,10 +218,14 @@ void verify_replay(c10::ArrayRef<const FusableOp*> ops, const FusedPlan& p) {
     std::vector<int> lifts;
     for (pybind11::handle d : plan.attr("lifts"))
       lifts.push_back(d.is_none() ? -1 : static_cast<int>(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type));
-    if (plan.attr("kernel").ptr() != p.kernel.ptr()) why = "another kernel";
-    else if (plan.attr("args").cast<std::vector<int>>() != p.args) why = "other argument leaves";
-    else if (lifts != p.lifts) why = "other lifted scalars";
-    else if (pybind11::len(plan.attr("baked")) != p.baked.size()) why = "other baked numbers";
+    if (plan.attr("kernel").ptr() != p.kernel.ptr())
+      why = "another kernel";
+    else if (plan.attr("args").cast<std::vector<int>>() != p.args)
+      why = "other argument leaves";
+    else if (lifts != p.lifts)
+      why = "other lifted scalars";
+    else if (pybind11::len(plan.attr("baked")) != p.baked.size())
+      why = "other baked numbers";
   }
   g_verified.fetch_add(1);
   if (why.empty()) return;
@@ -232,8 +246,9 @@ void keep(const Signature& s, pybind11::handle plan) {
   for (pybind11::handle b : plan.attr("baked")) {
     auto pair = b.cast<pybind11::tuple>();
     PyObject* v = pair[1].ptr();
-    c10::IValue value = PyBool_Check(v) ? c10::IValue(v == Py_True)
-                        : PyLong_Check(v) ? c10::IValue(pair[1].cast<int64_t>()) : c10::IValue(pair[1].cast<double>());
+    c10::IValue value = PyBool_Check(v)   ? c10::IValue(v == Py_True)
+                        : PyLong_Check(v) ? c10::IValue(pair[1].cast<int64_t>())
+                                          : c10::IValue(pair[1].cast<double>());
     p.baked.emplace_back(pair[0].cast<int>(), std::move(value));
   }
   for (int a : p.args)
@@ -252,8 +267,8 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error)
   // The fused kernel itself raised: it may have stored some results already, so its ops must not run again (an
   // in-place op would apply twice): they all fail with its error.
   auto kernel_raised = [&](size_t n, const std::string& what) {
-    error = std::make_exception_ptr(std::runtime_error("neuron: a fused kernel of " + std::to_string(n) +
-                                                       " ops raised: " + what));
+    error = std::make_exception_ptr(
+        std::runtime_error("neuron: a fused kernel of " + std::to_string(n) + " ops raised: " + what));
     return n;
   };
   try {
@@ -265,7 +280,7 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error)
       for (const at::Tensor& o : f->outs) s.add(c10::IValue(o));
       s.end_op();
     }
-    if (!at::globalContext().deterministicAlgorithms())  // fusion is off then: eager_fusion says so and counts it
+    if (!at::globalContext().deterministicAlgorithms()) {  // fusion is off then: eager_fusion says so and counts it
       for (size_t n = ops.size(); n >= 2 && !ran; --n) {
         std::vector<int64_t> key = s.key(n);
         auto it = g_plans.find(hash_of(key));
@@ -277,6 +292,7 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error)
         }
         if (ran && g_verify.load(std::memory_order_relaxed)) verify_replay(ops, it->second);
       }
+    }
     if (!ran) {
       auto r = pybind11::reinterpret_borrow<pybind11::object>(g_run)(python_group(ops)).cast<pybind11::tuple>();
       const auto n = r[0].cast<int64_t>();

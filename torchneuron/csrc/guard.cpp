@@ -124,10 +124,13 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     if (!e || e->done()) return;
     StreamQueue& q = queue_of(stream.device_index(), stream.id());
     if (&q == e->queue) return;  // in order already
-    q.push("event wait", [src = e->queue, t = e->ticket, &q] {
-      src->wait_quiet(t);
-      if (FailurePtr f = src->unreported_failure(t)) q.take_failure(std::move(f));  // surfaces on this stream too
-    }, /*control=*/true);
+    q.push(
+        "event wait",
+        [src = e->queue, t = e->ticket, &q] {
+          src->wait_quiet(t);
+          if (FailurePtr f = src->unreported_failure(t)) q.take_failure(std::move(f));  // surfaces on this stream too
+        },
+        /*control=*/true);
   }
   bool queryEvent(void* event) const override { return !event || static_cast<Event*>(event)->done(); }
   void destroyEvent(void* event, const DeviceIndex) const noexcept override {
@@ -146,7 +149,8 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
                 "elapsed_time needs both events to have been recorded; call record() on each first");
     TORCH_CHECK(s->flag == c10::EventFlag::BACKEND_DEFAULT && e->flag == c10::EventFlag::BACKEND_DEFAULT,
                 "Both events must be created with argument 'enable_timing=True'.");
-    TORCH_CHECK(s->done() && e->done(), "elapsed_time: an event has not completed yet (the device is still "
+    TORCH_CHECK(s->done() && e->done(),
+                "elapsed_time: an event has not completed yet (the device is still "
                 "running the work before it); call end_event.synchronize() or torch.neuron.synchronize() first");
     return static_cast<double>(e->marker->when_ns.load() - s->marker->when_ns.load()) / 1e6;
   }

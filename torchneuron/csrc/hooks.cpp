@@ -39,7 +39,8 @@ struct NeuronGenerator final : public c10::GeneratorImpl {
   void set_state(const c10::TensorImpl& state) override {
     TORCH_CHECK(state.dtype() == caffe2::TypeMeta::Make<uint8_t>() && state.numel() == 16,
                 "RNG state must be a torch.ByteTensor of 16 bytes [seed: uint64, offset: uint64] (the neuron "
-                "generator's state, as CUDA's), got ", state.numel(), " elements of ", state.dtype());
+                "generator's state, as CUDA's), got ",
+                state.numel(), " elements of ", state.dtype());
     const auto* bytes = static_cast<const uint8_t*>(state.data());
     std::memcpy(&seed_, bytes, 8);
     std::memcpy(&offset_, bytes + 8, 8);
@@ -62,8 +63,10 @@ struct NeuronGenerator final : public c10::GeneratorImpl {
 };
 
 NeuronGenerator* check_neuron_generator(const at::Generator& gen) {
-  TORCH_CHECK(gen.defined() && gen.device().type() == kNeuron, "Expected a 'neuron' device type for generator but "
-              "found '", gen.defined() ? gen.device().type() : c10::DeviceType::CPU, "'");
+  TORCH_CHECK(gen.defined() && gen.device().type() == kNeuron,
+              "Expected a 'neuron' device type for generator but "
+              "found '",
+              gen.defined() ? gen.device().type() : c10::DeviceType::CPU, "'");
   return static_cast<NeuronGenerator*>(gen.unsafeGetGeneratorImpl());
 }
 

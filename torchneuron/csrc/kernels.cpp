@@ -47,8 +47,9 @@ c10::DeviceIndex target_index(std::optional<at::Device> device) {
 }
 
 void check_layout(std::optional<at::Layout> layout) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!layout || *layout == at::kStrided, "neuron: ", *layout,
-                              " tensors are not supported; the neuron device holds only strided (dense) and sparse COO tensors");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !layout || *layout == at::kStrided, "neuron: ", *layout,
+      " tensors are not supported; the neuron device holds only strided (dense) and sparse COO tensors");
 }
 
 at::Tensor empty_memory_format(at::IntArrayRef size, std::optional<at::ScalarType> dtype,
@@ -66,7 +67,8 @@ at::Tensor empty_strided(at::IntArrayRef size, at::IntArrayRef stride, std::opti
   check_layout(layout);
   c10::DeviceGuard g(c10::Device(kNeuron, target_index(device)));
   return at::detail::empty_strided_generic(size, stride, neuron_allocator(),
-                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1), c10::dtype_or_default(dtype));
+                                           c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                           c10::dtype_or_default(dtype));
 }
 
 // Copies between neuron devices and the host: both sides are host memory, so the CPU copy kernel does the work
@@ -87,8 +89,9 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   if (to_device && from_device && self.device() != dst.device()) drain_current(self.device().index());
   StreamQueue& q = current_queue(dev);
   const bool rules = to_device && !from_device && trainium_rules() && (is_fp64(dst) || dst.scalar_type() == at::kLong);
-  const bool now = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed) ||
-                   run_inline(q, dst.numel()) || (!to_device && !(non_blocking && dst.is_pinned()));
+  const bool now = g_launch_blocking.load(std::memory_order_relaxed) ||
+                   g_tracing_device.load(std::memory_order_relaxed) || run_inline(q, dst.numel()) ||
+                   (!to_device && !(non_blocking && dst.is_pinned()));
   HostAliases host;  // a copy within one storage shares its CPU storage: ATen's overlap check sees it
   at::Tensor d = to_device ? host(dst) : dst;
   at::Tensor src = from_device ? host(self) : self;
@@ -98,17 +101,25 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
                     d.strides().equals(src.strides()) && d.scalar_type() == src.scalar_type() &&
                     d.is_conj() == src.is_conj() && d.is_neg() == src.is_neg();
   if (same) return dst;  // as ATen's copy_: nothing to do
-  if (!now) at::TensorIteratorConfig().add_output(d).add_const_input(src).resize_outputs(false)
-      .check_all_same_dtype(false).check_all_same_device(false).build();
+  if (!now)
+    at::TensorIteratorConfig()
+        .add_output(d)
+        .add_const_input(src)
+        .resize_outputs(false)
+        .check_all_same_dtype(false)
+        .check_all_same_device(false)
+        .build();
   Access acc;
   if (from_device) acc.push_back(touch(self, true, false));
   if (to_device) acc.push_back(touch(dst, false, true));
   if (q.idle()) raise_if_poisoned(acc, "aten::copy_");  // else the worker decides (a queued write may clear it)
   if (now) {
     // a copy to the host is a sync point (the stream's pending error is raised); one to the device is not
-    if (to_device) q.wait_quiet(q.enqueued());
-    else drain_current(dev);
-    warn_deferred();  // what the kernels it waited for found
+    if (to_device)
+      q.wait_quiet(q.enqueued());
+    else
+      drain_current(dev);
+    warn_deferred();                        // what the kernels it waited for found
     raise_if_poisoned(acc, "aten::copy_");  // poisoned by the work it waited for: the host never reads such bytes
     KernelEvent event("aten::copy_", dev, nullptr, {self});  // a DMA transfer
     d.copy_(src);
@@ -196,7 +207,8 @@ std::vector<at::Tensor> explicit_kernel(const char* name, c10::DeviceIndex dev, 
   auto it = seen.find({name, key});
   Access acc;
   for (const c10::IValue& v : inputs)
-    if (v.isTensor() && v.toTensor().defined() && is_neuron(v.toTensor())) acc.push_back(touch(v.toTensor(), true, false));
+    if (v.isTensor() && v.toTensor().defined() && is_neuron(v.toTensor()))
+      acc.push_back(touch(v.toTensor(), true, false));
   if (current_queue(dev).idle()) raise_if_poisoned(acc, name);  // else the worker decides
   if (it == seen.end() || g_tracing_device.load(std::memory_order_relaxed)) {
     current_queue(dev).wait_quiet(current_queue(dev).enqueued());  // not a sync point: a pending error waits for one
@@ -265,26 +277,27 @@ at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight, const 
   auto dev = check_same_device("aten::convolution", {input, weight, b});
   auto key = conv_key({input, weight, b}, stride, padding, dilation, transposed, output_padding, groups);
   auto compute = [i = on_host(input), w = on_host(weight), b = on_host(b), stride = stride.vec(),
-                  padding = padding.vec(), dilation = dilation.vec(), transposed,
-                  output_padding = output_padding.vec(), groups] {
-    return std::vector<at::Tensor>{
-        at::convolution(i, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt, stride, padding, dilation,
-                        transposed, output_padding, groups)};
+                  padding = padding.vec(), dilation = dilation.vec(), transposed, output_padding = output_padding.vec(),
+                  groups] {
+    return std::vector<at::Tensor>{at::convolution(i, w, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt,
+                                                   stride, padding, dilation, transposed, output_padding, groups)};
   };
   return explicit_kernel("aten::convolution", dev, std::move(key), input.numel() * weight.size(0),
                          {input, weight, bias}, std::move(compute))[0];
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, at::IntArrayRef stride,
-    at::IntArrayRef padding, at::IntArrayRef dilation, bool transposed, at::IntArrayRef output_padding,
-    int64_t groups, std::array<bool, 3> mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(const at::Tensor& grad_output,
+                                                                    const at::Tensor& input, const at::Tensor& weight,
+                                                                    at::IntArrayRef stride, at::IntArrayRef padding,
+                                                                    at::IntArrayRef dilation, bool transposed,
+                                                                    at::IntArrayRef output_padding, int64_t groups,
+                                                                    std::array<bool, 3> mask) {
   auto dev = check_same_device("aten::convolution_backward", {grad_output, input, weight});
   auto key = conv_key({grad_output, input, weight}, stride, padding, dilation, transposed, output_padding, groups);
   key.insert(key.end(), mask.begin(), mask.end());
   auto compute = [g = on_host(grad_output), i = on_host(input), w = on_host(weight), stride = stride.vec(),
-                  padding = padding.vec(), dilation = dilation.vec(), transposed,
-                  output_padding = output_padding.vec(), groups, mask] {
+                  padding = padding.vec(), dilation = dilation.vec(), transposed, output_padding = output_padding.vec(),
+                  groups, mask] {
     std::vector<int64_t> bias_sizes{transposed ? w.size(1) * groups : w.size(0)};
     auto [gi, gw, gb] = at::convolution_backward(g, i, w, bias_sizes, stride, padding, dilation, transposed,
                                                  output_padding, groups, mask);
@@ -330,15 +343,17 @@ at::Tensor sparse_compressed_to_copy(const at::Tensor& self, std::optional<at::S
                                      std::optional<at::Layout> layout, std::optional<at::Device> device,
                                      std::optional<bool> pin_memory, bool non_blocking,
                                      std::optional<at::MemoryFormat> memory_format) {
-  TORCH_CHECK_NOT_IMPLEMENTED(!device || device->type() != kNeuron, "neuron: ", self.layout(),
-                              " tensors are not supported; the neuron device holds only strided (dense) and sparse COO tensors "
-                              "(convert with .to_dense() first)");
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !device || device->type() != kNeuron, "neuron: ", self.layout(),
+      " tensors are not supported; the neuron device holds only strided (dense) and sparse COO tensors "
+      "(convert with .to_dense() first)");
   return at::native::_to_copy(self, dtype, layout, device, pin_memory, non_blocking, memory_format);
 }
 
 void refuse_sparse_compressed(const c10::OperatorHandle& op, torch::jit::Stack*) {
   TORCH_CHECK_NOT_IMPLEMENTED(false, "neuron: sparse compressed (CSR/CSC/BSR/BSC) tensors are not supported (in ",
-                              op.schema().name(), "); the neuron device holds only strided (dense) and sparse COO tensors");
+                              op.schema().name(),
+                              "); the neuron device holds only strided (dense) and sparse COO tensors");
 }
 
 // Quantized and nested tensors: a constructor or a move given device="neuron" dispatches on QuantizedPrivateUse1 /
@@ -380,8 +395,9 @@ TORCH_LIBRARY_IMPL(_, NestedTensorPrivateUse1, m) {
 // the target's layout and backend), where ATen's composite kernels would build the tensor without the device.
 TORCH_LIBRARY_IMPL(aten, SparseCsrPrivateUse1, m) {
   m.impl("_to_copy", sparse_compressed_to_copy);
-  for (const char* ctor : {"sparse_compressed_tensor.comp_plain_value", "sparse_compressed_tensor.comp_plain_value_size",
-                           "_sparse_compressed_tensor_unsafe", "_sparse_compressed_tensor_with_dims"})
+  for (const char* ctor :
+       {"sparse_compressed_tensor.comp_plain_value", "sparse_compressed_tensor.comp_plain_value_size",
+        "_sparse_compressed_tensor_unsafe", "_sparse_compressed_tensor_with_dims"})
     m.impl(ctor, torch::CppFunction::makeFromBoxedFunction<&refuse_sparse_compressed>());
 }
 TORCH_LIBRARY_IMPL(_, SparseCsrPrivateUse1, m) {
@@ -392,6 +408,17 @@ TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
   m.impl("dropout", dropout);
   m.impl("dropout_", dropout_);
 }
+
+// A view kernel (ATen's own: metadata only, at the call), counted as the `now` path.
+template <auto Fn>
+struct CountedView;
+template <class R, class... A, R (*Fn)(A...)>
+struct CountedView<Fn> {
+  static R call(A... a) {
+    count_path(Path::now);
+    return Fn(a...);
+  }
+};
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
@@ -404,12 +431,12 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Storage", set_source_storage);
   m.impl("set_.source_Tensor", set_source_tensor);
   m.impl("set_", set_empty);
-  m.impl("view", at::native::view);
-  m.impl("as_strided", at::native::as_strided_tensorimpl);
-  m.impl("_reshape_alias", at::native::_reshape_alias);
-  m.impl("unfold", at::native::unfold);
-  m.impl("view_as_real", at::native::view_as_real);
-  m.impl("view_as_complex", at::native::view_as_complex);
+  m.impl("view", TORCH_FN(CountedView<&at::native::view>::call));
+  m.impl("as_strided", TORCH_FN(CountedView<&at::native::as_strided_tensorimpl>::call));
+  m.impl("_reshape_alias", TORCH_FN(CountedView<&at::native::_reshape_alias>::call));
+  m.impl("unfold", TORCH_FN(CountedView<&at::native::unfold>::call));
+  m.impl("view_as_real", TORCH_FN(CountedView<&at::native::view_as_real>::call));
+  m.impl("view_as_complex", TORCH_FN(CountedView<&at::native::view_as_complex>::call));
   m.impl("convolution_overrideable", convolution);
   m.impl("convolution_backward_overrideable", convolution_backward);
   m.impl("native_dropout", native_dropout);

@@ -27,8 +27,9 @@ std::atomic<LaunchStack*> g_released{nullptr};
 
 void release_later(LaunchStack* s) {  // any thread, GIL or not
   LaunchStack* head = g_released.load(std::memory_order_relaxed);
-  do s->next = head;
-  while (!g_released.compare_exchange_weak(head, s, std::memory_order_release, std::memory_order_relaxed));
+  do {
+    s->next = head;
+  } while (!g_released.compare_exchange_weak(head, s, std::memory_order_release, std::memory_order_relaxed));
 }
 
 void release_pending() {  // GIL held
@@ -56,9 +57,8 @@ std::shared_ptr<c10::GatheredContext> gather_launch_stack() {
     f = back;
   }
   PyGILState_Release(gil);
-  return std::shared_ptr<c10::GatheredContext>(s, [](c10::GatheredContext* c) {
-    release_later(static_cast<LaunchStack*>(c));
-  });
+  return std::shared_ptr<c10::GatheredContext>(
+      s, [](c10::GatheredContext* c) { release_later(static_cast<LaunchStack*>(c)); });
 }
 
 std::string describe_launch_stack(const c10::GatheredContext& stack) {

@@ -112,8 +112,7 @@ std::vector<std::string> drain_for_exit(double timeout_s) {
   for (;;) {  // a launch that passed its check just before the refusal may still queue: wait until every queue idles
     busy.clear();
     for (StreamQueue* q : queues_of(-1))
-      if (!q->idle())
-        busy.push_back(c10::str("neuron:", static_cast<int>(q->device()), " stream ", q->id()));
+      if (!q->idle()) busy.push_back(c10::str("neuron:", static_cast<int>(q->device()), " stream ", q->id()));
     if (busy.empty() && g_pushing.load() == 0) {
       // Threads that launched just before the refusal return to Python (the GIL is free while this waits); their
       // next device use parks them. Then no other thread is inside a device call when the interpreter finalizes.
@@ -144,18 +143,23 @@ void bind_lifecycle(py::module_& m) {
         "exit, a thread other than the exiting one sleeps until the process ends.");
   m.def("_in_bad_fork", &in_bad_fork,
         "Whether this process is a forked child of a parent that had used the device (device use raises here).");
-  m.def("_drain_all", [] { synchronize_device(-1, /*raise=*/false); },
-        "Wait for every stream of every device, raising nothing (before a fork: a pending error stays pending).");
+  m.def(
+      "_drain_all", [] { synchronize_device(-1, /*raise=*/false); },
+      "Wait for every stream of every device, raising nothing (before a fork: a pending error stays pending).");
   m.def("_drain_for_exit", &drain_for_exit, py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
         "At interpreter exit: refuse other threads' device use, then wait at most `timeout` seconds for every "
         "stream; the streams still busy (empty: all drained, and this thread's later launches block).");
-  m.def("_raise_stream_error", [](size_t k) {
-    auto qs = queues_of(-1);
-    if (k >= qs.size()) return false;
-    qs[k]->raise_error();
-    return true;
-  }, py::arg("k"), "Raise the pending kernel error of the k-th stream queue, as its sync point would; False when "
-     "there is no k-th queue.");
+  m.def(
+      "_raise_stream_error",
+      [](size_t k) {
+        auto qs = queues_of(-1);
+        if (k >= qs.size()) return false;
+        qs[k]->raise_error();
+        return true;
+      },
+      py::arg("k"),
+      "Raise the pending kernel error of the k-th stream queue, as its sync point would; False when "
+      "there is no k-th queue.");
   m.def("_set_exit_status", &set_exit_status, py::arg("status"),
         "Make the process exit with `status` once the interpreter has finished (after every atexit handler).");
 }

@@ -25,8 +25,8 @@ std::atomic<bool> g_recording_memory{false};
 
 namespace {
 
-constexpr const char* kActionNames[] = {"alloc", "free_requested", "free_completed", "segment_alloc",
-                                        "segment_free", "oom"};
+constexpr const char* kActionNames[] = {"alloc",         "free_requested", "free_completed",
+                                        "segment_alloc", "segment_free",   "oom"};
 constexpr size_t kSmall = 1 << 20;  // the allocator's small-pool bound
 
 struct TraceEntry {
@@ -39,11 +39,11 @@ struct TraceEntry {
 };
 
 struct Settings {
-  bool history = false;          // enabled="all": keep the trace of events
-  bool state_context = false;    // context != None: stacks of live blocks
-  bool alloc_context = false;    // context in ("alloc", "all"): stacks on alloc events
-  bool free_context = false;     // context == "all": stacks on free events
-  bool cpp = false;              // stacks == "all"
+  bool history = false;        // enabled="all": keep the trace of events
+  bool state_context = false;  // context != None: stacks of live blocks
+  bool alloc_context = false;  // context in ("alloc", "all"): stacks on alloc events
+  bool free_context = false;   // context == "all": stacks on free events
+  bool cpp = false;            // stacks == "all"
   size_t max_entries = SIZE_MAX;
   bool skip[6] = {};
 };
@@ -88,8 +88,8 @@ namespace {
 
 void record_history(std::optional<std::string> enabled, std::optional<std::string> context, const std::string& stacks,
                     size_t max_entries, bool clear_history, const std::vector<std::string>& skip_actions) {
-  TORCH_CHECK(!enabled || *enabled == "state" || *enabled == "all",
-              "enabled must be None, 'state' or 'all', got '", *enabled, "'");
+  TORCH_CHECK(!enabled || *enabled == "state" || *enabled == "all", "enabled must be None, 'state' or 'all', got '",
+              *enabled, "'");
   TORCH_CHECK(!context || *context == "state" || *context == "alloc" || *context == "all",
               "context must be None, 'state', 'alloc' or 'all', got '", *context, "'");
   TORCH_CHECK(stacks == "python" || stacks == "all", "stacks must be 'python' or 'all', got '", stacks, "'");
@@ -140,8 +140,10 @@ py::dict snapshot() {
   }
   // Symbolize every stack in one batch.
   std::vector<torch::CapturedTraceback*> to_symbolize;
-  for (const auto& c : block_ctx) if (c) to_symbolize.push_back(traceback(c));
-  for (const auto& e : trace) if (e.context) to_symbolize.push_back(traceback(e.context));
+  for (const auto& c : block_ctx)
+    if (c) to_symbolize.push_back(traceback(c));
+  for (const auto& e : trace)
+    if (e.context) to_symbolize.push_back(traceback(e.context));
   std::vector<py::object> frames = torch::py_symbolize(to_symbolize);
   size_t next = 0;
   auto frames_of = [&](const std::shared_ptr<c10::GatheredContext>& c) -> py::object {
@@ -203,7 +205,8 @@ void bind_memory_history(py::module_& m) {
   m.def("_record_memory_history", &record_history, py::arg("enabled"), py::arg("context"), py::arg("stacks"),
         py::arg("max_entries"), py::arg("clear_history"), py::arg("skip_actions"));
   m.def("_memory_snapshot", &snapshot);
-  m.def("_set_memory_fraction", [](double f, int device) { set_memory_fraction(static_cast<c10::DeviceIndex>(device), f); });
+  m.def("_set_memory_fraction",
+        [](double f, int device) { set_memory_fraction(static_cast<c10::DeviceIndex>(device), f); });
   m.def("_get_memory_fraction", [](int device) { return memory_fraction(static_cast<c10::DeviceIndex>(device)); });
 }
 

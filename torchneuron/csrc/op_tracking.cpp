@@ -2,6 +2,7 @@
 // (native or host fallback, exact data movement, host index tensors allowed), how often it ran natively or as a
 // host fallback, its dtype-rule events, and the once-per-op warnings. torchneuron.get_executed_ops(),
 // get_fallback_ops() and get_dtype_events() read the counters.
+#include <array>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -16,7 +17,7 @@ std::mutex g_mu;
 std::unordered_map<const c10::FunctionSchema*, OpEntry> g_ops;
 std::unordered_set<std::string> g_native, g_exact, g_host_tensors, g_indices;  // base names, e.g. "add", "mm"
 std::unordered_set<std::string> g_structured;                                  // "mm.default", "sum.dim_IntList"
-std::unordered_map<std::string, int64_t> g_explicit;                // ops run by explicit kernels
+std::unordered_map<std::string, int64_t> g_explicit;                           // ops run by explicit kernels
 std::unordered_map<std::string, OpEntry> g_outside;  // device results computed outside the fallback (collectives)
 // Entries are never erased: op calls hold references to them without the lock.
 OpEntry g_copy_in("aten::copy_ (host to neuron)");
@@ -54,7 +55,7 @@ void reset(OpEntry& e) {
 std::string base_name(const std::string& name) {
   auto pos = name.rfind("::");
   std::string s = pos == std::string::npos ? name : name.substr(pos + 2);
-  s = s.substr(0, s.find('.'));                                                    // overload
+  s = s.substr(0, s.find('.'));                                                 // overload
   if (s.size() > 1 && s.back() == '_' && s[s.size() - 2] != '_') s.pop_back();  // in-place variant
   return s;
 }
@@ -108,7 +109,8 @@ void count_call(OpEntry& e) {
                               " is not a native neuron op and TORCHNEURON_FALLBACK=error forbids running it as a "
                               "host fallback (set TORCHNEURON_FALLBACK=warn to allow it)");
   if (policy == FallbackPolicy::warn && !e.warned_fallback.exchange(true, std::memory_order_relaxed))
-    TORCH_WARN("neuron: ", e.name, " is not a native neuron op; it runs as a host (CPU) fallback. "
+    TORCH_WARN("neuron: ", e.name,
+               " is not a native neuron op; it runs as a host (CPU) fallback. "
                "torchneuron.get_fallback_ops() lists them; TORCHNEURON_FALLBACK=silent|error changes this.");
 }
 
@@ -122,17 +124,20 @@ void note_fp64(OpEntry& e, Fp64Event event) {
   if (e.warned_fp64.exchange(true, std::memory_order_relaxed)) return;
   switch (event) {
     case Fp64Event::produced:
-      TORCH_WARN("neuron: ", e.name, " produced float64 values; Trainium has no fp64, so they carry float32 "
+      TORCH_WARN("neuron: ", e.name,
+                 " produced float64 values; Trainium has no fp64, so they carry float32 "
                  "precision (rounded to the nearest float32). TORCHNEURON_DTYPE_POLICY=host keeps full precision.");
       break;
     case Fp64Event::received:
-      TORCH_WARN("neuron: ", e.name, " received float64 host values (a Python number or CPU tensor); Trainium has "
+      TORCH_WARN("neuron: ", e.name,
+                 " received float64 host values (a Python number or CPU tensor); Trainium has "
                  "no fp64, so they carry float32 precision (rounded to the nearest float32). "
                  "TORCHNEURON_DTYPE_POLICY=host keeps full precision.");
       break;
     case Fp64Event::copied:
-      TORCH_WARN("neuron: float64 data copied to the device carries float32 precision (Trainium has no fp64); "
-                 "TORCHNEURON_DTYPE_POLICY=host keeps full precision.");
+      TORCH_WARN(
+          "neuron: float64 data copied to the device carries float32 precision (Trainium has no fp64); "
+          "TORCHNEURON_DTYPE_POLICY=host keeps full precision.");
       break;
   }
 }
@@ -190,7 +195,7 @@ std::vector<std::pair<std::string, int64_t>> executed_ops() {
 
 namespace {
 // One counter of every op, aggregated by name.
-std::vector<std::pair<std::string, int64_t>> op_counts(std::atomic<int64_t> OpEntry::*counter) {
+std::vector<std::pair<std::string, int64_t>> op_counts(std::atomic<int64_t> OpEntry::* counter) {
   std::lock_guard<std::mutex> g(g_mu);
   std::unordered_map<std::string, int64_t> agg;
   add_counts(agg, g_ops, counter);
@@ -212,8 +217,29 @@ std::vector<std::pair<std::string, int64_t>> dtype_events() {
   return {agg.begin(), agg.end()};
 }
 
+namespace {
+constexpr std::array<const char*, static_cast<size_t>(Path::count)> kPathNames = {
+    "fast", "now", "host", "first_call", "queued_out", "queued_each", "queued_copy", "kernel", "compiled"};
+std::array<std::atomic<int64_t>, static_cast<size_t>(Path::count)> g_paths{};
+}  // namespace
+
+void count_path(Path p) noexcept { g_paths[static_cast<size_t>(p)].fetch_add(1, std::memory_order_relaxed); }
+
+std::vector<std::pair<std::string, int64_t>> path_counts() {
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (size_t i = 0; i < kPathNames.size(); ++i) out.emplace_back(kPathNames[i], g_paths[i].load());
+  return out;
+}
+
+bool count_path_named(const std::string& name) {
+  for (size_t i = 0; i < kPathNames.size(); ++i)
+    if (name == kPathNames[i]) return count_path(static_cast<Path>(i)), true;
+  return false;
+}
+
 void clear_op_tracking() {
   std::lock_guard<std::mutex> g(g_mu);
+  for (auto& n : g_paths) n = 0;
   g_explicit.clear();
   reset(g_copy_in);
   for (auto& [name, e] : g_outside) reset(e);  // kept, not erased: a running collective may hold a reference

@@ -108,8 +108,9 @@ FailurePtr poisoned(const at::Tensor& t) { return poisoned(Access{touch(t, true,
 size_t poisoned_storages() { return g_poisoned.load(std::memory_order_relaxed); }
 
 void rethrow_failure(const Failure& f, const std::string& context) {
-  std::string where = c10::str("neuron: the error above was raised by ", f.name, ", run asynchronously on neuron:",
-                               static_cast<int>(f.device), " stream ", f.stream, context);
+  std::string where =
+      c10::str("neuron: the error above was raised by ", f.name,
+               ", run asynchronously on neuron:", static_cast<int>(f.device), " stream ", f.stream, context);
   if (f.stack) where += describe_launch_stack(*f.stack);
   where += "\n(Set TORCHNEURON_LAUNCH_BLOCKING=1 to raise errors at the launching op.)";
   // the original error's type (IndexError stays IndexError in Python), with where it came from

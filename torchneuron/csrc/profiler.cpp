@@ -52,9 +52,13 @@ void add_tensors(const c10::IValue& v, Specs& out) {
   auto add = [&](const at::Tensor& t) {
     if (t.defined()) out.emplace_back(t.sizes().vec(), t.scalar_type());
   };
-  if (v.isTensor()) add(v.toTensor());
-  else if (v.isTensorList()) for (const auto& t : v.toTensorList()) add(t);
-  else if (v.isList()) for (const auto& e : v.toListRef()) if (e.isTensor()) add(e.toTensor());
+  if (v.isTensor())
+    add(v.toTensor());
+  else if (v.isTensorList())
+    for (const auto& t : v.toTensorList()) add(t);
+  else if (v.isList())
+    for (const auto& e : v.toListRef())
+      if (e.isTensor()) add(e.toTensor());
 }
 
 void push(KernelRecord&& r) {
@@ -146,8 +150,9 @@ class Session final : public libkineto::IActivityProfilerSession {
   static py::list specs(const Specs& ts) {  // [(shape, torch.dtype)]
     py::list out;
     for (const auto& [shape, dtype] : ts)
-      out.append(py::make_tuple(py::tuple(py::cast(shape)),
-                                py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)))));
+      out.append(
+          py::make_tuple(py::tuple(py::cast(shape)),
+                         py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)))));
     return out;
   }
 
@@ -165,13 +170,17 @@ class Session final : public libkineto::IActivityProfilerSession {
       }
       if (idx.empty()) return;
       auto res = (*g_coster)(batch).cast<std::vector<std::tuple<double, int, std::string>>>();
-      TORCH_CHECK(res.size() == idx.size(), "the cost model returned ", res.size(), " costs for ", idx.size(), " kernels");
-      for (size_t k = 0; k < idx.size(); ++k) std::tie(recs[idx[k]].device_s, recs[idx[k]].row, recs[idx[k]].row_name) = res[k];
+      TORCH_CHECK(res.size() == idx.size(), "the cost model returned ", res.size(), " costs for ", idx.size(),
+                  " kernels");
+      for (size_t k = 0; k < idx.size(); ++k)
+        std::tie(recs[idx[k]].device_s, recs[idx[k]].row, recs[idx[k]].row_name) = res[k];
     } catch (const std::exception& e) {  // never lose the trace: the kernels stay, with zero modelled time
-      std::string msg = std::string("neuron: the cost model failed on this trace's kernels; their device time is 0: ") + e.what();
+      std::string msg =
+          std::string("neuron: the cost model failed on this trace's kernels; their device time is 0: ") + e.what();
       TORCH_WARN(msg);
       errors_.push_back(msg);
-      for (auto& r : recs) if (r.device_s < 0) r.device_s = 0, r.row_name = "unknown";
+      for (auto& r : recs)
+        if (r.device_s < 0) r.device_s = 0, r.row_name = "unknown";
     }
   }
 
@@ -234,20 +243,23 @@ void KernelEvent::drop() {
 }
 
 void bind_profiler(py::module_& m) {
-  m.def("_tracing_device", [] { return g_tracing_device.load(std::memory_order_relaxed); },
-        "Whether torch.profiler is recording the neuron device's kernels.");
-  m.def("_record_device_event", [](const std::string& name, int device, int64_t start_ns, int64_t end_ns,
-                                   double device_s, int row, const std::string& row_name) {
-    if (!g_tracing_device.load()) return;
-    KernelRecord r;
-    r.name = name, r.device = static_cast<c10::DeviceIndex>(device);
-    r.correlation = t_correlation.empty() ? 0 : t_correlation.back();
-    r.start_ns = start_ns, r.end_ns = end_ns, r.device_s = device_s, r.row = row, r.row_name = row_name;
-    push(std::move(r));
-  }, "Record a kernel run from Python (a compiled kernel) with its modelled device time; times from time.time_ns().");
-  m.def("_profiler_registered", [] {
-    return torch::profiler::impl::PrivateUse1ProfilerRegistry::instance().hasFactory();
-  });
+  m.def(
+      "_tracing_device", [] { return g_tracing_device.load(std::memory_order_relaxed); },
+      "Whether torch.profiler is recording the neuron device's kernels.");
+  m.def(
+      "_record_device_event",
+      [](const std::string& name, int device, int64_t start_ns, int64_t end_ns, double device_s, int row,
+         const std::string& row_name) {
+        if (!g_tracing_device.load()) return;
+        KernelRecord r;
+        r.name = name, r.device = static_cast<c10::DeviceIndex>(device);
+        r.correlation = t_correlation.empty() ? 0 : t_correlation.back();
+        r.start_ns = start_ns, r.end_ns = end_ns, r.device_s = device_s, r.row = row, r.row_name = row_name;
+        push(std::move(r));
+      },
+      "Record a kernel run from Python (a compiled kernel) with its modelled device time; times from time.time_ns().");
+  m.def("_profiler_registered",
+        [] { return torch::profiler::impl::PrivateUse1ProfilerRegistry::instance().hasFactory(); });
 }
 
 }  // namespace torchneuron

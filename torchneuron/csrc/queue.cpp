@@ -28,7 +28,7 @@ std::atomic<int> g_pushing{0};
 
 namespace {
 
-constexpr int kFixedStreams = 1 + 2 * 32;  // the default stream and the two priority pools (guard.cpp)
+constexpr int kFixedStreams = 1 + 2 * 32;              // the default stream and the two priority pools (guard.cpp)
 constexpr auto kSpin = std::chrono::microseconds(30);  // a worker (or waiter) spins this long before sleeping
 const int kCores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
@@ -51,8 +51,9 @@ StreamQueue::StreamQueue(c10::DeviceIndex device, c10::StreamId id) : device_(de
 // worker running a kernel with one thread fewer would change what later threads launch with. Both entries are the
 // ones libtorch_cpu itself uses (its libgomp, its MKL); weak, so that a build without them (no MKL) still loads, and
 // where they are missing or do not act on ATen's count, at::set_num_threads.
-extern "C" void omp_set_num_threads(int) __attribute__((weak));
-extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // MKL's C entry (lower-case names take pointers)
+// MKL's C entry (its lower-case names take pointers). NOLINT: cpplint reads `int)` as a cast.
+extern "C" void omp_set_num_threads(int) __attribute__((weak));       // NOLINT(readability/casting)
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));  // NOLINT(readability/casting)
 void set_this_thread_threads(int n) {
   static const bool local = [] {
     if (!omp_set_num_threads || !MKL_Set_Num_Threads_Local) return false;
@@ -72,7 +73,8 @@ int kernel_threads(int threads, int64_t work) {
   // torch.use_deterministic_algorithms(True): every kernel with the thread count the CPU's would use, so that a
   // reduction splits as on the CPU and results equal the CPU's bit for bit at any core count
   return threads > 1 && threads >= kCores && work < kFullThreadsWork && !at::globalContext().deterministicAlgorithms()
-             ? threads - 1 : threads;
+             ? threads - 1
+             : threads;
 }
 
 KernelThreadsGuard::KernelThreadsGuard(int64_t work) {
@@ -97,9 +99,10 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
     }
   } pushing;
   check_device_use();  // lifecycle.cpp: refused in a forked child; other threads park during exit
-  Task t{std::move(run), name, nullptr, kernel_threads(at::get_num_threads(), work), control, std::move(fuse),
+  Task t{std::move(run),   name, nullptr, kernel_threads(at::get_num_threads(), work), control, std::move(fuse),
          std::move(access)};
-  if (!control && g_launch_stacks.load(std::memory_order_relaxed) && Py_IsInitialized())  // bindings release the GIL: gathering takes it
+  if (!control && g_launch_stacks.load(std::memory_order_relaxed) &&
+      Py_IsInitialized())  // bindings release the GIL: gathering takes it
     t.stack = gather_launch_stack();
   uint64_t ticket;
   bool wake;
@@ -140,7 +143,7 @@ void StreamQueue::loop() {
       ++popped_;
       // eager fusion: the fusable ops queued right behind this one (the host ran ahead) may become one kernel
       // (never over memory a failure left uncomputed: such an op is skipped on its own)
-      while (t.fuse && !poisoned(t.access) && group.size() + 1 < kMaxFusedOps && !tasks_.empty() &&
+      while (t.fuse && !poisoned(t.access) && group.size() + 1 < fusion_max_ops() && !tasks_.empty() &&
              tasks_.front().fuse && tasks_.front().threads == t.threads && !poisoned(tasks_.front().access)) {
         group.push_back(std::move(tasks_.front()));
         tasks_.pop_front();
@@ -264,9 +267,9 @@ namespace {
 
 struct Registry {
   std::mutex mu;
-  std::vector<StreamQueue*> all;                                // every queue ever made, for device syncs
+  std::vector<StreamQueue*> all;  // every queue ever made, for device syncs
   std::array<std::array<std::atomic<StreamQueue*>, kFixedStreams>, 128> fixed{};
-  std::unordered_map<int64_t, StreamQueue*> fresh;              // (device << 56 | id) for getNewStream ids
+  std::unordered_map<int64_t, StreamQueue*> fresh;  // (device << 56 | id) for getNewStream ids
 };
 Registry& registry() {
   static auto* r = new Registry;  // leaked: worker threads may outlive static destruction
@@ -326,8 +329,10 @@ void synchronize_device(c10::DeviceIndex device, bool raise) {
 
 void drain_current(c10::DeviceIndex device) {
   StreamQueue& q = current_queue(device);
-  if (!q.idle()) q.wait(q.enqueued());
-  else q.raise_error();
+  if (!q.idle())
+    q.wait(q.enqueued());
+  else
+    q.raise_error();
 }
 
 // A forked child has none of the parent's worker threads: its queues start empty (whatever the parent had queued

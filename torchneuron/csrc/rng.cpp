@@ -2,8 +2,9 @@
 // Philox counter (offset + i) of the generator (hooks.cpp), so a value depends on (seed, offset + position) alone.
 // A DTensor shard drawn at DTensor's shard offset therefore holds exactly the values of the same slice of the
 // unsharded tensor. Each kernel makes the values in float64 on the host and writes them with a cast.
-// Every argument check is the CPU's own (check_like_cpu). Random ops not listed here (multinomial, randperm, poisson, normal with tensor arguments, ...) run as host
-// fallbacks with a CPU generator seeded from the next counter (fallback.cpp, host_generator_of).
+// Every argument check is the CPU's own (check_like_cpu). Random ops not listed here (multinomial, randperm, poisson,
+// normal with tensor arguments, ...) run as host fallbacks with a CPU generator seeded from the next counter
+// (fallback.cpp, host_generator_of).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/MemoryOverlap.h>
@@ -33,8 +34,9 @@ __attribute__((target("avx2"))) inline __m256i less_unsigned(__m256i a, __m256i 
   return _mm256_cmpgt_epi32(_mm256_xor_si256(b, sign), _mm256_xor_si256(a, sign));
 }
 __attribute__((target("avx2"))) void philox_chunk_avx2(uint64_t seed, uint64_t first, int n,
-                                                      uint32_t (&words)[4][kPhiloxChunk]) {
-  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53)), m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57));
+                                                       uint32_t (&words)[4][kPhiloxChunk]) {
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53)),
+                m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57));
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int base = 0; base < n; base += 8) {
     const uint64_t ctr = first + static_cast<uint64_t>(base);
@@ -76,8 +78,9 @@ __attribute__((target("avx512f"))) inline void mulhilo(__m512i a, __m512i m, __m
   hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
 }
 __attribute__((target("avx512f"))) void philox_chunk_avx512(uint64_t seed, uint64_t first, int n,
-                                                          uint32_t (&words)[4][kPhiloxChunk]) {
-  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53)), m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57));
+                                                            uint32_t (&words)[4][kPhiloxChunk]) {
+  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53)),
+                m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57));
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int base = 0; base < n; base += 16) {
     const uint64_t ctr = first + static_cast<uint64_t>(base);
@@ -127,11 +130,11 @@ Draws draw(PhiloxSlice s, at::IntArrayRef sizes, Want want) {
   at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
     for_each_philox(s.seed, s.offset + static_cast<uint64_t>(lo), hi - lo,
                     [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
-      const int64_t i = lo + j;
-      if (w64) w64[i] = static_cast<int64_t>(static_cast<uint64_t>(w1) << 32 | w0);
-      if (a) a[i] = philox_unit(w0, w1);
-      if (b) b[i] = philox_unit(w2, w3);
-    });
+                      const int64_t i = lo + j;
+                      if (w64) w64[i] = static_cast<int64_t>(static_cast<uint64_t>(w1) << 32 | w0);
+                      if (a) a[i] = philox_unit(w0, w1);
+                      if (b) b[i] = philox_unit(w2, w3);
+                    });
   });
   return d;
 }
@@ -202,9 +205,8 @@ at::Tensor& exponential_(at::Tensor& self, double lambd, std::optional<at::Gener
 
 at::Tensor& cauchy_(at::Tensor& self, double median, double sigma, std::optional<at::Generator> gen) {
   check_like_cpu(self, [&](at::Tensor& p, const at::Generator& g) { p.cauchy_(median, sigma, g); });
-  return fill_random(self, self, gen, Want::one, "aten::cauchy_", [=](Draws d) {
-    return d.u1.sub_(0.5).mul_(c10::pi<double>).tan_().mul_(sigma).add_(median);
-  });
+  return fill_random(self, self, gen, Want::one, "aten::cauchy_",
+                     [=](Draws d) { return d.u1.sub_(0.5).mul_(c10::pi<double>).tan_().mul_(sigma).add_(median); });
 }
 
 at::Tensor& geometric_(at::Tensor& self, double p, std::optional<at::Generator> gen) {
@@ -229,8 +231,8 @@ at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Genera
         at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
           for_each_philox(s.seed, s.offset + static_cast<uint64_t>(lo), hi - lo,
                           [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
-            out[lo + j] = static_cast<scalar_t>(below(w0, w1));
-          });
+                            out[lo + j] = static_cast<scalar_t>(below(w0, w1));
+                          });
         });
       });
     });
@@ -272,16 +274,20 @@ uint64_t random_range(at::ScalarType st, int64_t& from, std::optional<int64_t> t
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, st, "random_", [&] {
       from = at::native::templates::update_from<scalar_t>(from);
       constexpr int digits = std::numeric_limits<scalar_t>::digits;
-      top = to ? at::native::templates::update_to<scalar_t>(*to) - 1
-               : digits >= 63 ? std::numeric_limits<int64_t>::max() : int64_t{1} << digits;
+      top = to             ? at::native::templates::update_to<scalar_t>(*to) - 1
+            : digits >= 63 ? std::numeric_limits<int64_t>::max()
+                           : int64_t{1} << digits;
     });
   } else if (to) {
     top = *to - 1;
   } else {
     AT_DISPATCH_V2(st, "random_", AT_WRAP([&] {
-      if constexpr (std::is_same_v<scalar_t, bool>) top = 1;
-      else top = static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
-    }), AT_EXPAND(AT_INTEGRAL_TYPES_V2), at::kBool);
+                     if constexpr (std::is_same_v<scalar_t, bool>)
+                       top = 1;
+                     else
+                       top = static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
+                   }),
+                   AT_EXPAND(AT_INTEGRAL_TYPES_V2), at::kBool);
   }
   return static_cast<uint64_t>(top) - static_cast<uint64_t>(from) + 1;
 }
@@ -302,7 +308,8 @@ at::Tensor& random_impl(at::Tensor& self, int64_t from, std::optional<int64_t> t
   });
 }
 
-at::Tensor& random_from_to(at::Tensor& self, int64_t from, std::optional<int64_t> to, std::optional<at::Generator> gen) {
+at::Tensor& random_from_to(at::Tensor& self, int64_t from, std::optional<int64_t> to,
+                           std::optional<at::Generator> gen) {
   return random_impl(self, from, to, gen, [&](at::Tensor& p, const at::Generator& g) { p.random_(from, to, g); });
 }
 at::Tensor& random_to(at::Tensor& self, int64_t to, std::optional<at::Generator> gen) {

@@ -23,7 +23,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell(const at::Tensor&
                                                                const std::optional<at::Tensor>& b_hh) {
   TORCH_CHECK(igates.dim() == 2 && igates.sizes() == hgates.sizes() && igates.size(1) == 4 * cx.size(-1),
               "_thnn_fused_lstm_cell: input_gates and hidden_gates must be [batch, 4 * hidden] with hidden = "
-              "cx.size(-1), got ", igates.sizes(), ", ", hgates.sizes(), " and cx ", cx.sizes());
+              "cx.size(-1), got ",
+              igates.sizes(), ", ", hgates.sizes(), " and cx ", cx.sizes());
   auto gates = with_bias(hgates, b_hh) + with_bias(igates, b_ih);
   auto chunks = gates.unsafe_chunk(4, 1);
   auto in = chunks[0].sigmoid(), forget = chunks[1].sigmoid(), cell = chunks[2].tanh(), out = chunks[3].sigmoid();
@@ -39,7 +40,8 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_cell(const at::Tensor& igates, cons
                                                   const std::optional<at::Tensor>& b_hh) {
   TORCH_CHECK(igates.dim() == 2 && igates.sizes() == hgates.sizes() && igates.size(1) == 3 * hx.size(-1),
               "_thnn_fused_gru_cell: input_gates and hidden_gates must be [batch, 3 * hidden] with hidden = "
-              "hx.size(-1), got ", igates.sizes(), ", ", hgates.sizes(), " and hx ", hx.sizes());
+              "hx.size(-1), got ",
+              igates.sizes(), ", ", hgates.sizes(), " and hx ", hx.sizes());
   auto ig = with_bias(igates, b_ih).unsafe_chunk(3, 1);
   auto hg = with_bias(hgates, b_hh).unsafe_chunk(3, 1);
   auto reset = (hg[0] + ig[0]).sigmoid();
@@ -51,9 +53,11 @@ std::tuple<at::Tensor, at::Tensor> fused_gru_cell(const at::Tensor& igates, cons
 }
 
 // CUDA's backward formulas on the workspace above: (grad_gates, grad_cx, grad_bias).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell_backward_impl(
-    const std::optional<at::Tensor>& grad_hy, const std::optional<at::Tensor>& grad_cy, const at::Tensor& cx,
-    const at::Tensor& cy, const at::Tensor& workspace, bool has_bias) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_lstm_cell_backward_impl(const std::optional<at::Tensor>& grad_hy,
+                                                                             const std::optional<at::Tensor>& grad_cy,
+                                                                             const at::Tensor& cx, const at::Tensor& cy,
+                                                                             const at::Tensor& workspace,
+                                                                             bool has_bias) {
   if (!(grad_hy && grad_hy->defined()) && !(grad_cy && grad_cy->defined())) return {};
   auto ws = workspace.chunk(4, 1);
   const auto &in = ws[0], &forget = ws[1], &cell = ws[2], &out = ws[3];

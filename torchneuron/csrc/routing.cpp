@@ -28,7 +28,8 @@ int route_to_cpu_kernels(const std::vector<std::string>& device_checked, const s
   const std::unordered_set<std::string> whole(one_kernel.begin(), one_kernel.end());
   static std::unique_ptr<torch::Library> lib;
   if (lib) return -1;
-  lib = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  lib =
+      std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
   int n = 0;
   auto& d = c10::Dispatcher::singleton();
   for (const auto& name : d.getAllOpNames()) {

@@ -25,11 +25,11 @@ c10::DeviceIndex device_count() noexcept { return static_cast<c10::DeviceIndex>(
 void check_device_index(c10::DeviceIndex index) {
   TORCH_CHECK(g_unavailable.empty(), g_unavailable);  // RuntimeError, as CUDA's failed initialisation
   if (index >= 0 && index < device_count()) return;
-  throw c10::AcceleratorError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, /*cudaErrorInvalidDevice*/ 101,
-                              c10::str("neuron error: invalid device ordinal ", static_cast<int>(index),
-                                       ": this process sees ", static_cast<int>(device_count()),
-                                       " neuron device(s), valid indices are 0..", static_cast<int>(device_count()) - 1,
-                                       " (see NEURON_RT_VISIBLE_CORES and TORCHNEURON_INSTANCE)"));
+  throw c10::AcceleratorError(
+      {__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, /*cudaErrorInvalidDevice*/ 101,
+      c10::str("neuron error: invalid device ordinal ", static_cast<int>(index), ": this process sees ",
+               static_cast<int>(device_count()), " neuron device(s), valid indices are 0..",
+               static_cast<int>(device_count()) - 1, " (see NEURON_RT_VISIBLE_CORES and TORCHNEURON_INSTANCE)"));
 }
 
 int64_t device_capacity(c10::DeviceIndex index) {

@@ -47,7 +47,7 @@ struct Failure {
   std::shared_ptr<c10::GatheredContext> stack;
   c10::DeviceIndex device = 0;
   c10::StreamId stream = 0;
-  uint64_t ticket = 0;  // its place in its stream
+  uint64_t ticket = 0;                        // its place in its stream
   mutable std::atomic<bool> reported{false};  // the user has seen it (a sync point or a poisoned read): not again
 };
 using FailurePtr = std::shared_ptr<const Failure>;
@@ -64,8 +64,8 @@ Touch touch(const at::Tensor& t, bool read, bool write);
 // An explicit kernel's: the neuron tensors it reads and those it writes (others are ignored).
 Access access(std::initializer_list<at::Tensor> reads, std::initializer_list<at::Tensor> writes);
 void poison_writes(const Access& access, const FailurePtr& failure);  // what a failed or skipped kernel writes
-void clear_poison(const Access& access);   // a kernel ran: the storages it wrote whole without reading are computed
-void forget_poison(const void* base);      // the allocator freed the storage, or handed its memory out again
+void clear_poison(const Access& access);    // a kernel ran: the storages it wrote whole without reading are computed
+void forget_poison(const void* base);       // the allocator freed the storage, or handed its memory out again
 FailurePtr poisoned(const Access& access);  // the failure behind the first poisoned storage it reads, or null
 FailurePtr poisoned(const at::Tensor& t);
 size_t poisoned_storages();
@@ -81,7 +81,7 @@ extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: ker
 // exercise the queued path).
 extern std::atomic<bool> g_queue_everything;
 extern std::atomic<bool> g_launch_stacks;  // keep each queued kernel's launching Python stack (for its error)
-struct FusableOp;  // fusion.cpp
+struct FusableOp;                          // fusion.cpp
 class StreamQueue {
  public:
   StreamQueue(c10::DeviceIndex device, c10::StreamId id);
@@ -131,7 +131,7 @@ class StreamQueue {
   uint64_t popped_ = 0;  // the worker's
   static constexpr uint64_t kNoWaiter = ~uint64_t{0};
   std::atomic<uint64_t> wake_at_{kNoWaiter};  // the lowest ticket a sleeping waiter waits for
-  std::atomic<bool> failed_{false};  // error_ is set: a failure not yet reported at a sync point
+  std::atomic<bool> failed_{false};           // error_ is set: a failure not yet reported at a sync point
   FailurePtr error_;
   bool started_ = false, sleeping_ = false;
 };
@@ -188,6 +188,24 @@ class KernelThreadsGuard {
  private:
   int saved_ = 0;
 };
+// ---- op_tracking.cpp: how a launch ran: docs/device.md's table of paths, a counter per path
+// (torchneuron.get_execution_paths(); the ops a stream worker ran inside fused kernels are counted by fusion.cpp).
+enum class Path : uint8_t {
+  fast,         // fastpath.cpp: a small structured op on an idle stream, computed at the call
+  now,          // a view: metadata only, at the call
+  host,         // on the calling thread after the stream's work (results depend on data, CPU index tensors, fp64
+                // under the trainium rules, launch-blocking, small work on an idle stream, no argument signature)
+  first_call,   // the first call of an argument signature: on the host, its result layout recorded
+  queued_out,   // queued: the out= overload writes into the memory handed out at the launch
+  queued_each,  // queued: a list op as its per-tensor out= op
+  queued_copy,  // queued: the functional kernel, its fresh results copied into the launch's memory
+  kernel,       // an explicit kernel through launch() (SDPA, random fills, copies)
+  compiled,     // a torch.compile'd graph's kernel (compiler/kernel.py)
+  count
+};
+void count_path(Path p) noexcept;
+std::vector<std::pair<std::string, int64_t>> path_counts();  // every path, by name ("first_call": 3)
+bool count_path_named(const std::string& name);              // false: no path has that name
 inline bool run_inline(const StreamQueue& q, int64_t elements) {
   return g_launch_blocking.load(std::memory_order_relaxed) ||
          (elements < kInlineElements && !g_queue_everything.load(std::memory_order_relaxed) && q.idle());
@@ -195,6 +213,7 @@ inline bool run_inline(const StreamQueue& q, int64_t elements) {
 template <class F>
 void launch(c10::DeviceIndex device, const char* name, int64_t elements, Access access, F&& kernel) {
   StreamQueue& q = current_queue(device);
+  count_path(Path::kernel);
   if (q.idle()) raise_if_poisoned(access, name);  // else the worker decides: a queued write may make it computed
   if (run_inline(q, elements)) {
     kernel();
@@ -308,8 +327,10 @@ struct BelowP {
     uint64_t lo = 0, hi = uint64_t{1} << 53;  // the first 53-bit value whose draw is not below p
     while (lo < hi) {
       uint64_t mid = (lo + hi) / 2, x = mid << 11;
-      if (philox_unit(static_cast<uint32_t>(x), static_cast<uint32_t>(x >> 32)) < p) lo = mid + 1;
-      else hi = mid;
+      if (philox_unit(static_cast<uint32_t>(x), static_cast<uint32_t>(x >> 32)) < p)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
     all = lo == uint64_t{1} << 53, bound = lo << 11;
   }
@@ -340,14 +361,14 @@ FallbackPolicy fallback_policy();
 bool trainium_rules();
 // While set on this thread, ops skip the dtype policy: PyTorch's own tensor printing computes its layout in
 // float64 and must neither warn about nor count the user's program (the values printed are the device's).
-bool set_internal_math(bool on);  // returns the previous value
-bool is_fp64(const at::Tensor& t);  // float64 or complex128
+bool set_internal_math(bool on);             // returns the previous value
+bool is_fp64(const at::Tensor& t);           // float64 or complex128
 void round_to_fp32(const at::Tensor& host);  // the fp64 rule, in place: values keep float32 precision
 struct Int64Range {
   int64_t lo = 0, hi = 0;
   bool outside = false;  // some value does not fit int32
 };
-Int64Range int64_range(const at::Tensor& host);  // empty unless `host` is int64
+Int64Range int64_range(const at::Tensor& host);    // empty unless `host` is int64
 void note_host_to_device(const at::Tensor& host);  // data entered the device: apply the dtype policy
 // `device_tensor` was computed outside the fallback (a collective's reduction): apply the dtype policy to it,
 // counted under `name`.
@@ -381,7 +402,7 @@ struct OpEntry {
   // `queued` on the stream with the result layout of its first call with the same argument signature.
   enum class Exec : uint8_t { unknown, now, host, queued };
   std::atomic<uint8_t> exec{0};
-  std::atomic<void*> layouts{nullptr};  // fallback.cpp's per-signature result layouts
+  std::atomic<void*> layouts{nullptr};      // fallback.cpp's per-signature result layouts
   std::atomic<void*> out_variant{nullptr};  // fallback.cpp: its out= overload (an OperatorHandle), once looked up
   std::atomic<bool> out_looked_up{false};
   std::atomic<uint8_t> fuses{0};  // fusion.cpp: 0 not asked yet, 1 no, 2 yes
@@ -398,22 +419,22 @@ struct OpClass {
   std::string base;
   bool native, exact, host_tensors;
 };
-OpClass op_class(const std::string& name);  // qualified name, with or without overload
+OpClass op_class(const std::string& name);         // qualified name, with or without overload
 OpEntry& op_entry(const c10::OperatorHandle& op);  // created and classified on first use; the address is stable
 // An op call reached the fallback: count it as native or host fallback and apply the fallback policy (raises
 // NotImplementedError under `error`, warns once per op under `warn`).
 void count_call(OpEntry& e);
-void note_executed(const char* name);  // an explicit kernel ran on the device
+void note_executed(const char* name);                 // an explicit kernel ran on the device
 enum class Fp64Event { produced, received, copied };  // an op's result, host values entering an op, a copy in
-void note_fp64(OpEntry& e, Fp64Event event);        // counts the event; warns once per op
-void note_int64(OpEntry& e, const Int64Range& r);  // counts and warns once per op if `r` leaves int32
+void note_fp64(OpEntry& e, Fp64Event event);          // counts the event; warns once per op
+void note_int64(OpEntry& e, const Int64Range& r);     // counts and warns once per op if `r` leaves int32
 // The same from a queued kernel on a stream worker: counted now, warned at the next op some thread launches (a copy to
 // the host, `.item()`, included): a warning belongs to the user's thread, inside an op's Python binding, where it
 // becomes a UserWarning.
 void note_int64_queued(OpEntry& e, const Int64Range& r);
-void warn_deferred();  // the warnings queued kernels left, on this thread
-OpEntry& copy_in_entry();                          // host -> device copies
-OpEntry& outside_entry(const std::string& name);   // device results computed outside the fallback
+void warn_deferred();                             // the warnings queued kernels left, on this thread
+OpEntry& copy_in_entry();                         // host -> device copies
+OpEntry& outside_entry(const std::string& name);  // device results computed outside the fallback
 // (name, count) pairs
 std::vector<std::pair<std::string, int64_t>> executed_ops();
 std::vector<std::pair<std::string, int64_t>> fallback_ops();
@@ -421,7 +442,7 @@ std::vector<std::pair<std::string, int64_t>> dtype_events();
 std::vector<std::pair<std::string, int64_t>> queued_ops();
 std::vector<std::pair<std::string, int64_t>> waiting_ops();
 std::vector<std::pair<std::string, int64_t>> copied_ops();
-void clear_op_tracking();  // also re-arms the warnings
+void clear_op_tracking();  // also re-arms the warnings (and clears the path counts)
 
 // ---- fusion.cpp: adaptive eager fusion (compiler/eager_fusion.py compiles a group; the stream worker runs it) ----
 // A queued functional op as eager fusion sees it: the op, its arguments on the host (CPU views of device memory;
@@ -431,18 +452,22 @@ struct FusableOp {
   std::vector<c10::IValue> args;
   std::vector<at::Tensor> outs;
 };
-// Ops smaller than this are not worth a fused kernel: the group's hand-over to Python costs tens of microseconds.
-constexpr int64_t kFuseElements = 1 << 18;
-constexpr size_t kMaxFusedOps = 16;
+// Eager fusion's limits, defined in compiler/eager_fusion.py and handed over by set_eager_fusion.
+struct FusionLimits {
+  int64_t min_elements = 0;  // smaller ops are not worth a fused kernel (the hand-over to Python costs tens of us)
+  size_t max_ops = 0;        // queued ops a stream worker hands over as one run
+  size_t max_list = 0;       // the longest list of a list op that may join a group
+};
+size_t fusion_max_ops();  // 0 until fusion is installed
 // Should this queued launch carry a FusableOp: fusion is installed, the op fuses (the op table, asked once per op),
 // it is large enough, and a list op's list is no longer than eager fusion takes (`list`: its length, 0 for others).
 bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements, size_t list);
 // On a stream worker: run the leading ops of `ops` that eager fusion fuses as one kernel; how many it ran (0: none).
 // `error`: set when the fused kernel raised; the count is then the ops it covered, which all failed.
 size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error);
-// torchneuron's import installs the Python side: fusable(name) -> bool, run(list of ops) -> (int, plan), and the
-// longest list of a list op that may join a group.
-void set_eager_fusion(PyObject* fusable, PyObject* run, size_t max_list);
+// torchneuron's import installs the Python side: fusable(name) -> bool, run(list of ops) -> (int, plan), and its
+// limits.
+void set_eager_fusion(PyObject* fusable, PyObject* run, FusionLimits limits);
 struct FusionCounts {
   int64_t kernels = 0, ops = 0;  // fused kernels run, the ops they replaced
 };

@@ -33,9 +33,9 @@ bool is_neuron(const at::Tensor& t) { return t.defined() && t.device().type() ==
 
 // A SparseCPU tensor over host aliases of a neuron COO tensor's indices and values.
 at::Tensor sparse_on_host(const at::Tensor& t, HostAliases& alias) {
-  return at::_sparse_coo_tensor_with_dims_and_tensors(
-      t.sparse_dim(), t.dense_dim(), t.sizes(), alias(t._indices()), alias(t._values()),
-      t.options().device(at::kCPU), t.is_coalesced());
+  return at::_sparse_coo_tensor_with_dims_and_tensors(t.sparse_dim(), t.dense_dim(), t.sizes(), alias(t._indices()),
+                                                      alias(t._values()), t.options().device(at::kCPU),
+                                                      t.is_coalesced());
 }
 
 at::Tensor to_device(const at::Tensor& host, c10::DeviceIndex dev) {
@@ -55,7 +55,8 @@ void sparse_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, nargs);
   c10::DeviceIndex dev = -1;
   for (const auto& v : args)
-    if (v.isTensor() && is_neuron(v.toTensor())) dev = v.toTensor().device().index();
+    if (v.isTensor() && is_neuron(v.toTensor()))
+      dev = v.toTensor().device().index();
     else if (v.isTensorList())
       for (const at::Tensor& t : v.toTensorList().vec())
         if (is_neuron(t)) dev = t.device().index();

@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..runtime.optable import op_info
+
 StreamKey = int  # (stream id << 8) | device index: csrc/stream_trace.cpp's stream_trace_key
 Clock = dict[StreamKey, int]  # stream -> the last launch on it that this point is ordered after
-HOST_COPIES = {"aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize"}  # schema names
 
 
 def stream_key(s: torch.Stream) -> StreamKey:
@@ -289,7 +290,7 @@ def _host_sync(func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
     name = func._schema.name
     if name == "aten::_local_scalar_dense":
         return True
-    if name not in HOST_COPIES or _non_blocking(name, args, kwargs):
+    if not op_info(name).host_copy or _non_blocking(name, args, kwargs):
         return False
     return any(t.device.type == "cpu" for t in _tensors((args, tuple(kwargs.values()), out)))
 
@@ -322,7 +323,7 @@ class _Mode(TorchDispatchMode):
                 s = stream_key(torch.accelerator.current_stream(devices[0]))
             joined = [stream_key(torch.accelerator.current_stream(d)) for d in devices[1:]]
             hazards = c.launch(s, name, reads, writes, joined)
-        copy = bool(devices) and name in HOST_COPIES
+        copy = bool(devices) and op_info(name).host_copy
         copying = copy and _non_blocking(name, args, kwargs)
         if c.host_blocks or copying:  # host memory: a CPU op, or a copy's stream, using it
             hreads, hwrites, _ = _accesses(func, args, kwargs, out, "cpu")

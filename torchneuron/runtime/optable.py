@@ -70,7 +70,11 @@ class Op:
     `structured_delegate`), so its functional and out= forms run one meta and one impl: a queued call runs the
     out= form straight into the memory its launch handed out, instead of copying a fresh result there;
     `int_errors`: on integer tensors it raises on a value (a zero divisor, a negative integer exponent), so it never
-    joins a fused kernel there (a fused kernel cannot undo the stores it made before the error)."""
+    joins a fused kernel there (a fused kernel cannot undo the stores it made before the error); `scalar_scales`:
+    its last Scalar multiplies argument 1 (`add`'s alpha, `addcmul`'s value), so a list op's per-tensor form folds
+    that scalar into a multiply first (compiler/eager_fusion.py); `host_copy`: a copy that may cross between the
+    device and the host (the stream checker orders it as a sync of the host); `fast` (an overload row): it has an
+    unboxed kernel in csrc/fastpath.cpp (tests/test_optable.py checks that file against these rows)."""
 
     name: str
     engine: str = "host"
@@ -90,6 +94,9 @@ class Op:
     indices: bool = False
     structured: bool = False
     int_errors: bool = False
+    scalar_scales: bool = False
+    host_copy: bool = False
+    fast: bool = False
 
 
 def _group(engine: str, names: str, **kw: Any) -> list[Op]:
@@ -194,6 +201,7 @@ _TABLE: list[Op] = [
             "_copy_from_and_resize lift_fresh_copy"),
     *_group("dma", "slice_scatter select_scatter", rule=Rule.SCATTER),
     *_group("dma", "_local_scalar_dense", host_tensors=True),
+    *_group("free", "record_stream"),  # the allocator's bookkeeping (which stream may still use a block)
     *_group("free", "view _unsafe_view reshape expand permute t transpose squeeze unsqueeze slice select as_strided "
             "alias detach split split_with_sizes tensor_split unbind chunk diagonal narrow unfold _reshape_alias "
             "view_as_real view_as_complex conj real imag positive to pin_memory _nested_view_from_buffer lift_fresh "
@@ -240,10 +248,19 @@ _STRUCTURED = [n if "." in n else f"{n}.default" for n in (
     "sum.dim_IntList mean.dim amax amin prod.dim_int linalg_vector_norm nll_loss_forward nll_loss_backward cumsum "
     "avg_pool2d avg_pool2d_backward max_pool2d_with_indices max_pool2d_with_indices_backward upsample_nearest2d "
     "gather scatter_add argmax argmin topk").split()]
-TABLE: dict[str, Op] = {k: replace(o, indices=k.split(".")[0] in _INDICES, int_errors=k.split(".")[0] in _INT_ERRORS)
-                        for k, o in _merge(_TABLE).items()}
+_SCALAR_SCALES = "add sub addcmul addcdiv".split()  # `Op.scalar_scales`
+_HOST_COPIES = "_to_copy copy _copy_from _copy_from_and_resize".split()  # `Op.host_copy`
+# The overloads csrc/fastpath.cpp has unboxed kernels for (`Op.fast`).
+_FAST = ("add.Tensor sub.Tensor mul.Tensor div.Tensor div.Tensor_mode neg.default exp.default log.default "
+         "sqrt.default rsqrt.default tanh.default sigmoid.default silu.default gelu.default maximum.default "
+         "minimum.default pow.Tensor_Scalar pow.Tensor_Tensor gelu_backward.default tanh_backward.default "
+         "sigmoid_backward.default silu_backward.default threshold_backward.default").split()
+TABLE: dict[str, Op] = {k: replace(o, indices=b in _INDICES, int_errors=b in _INT_ERRORS,
+                                   scalar_scales=b in _SCALAR_SCALES, host_copy=b in _HOST_COPIES)
+                        for k, o in _merge(_TABLE).items() for b in [k.split(".")[0]]}
 TABLE |= {n: replace(TABLE[n.split(".")[0]], name=n, structured=True) for n in _STRUCTURED}
-assert all(n in TABLE for n in _INDICES + _INT_ERRORS)
+TABLE |= {n: replace(TABLE.get(n) or TABLE[n.split(".")[0]], name=n, fast=True) for n in _FAST}
+assert all(n in TABLE for n in _INDICES + _INT_ERRORS + _SCALAR_SCALES + _HOST_COPIES)
 # An op missing from the table: a counted host fallback, priced as a VectorE sweep (see the module docstring).
 DEFAULT = Op("", engine="host", native=False, rule=Rule.SWEEP)
 

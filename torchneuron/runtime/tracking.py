@@ -36,6 +36,13 @@ def get_fusion_counts() -> dict[str, int]:
     return dict(_C._fusion_counts())
 
 
+def get_execution_paths() -> dict[str, int]:
+    """How launches ran since the last clear, a count per path of docs/device.md's table (fast, now, host,
+    first_call, queued_out, queued_each, queued_copy, kernel, compiled), and "fused": the queued ops a stream worker
+    ran inside eager-fusion kernels (already counted under their queued path)."""
+    return {**_C._execution_paths(), "fused": _C._fusion_counts()["ops"]}
+
+
 def clear_op_tracking() -> None:
     """Reset all counters, and re-arm the once-per-op warnings."""
     _C._clear_op_tracking()

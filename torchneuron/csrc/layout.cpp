@@ -1,0 +1,234 @@
+// Result layouts (fallback.h): what an op returned the first time it ran with an argument signature, remembered per
+// op in a bounded memo, so that later calls with that signature can be queued with their results handed out at
+// once.
+#include <ATen/EmptyTensor.h>
+#include <c10/core/StorageImpl.h>
+
+#include <shared_mutex>
+#include <unordered_map>
+
+#include "fallback.h"
+
+namespace torchneuron::fallback {
+namespace {
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const noexcept {
+    size_t h = k.size();
+    for (int64_t x : k) h ^= static_cast<size_t>(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+// A bounded memo in two generations: when `map` is full it becomes `old`, and a signature found in `old` moves back
+// into `map`. The signatures in use stay (a loop's shapes recur), and new ones are always remembered: shapes that
+// keep changing (a growing KV cache, variable-length batches) never leave an op running on the host thread for good.
+struct LayoutCache {
+  using Map = std::unordered_map<std::vector<int64_t>, std::shared_ptr<const ResultLayout>, KeyHash>;
+  std::shared_mutex mu;
+  Map map, old;
+  void put(std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {  // mu held exclusively
+    if (map.size() >= kLayoutsPerOp && !map.count(key)) old = std::move(map), map = Map();
+    map.insert_or_assign(std::move(key), std::move(L));
+  }
+  static constexpr size_t kLayoutsPerOp = 256;  // signatures per generation
+};
+
+LayoutCache& layouts_of(OpEntry& e) {
+  if (auto* c = static_cast<LayoutCache*>(e.layouts.load(std::memory_order_acquire))) return *c;
+  auto* fresh = new LayoutCache;  // never freed: entries live for the process
+  void* expected = nullptr;
+  if (!e.layouts.compare_exchange_strong(expected, fresh)) {
+    delete fresh;
+    return *static_cast<LayoutCache*>(expected);
+  }
+  return *fresh;
+}
+}  // namespace
+
+bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<int64_t>& key, FlatArgs& flat) {
+  key.reserve(64);
+  auto tensor = [&](const at::Tensor& t) -> bool {
+    if (!t.defined()) return key.push_back(-1), true;
+    if (!is_neuron(t)) {
+      if (t.dim() > 0 || t.layout() != at::kStrided) return false;
+      key.insert(key.end(), {-2, static_cast<int64_t>(t.scalar_type()), t.unsafeGetTensorImpl()->is_wrapped_number()});
+      return true;
+    }
+    int alias = -1;
+    const auto* st = t.storage().unsafeGetStorageImpl();
+    for (size_t j = 0; j < flat.size(); ++j)
+      if (flat[j].storage().unsafeGetStorageImpl() == st) {
+        alias = static_cast<int>(j) * 2 + (flat[j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl());
+        break;
+      }
+    key.insert(key.end(), {static_cast<int64_t>(t.scalar_type()), t.dim(), t.storage_offset(), alias,
+                           t.is_conj() * 2 + t.is_neg(), t.requires_grad()});
+    key.insert(key.end(), t.sizes().begin(), t.sizes().end());
+    key.insert(key.end(), t.strides().begin(), t.strides().end());
+    flat.push_back(t);
+    return true;
+  };
+  for (size_t i = 0; i < nargs; ++i) {
+    const c10::IValue& v = args[i];
+    key.push_back(static_cast<int64_t>(v.tag));
+    if (v.isTensor()) {
+      if (!tensor(v.toTensor())) return false;
+    } else if (v.isTensorList()) {
+      key.push_back(static_cast<int64_t>(v.toTensorList().size()));
+      for (const at::Tensor& t : v.toTensorList())
+        if (!tensor(t)) return false;
+    } else if (v.isList()) {
+      const auto& l = v.toListRef();
+      key.push_back(static_cast<int64_t>(l.size()));
+      for (const c10::IValue& x : l) {
+        if (x.isTensor()) {
+          if (!tensor(x.toTensor())) return false;
+        } else if (x.isInt()) {
+          key.push_back(x.toInt());
+        } else if (x.isBool()) {
+          key.push_back(x.toBool());
+        } else if (x.isNone()) {
+          key.push_back(-3);
+        } else if (x.isDouble()) {
+          double d = factory ? x.toDouble() : 0.0;
+          int64_t bits;
+          std::memcpy(&bits, &d, sizeof bits);
+          key.push_back(bits);
+        } else {
+          return false;
+        }
+      }
+    } else if (v.isInt()) {
+      key.push_back(v.toInt());
+    } else if (v.isBool()) {
+      key.push_back(v.toBool());
+    } else if (v.isDouble()) {
+      if (factory) {
+        double d = v.toDouble();
+        int64_t bits;
+        std::memcpy(&bits, &d, sizeof bits);
+        key.push_back(bits);
+      }
+    } else if (v.isString()) {
+      key.push_back(static_cast<int64_t>(std::hash<std::string_view>()(v.toStringView())));
+    } else if (v.isDevice()) {
+      key.push_back(static_cast<int64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
+    } else if (!(v.isNone() || v.isComplexDouble() || v.isGenerator())) {
+      return false;
+    }
+  }
+  return true;
+}
+
+thread_local std::vector<int64_t> KeyBuffer::spare;
+
+std::shared_ptr<const ResultLayout> find_layout(OpEntry& e, const std::vector<int64_t>& key) {
+  auto& c = layouts_of(e);
+  {
+    std::shared_lock<std::shared_mutex> g(c.mu);
+    if (auto it = c.map.find(key); it != c.map.end()) return it->second;
+    if (!c.old.count(key)) return nullptr;
+  }
+  std::unique_lock<std::shared_mutex> g(c.mu);
+  auto it = c.old.find(key);
+  if (it == c.old.end()) {  // moved back by another thread meanwhile
+    auto cur = c.map.find(key);
+    return cur == c.map.end() ? nullptr : cur->second;
+  }
+  auto L = it->second;
+  c.old.erase(it);
+  c.put(key, L);
+  return L;
+}
+
+std::vector<Shape> shapes_of(const FlatArgs& flat) {
+  std::vector<Shape> v;
+  for (const at::Tensor& t : flat)
+    v.push_back({t.sizes().vec(), t.strides().vec(), t.defined() && t.numel() == 0 && t.storage().nbytes() == 0});
+  return v;
+}
+
+std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                                                  const FlatArgs& flat, const std::vector<Shape>& before) {
+  auto L = std::make_shared<ResultLayout>();
+  SmallMap<const c10::StorageImpl*, int> groups;
+  auto add = [&](const at::Tensor& t) -> bool {
+    ResultSlot s;
+    if (!t.defined()) return L->slots.push_back(std::move(s)), true;
+    if (!is_neuron(t) || t.layout() != at::kStrided) return false;
+    // a result whose storage does not hold its elements (an efficient zero tensor has no memory): only the host
+    // path handles it
+    if (t.numel() > 0 &&
+        (!t.storage().data() || at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.dtype().itemsize(),
+                                                                 t.storage_offset()) > t.storage().nbytes()))
+      return false;
+    L->max_numel = std::max<int64_t>(L->max_numel, t.numel());
+    L->int64 |= t.scalar_type() == at::kLong;
+    const auto* st = t.storage().unsafeGetStorageImpl();
+    for (size_t j = 0; j < flat.size() && s.kind == ResultSlot::none; ++j) {
+      if (flat[j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl())
+        s.kind = ResultSlot::arg, s.source = static_cast<int>(j);
+      else if (flat[j].storage().unsafeGetStorageImpl() == st)
+        s.kind = ResultSlot::view, s.source = static_cast<int>(j);
+    }
+    if (s.kind == ResultSlot::none) {
+      s.kind = ResultSlot::fresh;
+      if (int* g = groups.find(st)) {
+        s.source = *g;
+      } else {
+        s.source = static_cast<int>(L->group_bytes.size());
+        groups.add(st, s.source);
+        L->group_bytes.push_back(t.storage().nbytes());
+        L->group_slot.push_back(L->slots.size());
+      }
+    }
+    s.sizes.assign(t.sizes().begin(), t.sizes().end());  // an argument's too: the kernel must leave it so
+    s.strides.assign(t.strides().begin(), t.strides().end());
+    s.offset = t.storage_offset();
+    s.dtype = t.dtype();
+    s.conj = t.is_conj(), s.neg = t.is_neg();
+    L->slots.push_back(std::move(s));
+    return true;
+  };
+  const size_t nret = schema.returns().size();
+  for (size_t i = stack.size() - nret; i < stack.size(); ++i) {
+    const c10::IValue& v = stack[i];
+    if (v.isTensor()) {
+      L->list_sizes.push_back(-1);
+      if (!add(v.toTensor())) return nullptr;
+    } else if (v.isTensorList()) {
+      L->list_sizes.push_back(static_cast<int>(v.toTensorList().size()));
+      for (const at::Tensor& t : v.toTensorList())
+        if (!add(t)) return nullptr;
+    } else if (v.isNone()) {
+      L->list_sizes.push_back(-1);
+      L->slots.emplace_back();
+    } else {
+      return nullptr;
+    }
+  }
+  // written arguments keep their shape, or were empty and sized by the kernel (an out= result: `torch.arange`'s);
+  // any other change would need its new shape predicted
+  std::vector<Shape> after = shapes_of(flat);
+  for (size_t j = 0; j < after.size(); ++j) {
+    if (after[j] == before[j]) continue;
+    if (!before[j].empty || !flat[j].is_contiguous()) return nullptr;
+    L->resized.push_back({static_cast<int>(j), after[j].sizes, after[j].strides, flat[j].storage().nbytes()});
+  }
+  return L;
+}
+
+[[noreturn]] void mispredicted(OpEntry& e, const ResultLayout& L, size_t slot, const at::Tensor& got) {
+  const ResultSlot& s = L.slots.at(slot);
+  TORCH_CHECK(false, "neuron: ", e.name, " returned result ", slot, " as ", got.sizes(), " ", got.dtype(),
+              ", but its launch had handed out ", c10::IntArrayRef(s.sizes), " ", s.dtype,
+              " as its first call with "
+              "the same argument signature returned; its results are wrong. Please report this; "
+              "TORCHNEURON_LAUNCH_BLOCKING=1 runs every op at its launch.");
+}
+
+void remember_layout(OpEntry& e, std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {
+  auto& c = layouts_of(e);
+  std::unique_lock<std::shared_mutex> g(c.mu);
+  c.put(std::move(key), std::move(L));
+}
+}  // namespace torchneuron::fallback
