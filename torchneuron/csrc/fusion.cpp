@@ -13,6 +13,7 @@
 #include <cstring>
 #include <unordered_map>
 
+#include "fusion.h"
 #include "runtime.h"
 
 namespace torchneuron {

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "op_tracking.h"
 #include "runtime.h"
 
 namespace torchneuron {

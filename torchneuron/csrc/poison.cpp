@@ -9,6 +9,7 @@
 // belongs to the old tensor only.
 #include <unordered_map>
 
+#include "poison.h"
 #include "runtime.h"
 
 namespace torchneuron {

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <thread>
 
+#include "queue.h"
 #include "runtime.h"
 
 namespace torchneuron {

@@ -1,5 +1,6 @@
 // The modelled NeuronCore runtime shared by the C++ core: device table, current device, policies,
-// and the few entry points the files call across each other. One concern per .cpp file.
+// and the few entry points the files call across each other. One concern per .cpp file; the larger units' interfaces
+// have headers of their own (poison.h, queue.h, op_tracking.h, fusion.h), included here.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,8 +19,10 @@
 #include <string>
 #include <vector>
 
-struct _object;
-typedef struct _object PyObject;  // Python.h's, declared for the fusion entry points
+#include "fusion.h"
+#include "op_tracking.h"
+#include "poison.h"
+#include "queue.h"
 
 namespace torchneuron {
 
@@ -37,113 +40,6 @@ void check_device_index(c10::DeviceIndex index);  // throws torch.AcceleratorErr
 
 // ---- guard.cpp ----
 c10::StreamId current_stream_id(c10::DeviceIndex device);  // this thread's current stream on `device`
-
-// ---- poison.cpp: memory that was never computed (a failed kernel's results, and those of the kernels skipped
-// because they read them) ----
-// A failed kernel's error, with the op's name, where it ran and the Python stack that launched it.
-struct Failure {
-  std::exception_ptr error;
-  const char* name = "";
-  std::shared_ptr<c10::GatheredContext> stack;
-  c10::DeviceIndex device = 0;
-  c10::StreamId stream = 0;
-  uint64_t ticket = 0;                        // its place in its stream
-  mutable std::atomic<bool> reported{false};  // the user has seen it (a sync point or a poisoned read): not again
-};
-using FailurePtr = std::shared_ptr<const Failure>;
-// One device storage a queued kernel reads and/or writes, by its data pointer (the host aliases' too) and which
-// allocation of that memory it is (allocation_id). `whole`: the write covers every byte of the storage, so a kernel
-// that writes it without reading it makes it computed again.
-struct Touch {
-  const void* base = nullptr;
-  uint64_t allocation = 0;
-  bool read = false, write = false, whole = false;
-};
-using Access = c10::SmallVector<Touch, 6>;
-Touch touch(const at::Tensor& t, bool read, bool write);
-// An explicit kernel's: the neuron tensors it reads and those it writes (others are ignored).
-Access access(std::initializer_list<at::Tensor> reads, std::initializer_list<at::Tensor> writes);
-void poison_writes(const Access& access, const FailurePtr& failure);  // what a failed or skipped kernel writes
-void clear_poison(const Access& access);    // a kernel ran: the storages it wrote whole without reading are computed
-void forget_poison(const void* base);       // the allocator freed the storage, or handed its memory out again
-FailurePtr poisoned(const Access& access);  // the failure behind the first poisoned storage it reads, or null
-FailurePtr poisoned(const at::Tensor& t);
-size_t poisoned_storages();
-// Raise `f`'s error again, as its own type (IndexError stays IndexError), with where it ran, then `context`.
-[[noreturn]] void rethrow_failure(const Failure& f, const std::string& context);
-// A launch (or a host read) of `op` that reads poisoned memory raises the failure behind it, at the call.
-void raise_if_poisoned(const Access& access, const char* op);
-[[noreturn]] void raise_poisoned(const Failure& f, const char* op);
-
-// ---- queue.cpp: stream-ordered execution (each stream an in-order queue run by its own worker thread) ----
-extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: kernels run at their launch
-// Tests only: queue every kernel with a known layout, also small ones on an idle stream (so that conformance suites
-// exercise the queued path).
-extern std::atomic<bool> g_queue_everything;
-extern std::atomic<bool> g_launch_stacks;  // keep each queued kernel's launching Python stack (for its error)
-struct FusableOp;                          // fusion.cpp
-class StreamQueue {
- public:
-  StreamQueue(c10::DeviceIndex device, c10::StreamId id);
-  // Queue `run` and return its ticket: the queue has run it once reached(ticket). A kernel keeps its launching
-  // Python stack for its error; `control` tasks (event records, cross-stream waits) run even after a kernel of
-  // the stream failed, kernels are then skipped until the error is reported.
-  // `fuse`: the op as the worker may hand it to eager fusion with the queued ops that follow it (fusion.cpp).
-  // `work`: the kernel's size in elements (its largest tensor, or an estimate of its work): sets its threads (below).
-  // `access`: the device storages it reads and writes. A kernel reading memory that a failed (or skipped) kernel
-  // should have written is skipped, and what it writes is poisoned with that failure (poison.cpp).
-  uint64_t push(const char* name, std::function<void()> run, bool control = false,
-                std::shared_ptr<const FusableOp> fuse = nullptr, int64_t work = 0, Access access = {});
-  uint64_t enqueued() const { return enqueued_.load(std::memory_order_acquire); }
-  bool reached(uint64_t ticket) const;
-  bool idle() const { return reached(enqueued()); }
-  void wait(uint64_t ticket);        // a sync point: waits, then raises the stream's pending error
-  void wait_quiet(uint64_t ticket);  // ordering only (a worker waiting on another stream, the allocator)
-  void raise_error();                // the pending error of a failed kernel, with where it was launched
-  // A stream waiting (an event, wait_stream) for this one's work up to `ticket` takes on a failure it has not
-  // reported yet: the error surfaces on every stream that depends on the failed work.
-  FailurePtr unreported_failure(uint64_t ticket);
-  void take_failure(FailurePtr f);
-  c10::DeviceIndex device() const { return device_; }
-  c10::StreamId id() const { return id_; }
-  void reset_after_fork();
-
- private:
-  struct Task {
-    std::function<void()> run;
-    const char* name = "";
-    std::shared_ptr<c10::GatheredContext> stack;
-    int threads = 1;  // the intra-op threads it runs with: kernel_threads() of the launching thread's
-    bool control = false;
-    std::shared_ptr<const FusableOp> fuse;
-    Access access;
-  };
-  void finish(Task& t, bool ran);  // run `t` (unless `ran`: a fused kernel did its work) and count it complete
-  void fail(Task& t, std::exception_ptr error);  // `t` threw: poison what it writes, keep the error to report
-  void loop();
-  uint64_t pending() const { return enqueued_.load(std::memory_order_acquire) - popped_; }
-  const c10::DeviceIndex device_;
-  const c10::StreamId id_;
-  std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_;
-  std::deque<Task> tasks_;
-  std::atomic<uint64_t> enqueued_{0}, completed_{0};
-  uint64_t popped_ = 0;  // the worker's
-  static constexpr uint64_t kNoWaiter = ~uint64_t{0};
-  std::atomic<uint64_t> wake_at_{kNoWaiter};  // the lowest ticket a sleeping waiter waits for
-  std::atomic<bool> failed_{false};           // error_ is set: a failure not yet reported at a sync point
-  FailurePtr error_;
-  bool started_ = false, sleeping_ = false;
-};
-StreamQueue& queue_of(c10::DeviceIndex device, c10::StreamId id);
-StreamQueue& current_queue(c10::DeviceIndex device);
-std::vector<StreamQueue*> queues_of(c10::DeviceIndex device);  // -1: every device
-// Wait for every stream of `device` (-1: all devices); `raise`: then raise the first pending kernel error.
-void synchronize_device(c10::DeviceIndex device, bool raise = true);
-// A host-side use of device memory on the current stream (a blocking copy, an op run on the host thread): wait
-// for the stream's queued work and raise its pending error.
-void drain_current(c10::DeviceIndex device);
-void reset_queues_after_fork();  // a forked child's queues: empty, no workers (the parent's work is the parent's)
 
 // ---- lifecycle.cpp: fork and interpreter exit (docs/device.md, "Fork" and "Exit") ----
 enum class Lifecycle : int { running, exiting, forked_child };
@@ -188,24 +84,6 @@ class KernelThreadsGuard {
  private:
   int saved_ = 0;
 };
-// ---- op_tracking.cpp: how a launch ran: docs/device.md's table of paths, a counter per path
-// (torchneuron.get_execution_paths(); the ops a stream worker ran inside fused kernels are counted by fusion.cpp).
-enum class Path : uint8_t {
-  fast,         // fastpath.cpp: a small structured op on an idle stream, computed at the call
-  now,          // a view: metadata only, at the call
-  host,         // on the calling thread after the stream's work (results depend on data, CPU index tensors, fp64
-                // under the trainium rules, launch-blocking, small work on an idle stream, no argument signature)
-  first_call,   // the first call of an argument signature: on the host, its result layout recorded
-  queued_out,   // queued: the out= overload writes into the memory handed out at the launch
-  queued_each,  // queued: a list op as its per-tensor out= op
-  queued_copy,  // queued: the functional kernel, its fresh results copied into the launch's memory
-  kernel,       // an explicit kernel through launch() (SDPA, random fills, copies)
-  compiled,     // a torch.compile'd graph's kernel (compiler/kernel.py)
-  count
-};
-void count_path(Path p) noexcept;
-std::vector<std::pair<std::string, int64_t>> path_counts();  // every path, by name ("first_call": 3)
-bool count_path_named(const std::string& name);              // false: no path has that name
 inline bool run_inline(const StreamQueue& q, int64_t elements) {
   return g_launch_blocking.load(std::memory_order_relaxed) ||
          (elements < kInlineElements && !g_queue_everything.load(std::memory_order_relaxed) && q.idle());
@@ -373,113 +251,6 @@ void note_host_to_device(const at::Tensor& host);  // data entered the device: a
 // `device_tensor` was computed outside the fallback (a collective's reduction): apply the dtype policy to it,
 // counted under `name`.
 void note_device_result(const std::string& name, const at::Tensor& device_tensor);
-
-// ---- op_tracking.cpp: each op's class (from the op table, runtime/) and what it did ----
-// One per operator schema (overloads of one name aggregate in the reports). Counters and flags are atomics: op
-// calls on any thread (autograd workers, DataLoader threads) update them with no lock held.
-struct OpEntry {
-  explicit OpEntry(std::string op_name, std::string overload_name = "")
-      : name(std::move(op_name)), overload(std::move(overload_name)) {}
-  const std::string name;                           // "aten::add_" (overload dropped)
-  const std::string overload;                       // "dim_IntList" ("" for the default overload)
-  std::vector<size_t> generators, writes, scalars;  // argument positions (scalars: `Scalar` values); fixed
-  // The op table's classification of the base name; _set_op_table may change it while ops run.
-  std::atomic<bool> native{false};        // the device runs it (else a counted host fallback)
-  std::atomic<bool> exact{false};         // pure data movement: keeps every bit under the trainium dtype policy
-  std::atomic<bool> host_tensors{false};  // takes CPU index tensors alongside device ones
-  // Its int64 results are positions in its arguments (max_pool's, argmax's, sort's indices): the trainium int64
-  // rule need not look at their values when no argument is int64 and none holds 2^31 elements.
-  std::atomic<bool> indices{false};
-  // This overload is a structured kernel in ATen (its functional and out= forms run one meta and impl): a queued
-  // call runs the out= form into the memory its launch handed out (fallback.cpp's out_variant).
-  std::atomic<bool> structured{false};
-  std::atomic<int64_t> executed{0}, fallback{0}, dtype_events{0};
-  std::atomic<int64_t> queued{0}, waited{0};  // calls queued; calls that made the host wait for the stream
-  std::atomic<int64_t> copied{0};  // queued calls whose kernel made its results elsewhere: copied into device memory
-  std::atomic<bool> warned_fallback{false}, warned_fp64{false}, warned_int64{false};
-  // How the fallback runs it (fallback.cpp, decided at the first call): `now` on the calling thread (views:
-  // metadata only), `host` on the calling thread after the stream's queued work (its results depend on data),
-  // `queued` on the stream with the result layout of its first call with the same argument signature.
-  enum class Exec : uint8_t { unknown, now, host, queued };
-  std::atomic<uint8_t> exec{0};
-  std::atomic<void*> layouts{nullptr};      // fallback.cpp's per-signature result layouts
-  std::atomic<void*> out_variant{nullptr};  // fallback.cpp: its out= overload (an OperatorHandle), once looked up
-  std::atomic<bool> out_looked_up{false};
-  std::atomic<uint8_t> fuses{0};  // fusion.cpp: 0 not asked yet, 1 no, 2 yes
-};
-// The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
-// underscore dropped; dunder names such as "__and__" kept).
-std::string base_name(const std::string& name);
-// native / exact / host_tensors / indices: base names; structured: "name.overload" ("mm.default"). No op list
-// lives in C++.
-void set_op_table(const std::vector<std::string>& native, const std::vector<std::string>& exact,
-                  const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices,
-                  const std::vector<std::string>& structured);
-struct OpClass {
-  std::string base;
-  bool native, exact, host_tensors;
-};
-OpClass op_class(const std::string& name);         // qualified name, with or without overload
-OpEntry& op_entry(const c10::OperatorHandle& op);  // created and classified on first use; the address is stable
-// An op call reached the fallback: count it as native or host fallback and apply the fallback policy (raises
-// NotImplementedError under `error`, warns once per op under `warn`).
-void count_call(OpEntry& e);
-void note_executed(const char* name);                 // an explicit kernel ran on the device
-enum class Fp64Event { produced, received, copied };  // an op's result, host values entering an op, a copy in
-void note_fp64(OpEntry& e, Fp64Event event);          // counts the event; warns once per op
-void note_int64(OpEntry& e, const Int64Range& r);     // counts and warns once per op if `r` leaves int32
-// The same from a queued kernel on a stream worker: counted now, warned at the next op some thread launches (a copy to
-// the host, `.item()`, included): a warning belongs to the user's thread, inside an op's Python binding, where it
-// becomes a UserWarning.
-void note_int64_queued(OpEntry& e, const Int64Range& r);
-void warn_deferred();                             // the warnings queued kernels left, on this thread
-OpEntry& copy_in_entry();                         // host -> device copies
-OpEntry& outside_entry(const std::string& name);  // device results computed outside the fallback
-// (name, count) pairs
-std::vector<std::pair<std::string, int64_t>> executed_ops();
-std::vector<std::pair<std::string, int64_t>> fallback_ops();
-std::vector<std::pair<std::string, int64_t>> dtype_events();
-std::vector<std::pair<std::string, int64_t>> queued_ops();
-std::vector<std::pair<std::string, int64_t>> waiting_ops();
-std::vector<std::pair<std::string, int64_t>> copied_ops();
-void clear_op_tracking();  // also re-arms the warnings (and clears the path counts)
-
-// ---- fusion.cpp: adaptive eager fusion (compiler/eager_fusion.py compiles a group; the stream worker runs it) ----
-// A queued functional op as eager fusion sees it: the op, its arguments on the host (CPU views of device memory;
-// wrapped numbers as numbers) and CPU views of the results its launch handed out.
-struct FusableOp {
-  c10::OperatorHandle op;
-  std::vector<c10::IValue> args;
-  std::vector<at::Tensor> outs;
-};
-// Eager fusion's limits, defined in compiler/eager_fusion.py and handed over by set_eager_fusion.
-struct FusionLimits {
-  int64_t min_elements = 0;  // smaller ops are not worth a fused kernel (the hand-over to Python costs tens of us)
-  size_t max_ops = 0;        // queued ops a stream worker hands over as one run
-  size_t max_list = 0;       // the longest list of a list op that may join a group
-};
-size_t fusion_max_ops();  // 0 until fusion is installed
-// Should this queued launch carry a FusableOp: fusion is installed, the op fuses (the op table, asked once per op),
-// it is large enough, and a list op's list is no longer than eager fusion takes (`list`: its length, 0 for others).
-bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements, size_t list);
-// On a stream worker: run the leading ops of `ops` that eager fusion fuses as one kernel; how many it ran (0: none).
-// `error`: set when the fused kernel raised; the count is then the ops it covered, which all failed.
-size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error);
-// torchneuron's import installs the Python side: fusable(name) -> bool, run(list of ops) -> (int, plan), and its
-// limits.
-void set_eager_fusion(PyObject* fusable, PyObject* run, FusionLimits limits);
-struct FusionCounts {
-  int64_t kernels = 0, ops = 0;  // fused kernels run, the ops they replaced
-};
-FusionCounts fusion_counts();
-// Tests: rebuild every replayed plan with the Python group builder and compare (replay verification).
-void set_verify_replay(bool on);
-struct ReplayChecks {
-  int64_t verified = 0, mismatched = 0;
-  std::string last;  // what differed last
-};
-ReplayChecks replay_checks();
-void clear_fusion_counts();
 
 // ---- fallback.cpp: the boxed fallback (every op without an explicit kernel runs its ATen CPU kernel) ----
 void neuron_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);

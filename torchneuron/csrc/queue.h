@@ -1,0 +1,88 @@
+// queue.cpp's interface: stream-ordered execution.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "poison.h"
+
+namespace torchneuron {
+
+// ---- queue.cpp: stream-ordered execution (each stream an in-order queue run by its own worker thread) ----
+extern std::atomic<bool> g_launch_blocking;  // TORCHNEURON_LAUNCH_BLOCKING: kernels run at their launch
+// Tests only: queue every kernel with a known layout, also small ones on an idle stream (so that conformance suites
+// exercise the queued path).
+extern std::atomic<bool> g_queue_everything;
+extern std::atomic<bool> g_launch_stacks;  // keep each queued kernel's launching Python stack (for its error)
+struct FusableOp;                          // fusion.cpp
+class StreamQueue {
+ public:
+  StreamQueue(c10::DeviceIndex device, c10::StreamId id);
+  // Queue `run` and return its ticket: the queue has run it once reached(ticket). A kernel keeps its launching
+  // Python stack for its error; `control` tasks (event records, cross-stream waits) run even after a kernel of
+  // the stream failed, kernels are then skipped until the error is reported.
+  // `fuse`: the op as the worker may hand it to eager fusion with the queued ops that follow it (fusion.cpp).
+  // `work`: the kernel's size in elements (its largest tensor, or an estimate of its work): sets its threads (below).
+  // `access`: the device storages it reads and writes. A kernel reading memory that a failed (or skipped) kernel
+  // should have written is skipped, and what it writes is poisoned with that failure (poison.cpp).
+  uint64_t push(const char* name, std::function<void()> run, bool control = false,
+                std::shared_ptr<const FusableOp> fuse = nullptr, int64_t work = 0, Access access = {});
+  uint64_t enqueued() const { return enqueued_.load(std::memory_order_acquire); }
+  bool reached(uint64_t ticket) const;
+  bool idle() const { return reached(enqueued()); }
+  void wait(uint64_t ticket);        // a sync point: waits, then raises the stream's pending error
+  void wait_quiet(uint64_t ticket);  // ordering only (a worker waiting on another stream, the allocator)
+  void raise_error();                // the pending error of a failed kernel, with where it was launched
+  // A stream waiting (an event, wait_stream) for this one's work up to `ticket` takes on a failure it has not
+  // reported yet: the error surfaces on every stream that depends on the failed work.
+  FailurePtr unreported_failure(uint64_t ticket);
+  void take_failure(FailurePtr f);
+  c10::DeviceIndex device() const { return device_; }
+  c10::StreamId id() const { return id_; }
+  void reset_after_fork();
+
+ private:
+  struct Task {
+    std::function<void()> run;
+    const char* name = "";
+    std::shared_ptr<c10::GatheredContext> stack;
+    int threads = 1;  // the intra-op threads it runs with: kernel_threads() of the launching thread's
+    bool control = false;
+    std::shared_ptr<const FusableOp> fuse;
+    Access access;
+  };
+  void finish(Task& t, bool ran);  // run `t` (unless `ran`: a fused kernel did its work) and count it complete
+  void fail(Task& t, std::exception_ptr error);  // `t` threw: poison what it writes, keep the error to report
+  void loop();
+  uint64_t pending() const { return enqueued_.load(std::memory_order_acquire) - popped_; }
+  const c10::DeviceIndex device_;
+  const c10::StreamId id_;
+  std::mutex mu_;
+  std::condition_variable work_cv_, done_cv_;
+  std::deque<Task> tasks_;
+  std::atomic<uint64_t> enqueued_{0}, completed_{0};
+  uint64_t popped_ = 0;  // the worker's
+  static constexpr uint64_t kNoWaiter = ~uint64_t{0};
+  std::atomic<uint64_t> wake_at_{kNoWaiter};  // the lowest ticket a sleeping waiter waits for
+  std::atomic<bool> failed_{false};           // error_ is set: a failure not yet reported at a sync point
+  FailurePtr error_;
+  bool started_ = false, sleeping_ = false;
+};
+StreamQueue& queue_of(c10::DeviceIndex device, c10::StreamId id);
+StreamQueue& current_queue(c10::DeviceIndex device);
+std::vector<StreamQueue*> queues_of(c10::DeviceIndex device);  // -1: every device
+// Wait for every stream of `device` (-1: all devices); `raise`: then raise the first pending kernel error.
+void synchronize_device(c10::DeviceIndex device, bool raise = true);
+// A host-side use of device memory on the current stream (a blocking copy, an op run on the host thread): wait
+// for the stream's queued work and raise its pending error.
+void drain_current(c10::DeviceIndex device);
+void reset_queues_after_fork();  // a forked child's queues: empty, no workers (the parent's work is the parent's)
+
+}  // namespace torchneuron
