@@ -97,6 +97,30 @@ def test_an_event_wait_carries_the_error_to_the_waiting_stream(busy):
         torch.neuron.current_stream().synchronize()
 
 
+@needs_async
+def test_a_failure_after_one_another_stream_reported_is_raised_too(busy):
+    """The default stream fails; a side stream that waited for it raises that failure at its sync point (the user has
+    seen it). A later failure on the default stream is raised at the next sync point, not dropped behind the first
+    (found by the long fuzz run, seed 1080006)."""
+    side = torch.neuron.Stream()
+    src = torch.randn(8, 4, device=DEV)
+    a, ones, zeros = (torch.arange(4, device=DEV), torch.ones(4, dtype=torch.long, device=DEV),
+                      torch.zeros(4, dtype=torch.long, device=DEV))
+    torch.index_select(src, 0, torch.tensor([0, 1], device=DEV)), a // ones  # signatures known: queued below
+    busy()
+    torch.index_select(src, 0, torch.tensor([0, 99], device=DEV))
+    side.wait_stream(torch.neuron.current_stream())
+    ev = torch.neuron.Event()
+    ev.record(side)
+    with pytest.raises(IndexError, match="index out of range"):
+        ev.synchronize()
+    busy()
+    a // zeros
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        torch.neuron.synchronize()
+    torch.neuron.synchronize()  # each raised once
+
+
 def test_host_checkable_errors_raise_at_the_call_while_work_is_queued(busy):
     """Overlap and broadcasting in copy_ are the CPU's checks at the call; the ops launched between are not skipped."""
     v = torch.arange(16.0, device=DEV)

@@ -234,7 +234,16 @@ void StreamQueue::fail(Task& t, std::exception_ptr error) {
   f->device = device_, f->stream = id_, f->ticket = completed_.load() + 1;
   poison_writes(t.access, f);
   std::lock_guard<std::mutex> g(mu_);
-  if (!error_) error_ = std::move(f), failed_.store(true, std::memory_order_relaxed);
+  hold(std::move(f));
+}
+
+// The stream's pending failure is the first since the user last saw one. A failure already raised elsewhere (at the
+// sync point of a stream that waited for this one) no longer holds the slot: the next failure here takes it, or it
+// would never be raised.
+void StreamQueue::hold(FailurePtr f) {  // mu_ held
+  if (error_ && !error_->reported.load()) return;
+  error_ = std::move(f);
+  failed_.store(true, std::memory_order_relaxed);
 }
 
 FailurePtr StreamQueue::unreported_failure(uint64_t ticket) {
@@ -245,7 +254,7 @@ FailurePtr StreamQueue::unreported_failure(uint64_t ticket) {
 
 void StreamQueue::take_failure(FailurePtr f) {
   std::lock_guard<std::mutex> g(mu_);
-  if (!error_) error_ = std::move(f), failed_.store(true, std::memory_order_relaxed);
+  hold(std::move(f));
 }
 
 // The first failure since the last report, raised once; the memory it left uncomputed stays poisoned.

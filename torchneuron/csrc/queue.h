@@ -60,6 +60,7 @@ class StreamQueue {
   };
   void finish(Task& t, bool ran);  // run `t` (unless `ran`: a fused kernel did its work) and count it complete
   void fail(Task& t, std::exception_ptr error);  // `t` threw: poison what it writes, keep the error to report
+  void hold(FailurePtr f);                       // keep `f` as the pending failure unless an unseen one is (mu_ held)
   void loop();
   uint64_t pending() const { return enqueued_.load(std::memory_order_acquire) - popped_; }
   const c10::DeviceIndex device_;
