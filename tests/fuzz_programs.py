@@ -25,8 +25,8 @@ Comparison rules (the device's error semantics; CPU is the reference):
    may raise a pending error once (the first sync after the failure, CUDA-style); a surfacing reports every error
    pending at that time, except that each failure is raised once: one that the surfacing did not name (another
    stream's failure, carried by an event wait to a stream that had failed itself) may still surface at a later sync
-   point or dependent statement; when it does, it stands for the failures pending behind it on that stream (a stream
-   keeps the first failure the user has not seen; a later one there surfaces where its results are read).
+   point or dependent statement; when it does, the failures pending behind it on that stream may surface later too
+   (a stream keeps every failure the user has not seen, oldest first, and a sync point raises one of them).
 3. Never a garbage value: every value neuron returns from a read equals the CPU's value for that read (integers and
    bools exactly; floats exactly under TORCHNEURON_EAGER_FUSION=0, else within 1e-5 (float32) or 2**-7 (bfloat16)
    relative, absolute errors relative to the tensor's largest value: sums in another order). A tensor is tainted

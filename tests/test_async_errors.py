@@ -121,6 +121,30 @@ def test_a_failure_after_one_another_stream_reported_is_raised_too(busy):
     torch.neuron.synchronize()  # each raised once
 
 
+def test_a_side_streams_own_failure_behind_one_it_took_on_is_raised_next(busy):
+    """A side stream takes on the default stream's failure (wait_stream), then fails itself. Its sync point raises
+    the older failure; the next one raises the side stream's own, which is not lost behind it (found by the long fuzz
+    run, seed 1080090), and each is raised once."""
+    side = torch.neuron.Stream()
+    src = torch.randn(8, 4, device=DEV)
+    a, ones, zeros = (torch.arange(4, device=DEV), torch.ones(4, dtype=torch.long, device=DEV),
+                      torch.zeros(4, dtype=torch.long, device=DEV))
+    torch.index_select(src, 0, torch.tensor([0, 1], device=DEV)), a // ones  # signatures known: queued below
+    busy()
+    a // zeros
+    side.wait_stream(torch.neuron.current_stream())
+    with torch.neuron.stream(side):
+        torch.index_select(src, 0, torch.tensor([0, 99], device=DEV))
+    ev = torch.neuron.Event()
+    ev.record(side)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        ev.synchronize()
+    with pytest.raises(IndexError, match="index out of range"):
+        side.synchronize()
+    torch.neuron.synchronize()  # each raised once
+    side.synchronize()
+
+
 def test_host_checkable_errors_raise_at_the_call_while_work_is_queued(busy):
     """Overlap and broadcasting in copy_ are the CPU's checks at the call; the ops launched between are not skipped."""
     v = torch.arange(16.0, device=DEV)

@@ -128,7 +128,7 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
         "event wait",
         [src = e->queue, t = e->ticket, &q] {
           src->wait_quiet(t);
-          if (FailurePtr f = src->unreported_failure(t)) q.take_failure(std::move(f));  // surfaces on this stream too
+          for (FailurePtr& f : src->unreported_failures(t)) q.take_failure(std::move(f));  // surface here too
         },
         /*control=*/true);
   }

@@ -158,7 +158,7 @@ void bind_lifecycle(py::module_& m) {
         return true;
       },
       py::arg("k"),
-      "Raise the pending kernel error of the k-th stream queue, as its sync point would; False when "
+      "Raise the oldest pending kernel error of the k-th stream queue, as its sync point would; False when "
       "there is no k-th queue.");
   m.def("_set_exit_status", &set_exit_status, py::arg("status"),
         "Make the process exit with `status` once the interpreter has finished (after every atexit handler).");

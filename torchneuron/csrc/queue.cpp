@@ -234,43 +234,49 @@ void StreamQueue::fail(Task& t, std::exception_ptr error) {
   f->device = device_, f->stream = id_, f->ticket = completed_.load() + 1;
   poison_writes(t.access, f);
   std::lock_guard<std::mutex> g(mu_);
-  hold(std::move(f));
+  hold(std::move(f), completed_.load() + 1);
 }
 
-// The stream's pending failure is the first since the user last saw one. A failure already raised elsewhere (at the
-// sync point of a stream that waited for this one) no longer holds the slot: the next failure here takes it, or it
-// would never be raised.
-void StreamQueue::hold(FailurePtr f) {  // mu_ held
-  if (error_ && !error_->reported.load()) return;
-  error_ = std::move(f);
+// Every failure the user has not seen waits its turn: a sync point raises the oldest, the next one raises the one
+// after it. Keeping only the first would drop a stream's own failure behind one it took on from another stream
+// (whose sync point may report it first), and that error would never be raised.
+void StreamQueue::hold(FailurePtr f, uint64_t at) {  // mu_ held
+  while (!unseen_.empty() && unseen_.front().failure->reported.load()) unseen_.pop_front();
+  for (const Held& h : unseen_)
+    if (h.failure == f) return;  // taken on twice (two waits for the same work)
+  unseen_.push_back({std::move(f), at});
   failed_.store(true, std::memory_order_relaxed);
 }
 
-FailurePtr StreamQueue::unreported_failure(uint64_t ticket) {
-  if (!failed_.load(std::memory_order_relaxed)) return nullptr;
+std::vector<FailurePtr> StreamQueue::unreported_failures(uint64_t ticket) {
+  std::vector<FailurePtr> out;
+  if (!failed_.load(std::memory_order_relaxed)) return out;
   std::lock_guard<std::mutex> g(mu_);
-  return error_ && error_->ticket <= ticket ? error_ : nullptr;
+  for (const Held& h : unseen_)
+    if (h.at <= ticket && !h.failure->reported.load()) out.push_back(h.failure);
+  return out;
 }
 
 void StreamQueue::take_failure(FailurePtr f) {
   std::lock_guard<std::mutex> g(mu_);
-  hold(std::move(f));
+  hold(std::move(f), completed_.load() + 1);  // the waiting task's place: the worker runs it now
 }
 
-// The first failure since the last report, raised once; the memory it left uncomputed stays poisoned.
+// The oldest failure the user has not seen, raised once; the memory it left uncomputed stays poisoned.
 void StreamQueue::raise_error() {
-  if (!failed_.load(std::memory_order_relaxed)) return;
-  FailurePtr f;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (!error_) return;
-    f = std::move(error_);
-    error_.reset();
-    failed_.store(false, std::memory_order_relaxed);
+  while (failed_.load(std::memory_order_relaxed)) {
+    FailurePtr f;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (unseen_.empty()) return;
+      f = std::move(unseen_.front().failure);
+      unseen_.pop_front();
+      failed_.store(!unseen_.empty(), std::memory_order_relaxed);
+    }
+    if (f->reported.exchange(true)) continue;  // the user has seen it already (a poisoned read, another stream's sync)
+    rethrow_failure(*f, c10::str(" and reported at this sync point",
+                                 f->stream == id_ ? "." : c10::str(" of stream ", id_, ", which waited for it.")));
   }
-  if (f->reported.exchange(true)) return;  // the user has seen it already (a poisoned read, another stream's sync)
-  rethrow_failure(*f, c10::str(" and reported at this sync point",
-                               f->stream == id_ ? "." : c10::str(" of stream ", id_, ", which waited for it.")));
 }
 
 namespace {

@@ -40,9 +40,9 @@ class StreamQueue {
   void wait(uint64_t ticket);        // a sync point: waits, then raises the stream's pending error
   void wait_quiet(uint64_t ticket);  // ordering only (a worker waiting on another stream, the allocator)
   void raise_error();                // the pending error of a failed kernel, with where it was launched
-  // A stream waiting (an event, wait_stream) for this one's work up to `ticket` takes on a failure it has not
-  // reported yet: the error surfaces on every stream that depends on the failed work.
-  FailurePtr unreported_failure(uint64_t ticket);
+  // A stream waiting (an event, wait_stream) for this one's work up to `ticket` takes on the failures it has not
+  // reported yet: the error surfaces on every stream that depends on the failed work. take_failure: on the worker.
+  std::vector<FailurePtr> unreported_failures(uint64_t ticket);
   void take_failure(FailurePtr f);
   c10::DeviceIndex device() const { return device_; }
   c10::StreamId id() const { return id_; }
@@ -60,7 +60,7 @@ class StreamQueue {
   };
   void finish(Task& t, bool ran);  // run `t` (unless `ran`: a fused kernel did its work) and count it complete
   void fail(Task& t, std::exception_ptr error);  // `t` threw: poison what it writes, keep the error to report
-  void hold(FailurePtr f);                       // keep `f` as the pending failure unless an unseen one is (mu_ held)
+  void hold(FailurePtr f, uint64_t at);          // queue `f` behind the failures not yet seen (mu_ held)
   void loop();
   uint64_t pending() const { return enqueued_.load(std::memory_order_acquire) - popped_; }
   const c10::DeviceIndex device_;
@@ -72,8 +72,14 @@ class StreamQueue {
   uint64_t popped_ = 0;  // the worker's
   static constexpr uint64_t kNoWaiter = ~uint64_t{0};
   std::atomic<uint64_t> wake_at_{kNoWaiter};  // the lowest ticket a sleeping waiter waits for
-  std::atomic<bool> failed_{false};           // error_ is set: a failure not yet reported at a sync point
-  FailurePtr error_;
+  // The failures not yet reported at a sync point, in the order this stream met them (its own, and those it took
+  // on by waiting for another stream), each with its place in this stream.
+  struct Held {
+    FailurePtr failure;
+    uint64_t at;
+  };
+  std::deque<Held> unseen_;
+  std::atomic<bool> failed_{false};  // unseen_ is not empty
   bool started_ = false, sleeping_ = false;
 };
 StreamQueue& queue_of(c10::DeviceIndex device, c10::StreamId id);

@@ -207,17 +207,17 @@ def _at_exit() -> None:
         os._exit(1)
     reported = set()
     k = 0
-    while True:
+    while True:  # each stream's pending errors, oldest first, until it raises none
         try:
             if not _C._raise_stream_error(k):
                 break
+            k += 1
         except Exception as e:  # noqa: BLE001  (any kernel's error, as its sync point raises it)
             text = "".join(traceback.format_exception_only(e))
             if text not in reported:
                 reported.add(text)
                 print(f"neuron: a queued kernel failed and its error was still pending at exit:\n{text}",
                       end="", file=sys.stderr)
-        k += 1
     if reported:
         _C._set_exit_status(1)
 
