@@ -836,6 +836,15 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
     seen: set[str] = set()  # types of every deferred error so far
     lost: set[str] = set()
     diverged: set[int] = set()  # storages that differ because of a mismatch already reported: not compared again
+
+    def surface(exc: str) -> None:
+        """A pending failure of type `exc` was raised: those pending beside it (on other streams, or behind it on
+        its stream) may still surface later, each once."""
+        nonlocal pending
+        named = next(j for j, (p, _) in enumerate(pending) if p == exc)
+        later.extend(pending[:named] + pending[named + 1:])
+        pending = []
+
     for i, (st, c, n) in enumerate(zip(prog.stmts, cpu, neu, strict=True)):
         def bad(rule: int, what: str, st: Stmt = st, i: int = i) -> None:
             out.append(Mismatch(rule, i, st.kind, what))
@@ -852,12 +861,10 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
             data = st.deferrable and bool(DATA_DEPENDENT.search(c.msg))
             if data:
                 tainted |= writes
-            if n.exc == c.exc and pending and ASYNC_REPORT in n.msg and not n.msg.startswith(c.msg[:40]):
-                # an earlier statement's error of the same type by chance, not this statement's own
-                bad(4 if mode == "blocking" else 1, f"CPU raised {c.exc} ({c.msg}); neuron raised the pending "
-                    f"{n.exc} of statement {pending[0][1]} instead ({n.msg})")
-                pending = [(c.exc, i)] if data and mode != "blocking" else []
-            elif n.exc == c.exc:
+            # this statement's own error, or an earlier statement's deferred one (of the same type by chance)
+            own = n.exc == c.exc and not (ASYNC_REPORT in n.msg and not n.msg.startswith(c.msg[:40]))
+            reported = not own and n.exc in {p for p, _ in pending}
+            if own:
                 if data:
                     seen.add(c.exc)
                     # raised at the call on both: each kernel stopped part way, after a split that follows its own
@@ -869,19 +876,23 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
                     seen.add(c.exc)
                 else:
                     bad(4 if data else 1, f"CPU raised {c.exc} ({c.msg}); neuron raised nothing")
-            elif data and mode != "blocking" and n.exc in {p for p, _ in pending} and (st.sync or dep):
-                pending = [(c.exc, i)]  # an earlier error surfaced here; this one is pending now
-                seen.add(c.exc)
+            elif reported and mode != "blocking" and (st.sync or (data and dep)):
+                # an earlier error surfaced at this statement's sync point (a copy to the host) or dependent read,
+                # before the op's own check or launch: this one (a device-side error) is pending now
+                surface(n.exc)
+                if data:
+                    pending.append((c.exc, i))
+                    seen.add(c.exc)
             elif n.exc == "NameError" and set(st.reads) & lost:
                 pass
             elif n.exc == "OutOfMemoryError" and "can't allocate memory" in c.msg:
                 pass  # the device's allocator raises torch.OutOfMemoryError (a RuntimeError), as CUDA's does
-            elif mode != "blocking" and st.sync and n.exc in {p for p, _ in pending}:
-                pending = []  # the statement's sync point (a copy to the host) reported it before the op's own check
-            elif n.exc in {p for p, _ in pending}:  # a pending error surfaced here, in place of this one's
+            elif reported:  # a pending error surfaced here, in place of this one's
                 bad(4 if mode == "blocking" else 1, f"CPU raised {c.exc} ({c.msg}); neuron raised the pending "
                     f"{n.exc} of statement {pending[0][1]} instead ({n.msg})")
-                pending = []
+                surface(n.exc)
+                if data and mode != "blocking":
+                    pending.append((c.exc, i))
             else:
                 bad(4 if mode == "blocking" else 1, f"CPU raised {c.exc} ({c.msg}); neuron raised {n.exc} ({n.msg})")
             if n.exc is None and not (data and mode != "blocking"):
@@ -894,9 +905,7 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
             poisoned = n.exc in seen and dep
             if surfaced or carried or poisoned or (n.exc == "NameError" and set(st.reads) & lost):
                 if surfaced:
-                    named = next(j for j, (p, _) in enumerate(pending) if p == n.exc)
-                    later += pending[:named] + pending[named + 1:]
-                    pending = []
+                    surface(n.exc)
                 elif carried:  # the older failure this stream held is raised here: those after it may surface later
                     later.remove(next(x for x in later if x[0] == n.exc))
                     later += pending
@@ -908,7 +917,7 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
                 why = ("pending: " + ", ".join(f"{p} of statement {j}" for p, j in pending)) if pending else \
                       "no error pending"
                 if n.exc in {p for p, _ in pending}:
-                    pending = []  # it surfaced, at the wrong statement (reported once, here)
+                    surface(n.exc)  # it surfaced, at the wrong statement (reported once, here)
                 diverged |= writes | binds
                 lost |= set(st.binds)
                 bad(4 if mode == "blocking" else (2 if pending or seen else 1),

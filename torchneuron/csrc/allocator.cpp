@@ -1,14 +1,13 @@
 // Device memory of the modelled NeuronCores: host memory handed out under each core's capacity.
 // A caching allocator like CUDA's: freed blocks stay reserved for reuse (reserved >= allocated), the cache is
 // released before reporting out-of-memory, and every CUDA statistic is kept per device.
-// Reuse is stream-ordered, as CUDA's: a block belongs to the stream that allocated it; once freed it is reused at
-// once by that stream's later allocations (its queue runs them after the work that used the block) and by no other
-// stream. A block used on another stream without Tensor.record_stream may therefore be overwritten while that
-// stream still reads it -- CUDA's bug, reproduced; with record_stream the block waits, after its free, until every
-// recorded stream has run the work queued so far. Memory goes back to the host only when no queued work can touch
-// it (emptyCache and the out-of-memory retry synchronize the device first, as cudaFree does).
-// Each device has its own state and lock, and a block's free finds it from a header before its memory: the op path
-// takes no process-wide lock.
+// Reuse is stream-ordered, as CUDA's: a freed block is reused at once by later allocations of the stream that
+// allocated it (its queue runs them after the work that used it) and by no other stream; used on another stream
+// without Tensor.record_stream it may be overwritten while that stream reads it (CUDA's bug, reproduced), with
+// record_stream it waits after its free until every recorded stream has run the work queued so far. Memory goes back to
+// the host only when no queued work can touch it (emptyCache and the out-of-memory retry synchronize the device first,
+// as cudaFree does). Each device has its own state and lock, and a block's free finds it from a header before its
+// memory: the op path takes no process-wide lock.
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/util/Exception.h>
 
@@ -58,15 +57,6 @@ struct PendingFree {
   }
 };
 
-std::string fmt_bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) b /= 1024, ++u;
-  char buf[32];
-  snprintf(buf, sizeof buf, u ? "%.2f %s" : "%.0f %s", b, units[u]);
-  return buf;
-}
-
 void bump(c10::CachingAllocator::StatArray& s, size_t bytes, bool up) {
   auto pool = static_cast<size_t>(bytes <= kSmall ? StatType::SMALL_POOL : StatType::LARGE_POOL);
   for (size_t i : {static_cast<size_t>(StatType::AGGREGATE), pool}) up ? s[i].increase(bytes) : s[i].decrease(bytes);
@@ -89,6 +79,12 @@ struct DeviceCache {
 // A block the allocator made carries its Block* in the kAlign bytes before its memory: its free needs no look-up
 // (adopted host memory has no header and is found in its device's segments).
 Block*& header_of(void* ptr) { return *reinterpret_cast<Block**>(static_cast<char*>(ptr) - kAlign); }
+
+// The block of memory the allocator handed out (nullptr for other memory).
+Block* block_of(const c10::DataPtr& m) {
+  if (m.get_deleter() == &delete_block) return m.get() ? header_of(m.get()) : nullptr;
+  return m.get_deleter() == &delete_adopted ? static_cast<Block*>(m.get_context()) : nullptr;
+}
 
 class NeuronAllocator final : public c10::DeviceAllocator {
  public:
@@ -186,11 +182,6 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     return false;
   }
 
-  c10::DeviceIndex device_of(const void* ptr) {
-    Block* b = find(ptr);
-    return b ? b->device : -1;
-  }
-
   [[noreturn]] void host_oom(c10::DeviceIndex dev, size_t requested, const std::string& why) {
     DeviceCache& c = cache(dev);
     std::lock_guard<std::mutex> g(c.mu);
@@ -217,9 +208,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     TORCH_CHECK(stream.device_type() == kNeuron, "record_stream: expected a neuron stream, got a ",
                 stream.device_type(), " stream");
     check_device_index(stream.device_index());
-    Block* b = ptr.get_deleter() == &delete_block     ? header_of(ptr.get())
-               : ptr.get_deleter() == &delete_adopted ? static_cast<Block*>(ptr.get_context())
-                                                      : nullptr;
+    Block* b = block_of(ptr);
     TORCH_CHECK(b, "record_stream: the tensor's memory was not allocated by the neuron allocator");
     std::lock_guard<std::mutex> g(cache(b->device).mu);
     TORCH_CHECK(b->in_use, "record_stream: the tensor's memory was not allocated by the neuron allocator");
@@ -261,11 +250,13 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   void set_fraction(c10::DeviceIndex dev, double f) {
+    check_device_index(dev);
     DeviceCache& c = cache(dev);
     std::lock_guard<std::mutex> g(c.mu);
     c.fraction = f;
   }
   double get_fraction(c10::DeviceIndex dev) {
+    check_device_index(dev);
     DeviceCache& c = cache(dev);
     std::lock_guard<std::mutex> g(c.mu);
     return c.fraction;
@@ -312,14 +303,9 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   void finish_pending(DeviceCache& c) {
-    std::vector<PendingFree> still;
-    for (auto& p : c.pending) {
-      if (p.ready())
-        finish(c, p.block);
-      else
-        still.push_back(std::move(p));
-    }
-    c.pending.swap(still);
+    auto done = std::stable_partition(c.pending.begin(), c.pending.end(), [](auto& p) { return !p.ready(); });
+    for (auto it = done; it != c.pending.end(); ++it) finish(c, it->block);
+    c.pending.erase(done, c.pending.end());
   }
 
   // Best fit among the stream's cached blocks, accepting at most 2x the request so small tensors do not pin big
@@ -366,9 +352,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   bool has_cached(const DeviceCache& c) {
-    for (auto& [stream, pool] : c.free)
-      if (!pool.empty()) return true;
-    return false;
+    return std::any_of(c.free.begin(), c.free.end(), [](auto& pool) { return !pool.second.empty(); });
   }
 
   // Make room for a new segment of `size` bytes within the core's capacity (times the process's memory
@@ -403,19 +387,10 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   [[noreturn]] void throw_oom(const DeviceCache& c, c10::DeviceIndex dev, size_t requested, const char* why) {
-    auto& st = c.stats;
-    size_t cap = device_capacity(dev);
-    std::string frac = c.fraction < 1.0
-                           ? "; the per-process memory fraction " + c10::str(c.fraction) + " limits this process to " +
-                                 fmt_bytes(limit(c, dev)) + " (torch.neuron.set_per_process_memory_fraction)"
-                           : "";
-    TORCH_CHECK_WITH(OutOfMemoryError, false, "neuron:", static_cast<int>(dev), " out of memory: tried to allocate ",
-                     fmt_bytes(requested), " (", requested, " bytes); the device has a capacity of ", fmt_bytes(cap),
-                     frac, ", of which ", fmt_bytes(st.allocated_bytes[0].current), " is allocated by PyTorch and ",
-                     fmt_bytes(st.reserved_bytes[0].current), " reserved. ",
-                     why ? why
-                         : "Free tensors, lower the batch size, or model a larger core "
-                           "(TORCHNEURON_MEMORY_LIMIT / TORCHNEURON_INSTANCE).");
+    throw_device_oom({dev, requested, device_capacity(dev), limit(c, dev), c.fraction,
+                      static_cast<size_t>(c.stats.allocated_bytes[0].current),
+                      static_cast<size_t>(c.stats.reserved_bytes[0].current)},
+                     why);
   }
 
   std::array<DeviceCache, 128> devices_;  // by device index (validated): no hashing on the op path
@@ -449,37 +424,24 @@ c10::DataPtr adopt_host_memory(c10::DataPtr host, size_t nbytes, c10::DeviceInde
   return g_allocator.adopt(std::move(host), nbytes, device);
 }
 
-c10::DeviceIndex device_of_pointer(const void* ptr) { return g_allocator.device_of(ptr); }
+c10::DeviceIndex device_of_pointer(const void* ptr) {
+  Block* b = g_allocator.find(ptr);
+  return b ? b->device : -1;
+}
 
 bool allocation_holds(const void* ptr, uint64_t allocation) { return g_allocator.holds(ptr, allocation); }
 
 uint64_t allocation_id(const c10::DataPtr& memory) {
-  if (memory.get_deleter() == &delete_block) return memory.get() ? header_of(memory.get())->id : 0;
-  if (memory.get_deleter() == &delete_adopted) return static_cast<const Block*>(memory.get_context())->id;
-  return 0;
+  const Block* b = block_of(memory);
+  return b ? b->id : 0;
 }
 
-bool is_host_oom(const c10::Error& e) { return e.msg().find("DefaultCPUAllocator") != std::string::npos; }
-
-void throw_host_oom(c10::DeviceIndex device, const c10::Error& host_error) {
-  const std::string& msg = host_error.msg();
-  const std::string tried = "tried to allocate ";  // "... you tried to allocate N bytes"
-  auto at = msg.find(tried);
-  size_t requested = at == std::string::npos ? 0 : std::strtoull(msg.c_str() + at + tried.size(), nullptr, 10);
-  g_allocator.host_oom(
-      device, requested,
-      "The host could not provide the memory for the kernel's result (" + msg.substr(0, msg.find('\n')) + ").");
+void raise_host_oom(c10::DeviceIndex device, size_t requested, const std::string& why) {
+  g_allocator.host_oom(device, requested, why);
 }
 
-void set_memory_fraction(c10::DeviceIndex device, double fraction) {
-  check_device_index(device);
-  g_allocator.set_fraction(device, fraction);
-}
-
-double memory_fraction(c10::DeviceIndex device) {
-  check_device_index(device);
-  return g_allocator.get_fraction(device);
-}
+void set_memory_fraction(c10::DeviceIndex device, double fraction) { g_allocator.set_fraction(device, fraction); }
+double memory_fraction(c10::DeviceIndex device) { return g_allocator.get_fraction(device); }
 
 std::vector<BlockView> allocator_blocks() { return g_allocator.blocks(); }
 

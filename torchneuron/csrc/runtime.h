@@ -113,6 +113,19 @@ c10::DeviceIndex device_of_pointer(const void* ptr);
 // memory the allocator did not hand out.
 uint64_t allocation_id(const c10::DataPtr& memory);
 bool allocation_holds(const void* ptr, uint64_t allocation);  // that allocation still holds the memory at `ptr`
+// A host allocation failure inside a device kernel: counted as the device's out-of-memory and raised (oom.cpp).
+[[noreturn]] void raise_host_oom(c10::DeviceIndex device, size_t requested, const std::string& why);
+
+// ---- oom.cpp: torch.OutOfMemoryError as CUDA words it ----
+// What the message reports: the request, the core's capacity, this process's limit and fraction, and the bytes
+// allocated and reserved.
+struct OomReport {
+  c10::DeviceIndex device;
+  size_t requested, capacity, limit;
+  double fraction;
+  size_t allocated, reserved;
+};
+[[noreturn]] void throw_device_oom(const OomReport& r, const char* why);  // why: nullptr for the usual advice
 // Run a CPU kernel whose buffers become memory of `device`: a host allocation failure inside it is the device
 // running out of memory, so it raises torch.OutOfMemoryError (naming the device) like any device allocation.
 [[noreturn]] void throw_host_oom(c10::DeviceIndex device, const c10::Error& host_error);
