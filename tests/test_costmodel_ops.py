@@ -185,8 +185,13 @@ def test_gpu_matmul_is_its_calibrated_roofline():
     waves = 1024 / (8 * 132)
     assert c.compute_s == pytest.approx(2 * 4096**3 / (989e12 * 0.803) / waves)
     assert c.overhead_s == pytest.approx(1.28e-6)
-    # one small GEMM (fewer tiles than SMs): split-K fills the SMs, no wave loss
-    assert mm(256, 4096, 256, tgt="h100").compute_s == pytest.approx(2 * 256 * 4096 * 256 / (989e12 * 0.803))
+    # fewer tiles than SMs (2 x 2): each of 4 SMs runs one 128 x 128 x 4096 tile at 1/132 of the rate, the other
+    # 128 SMs idle (no split-K)
+    per_sm = 989e12 * 0.803 / 132
+    assert mm(256, 4096, 256, tgt="h100").compute_s == pytest.approx(2 * 128 * 128 * 4096 / per_sm)
+    # a decode GEMV (one row, 64 tiles) still streams its 8192 x 8192 weights at the measured HBM rate (G2)
+    gemv = mm(1, 8192, 8192, tgt="h100")
+    assert gemv.compute_s < gemv.memory_s == pytest.approx(gemv.bytes / (3.35e12 * 0.906))
 
 
 def test_gpu_fp8_and_weight_only_matmul_rates():

@@ -223,10 +223,11 @@ GPU_TILE = 128  # output tile of one thread block of a Hopper/Blackwell GEMM (12
 def _gemm_s(b: int, m: int, k: int, n: int, t: Target, dclass: str) -> float:
     if t.is_neuron:  # the lnc physical arrays split the work evenly
         return b * pe_cycles(m, k, n, t.spec, dclass) / t.spec.tensor.clock_hz / t.lnc
-    # A GPU GEMM runs its output tiles in waves over the SMs: a partial last wave costs a whole one. With fewer
-    # tiles than SMs, split-K kernels fill the SMs instead (no wave loss).
+    # A GPU GEMM runs its output tiles, one per SM at a time, in waves over the SMs: a partial wave costs a whole
+    # one (wave quantization, G11), the first one too when there are fewer tiles than SMs (no split-K: idle SMs add
+    # no tensor throughput; docs/costmodel.md, "Outliers"). HBM streaming is not scaled down with the SMs.
     tiles, sms = b * math.ceil(m / GPU_TILE) * math.ceil(n / GPU_TILE), t.spec.sms
-    waves = tiles / (math.ceil(tiles / sms) * sms) if tiles >= sms else 1.0
+    waves = tiles / (math.ceil(tiles / sms) * sms)
     return 2 * b * m * k * n / t.matmul_flops(dclass) / waves
 
 

@@ -62,10 +62,6 @@ def _mpt(d_model: int, layers: int, heads: int, seq: int) -> torch.nn.Module:
                                        n_positions=seq, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
 
 
-_SHORT_PROMPT = ("the per-token slope of the page's 128 -> 2,048 pairs is modelled; a fixed 3.5-14 ms is not (engines "
-                 "built for large batches, context step without a CUDA graph; no published breakdown): docs, Outliers")
-
-
 def _gpt3_175b() -> torch.nn.Module:
     """GPT-3 175B (96 layers, 12288 wide, 96 heads, vocab 51200) as a Hugging Face GPT-2 without dropout."""
     from transformers import GPT2Config
@@ -260,12 +256,10 @@ CASES = (
                         schedule="interleaved", vpp=6, **_h100(tp=4, dp=4)) / 128, "gpu"),
     Case("Llama-7B prefill, TTFT, 128 tokens", "1x H100, fp8, BS1, 128 in", "ms", 7.0,
          "G8 TensorRT-LLM v0.5 performance.md",
-         lambda: _prefill_ms(_llama("llama2-7b"), 128, precision="fp8", **_h100(tp=1)), "gpu",
-         outlier=_SHORT_PROMPT),
+         lambda: _prefill_ms(_llama("llama2-7b"), 128, precision="fp8", **_h100(tp=1)), "gpu"),
     Case("Llama-70B prefill, TTFT, 128 tokens", "4x H100, TP4, fp8, BS1, 128 in", "ms", 26.0,
          "G8 TensorRT-LLM v0.5 performance.md",
-         lambda: _prefill_ms(_llama("llama2-70b"), 128, precision="fp8", **_h100(tp=4)), "gpu",
-         outlier=_SHORT_PROMPT),
+         lambda: _prefill_ms(_llama("llama2-70b"), 128, precision="fp8", **_h100(tp=4)), "gpu"),
     Case("Llama-7B prefill, TTFT", "1x H100, fp8, BS1, 2048 in", "ms", 36.0,
          "G8 TensorRT-LLM v0.5 performance.md",
          lambda: _prefill_ms(_llama("llama2-7b"), 2048, precision="fp8", **_h100(tp=1)), "gpu"),
