@@ -830,20 +830,26 @@ def _short(v: object) -> str:
 def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exact: bool = False) -> list[Mismatch]:
     """The rules of the module docstring, statement by statement; the first mismatch of each statement."""
     out: list[Mismatch] = []
-    tainted: set[int] = set()
+    tainted: dict[int, set[int]] = {}  # tainted storage -> the failing statements whose failure it carries
     pending: list[tuple[str, int]] = []  # deferred errors not yet surfaced: (type, statement)
     later: list[tuple[str, int]] = []  # pending when another surfaced: reported with it, or at a later sync point
     seen: set[str] = set()  # types of every deferred error so far
     lost: set[str] = set()
     diverged: set[int] = set()  # storages that differ because of a mismatch already reported: not compared again
 
-    def surface(exc: str) -> None:
-        """A pending failure of type `exc` was raised: those pending beside it (on other streams, or behind it on
-        its stream) may still surface later, each once."""
+    def surface(exc: str, behind: set[int] = frozenset()) -> None:
+        """A pending failure of type `exc` was raised (one of the statements `behind` the data read, if any is of
+        that type): those pending beside it (on other streams, or behind it on its stream) may still surface later,
+        each once."""
         nonlocal pending
-        named = next(j for j, (p, _) in enumerate(pending) if p == exc)
+        types = [j for j, (p, _) in enumerate(pending) if p == exc]
+        named = next((j for j in types if pending[j][1] in behind), types[0])
         later.extend(pending[:named] + pending[named + 1:])
         pending = []
+
+    def taint(sids: set[int], by: set[int]) -> None:
+        for x in sids:
+            tainted.setdefault(x, set()).update(by)
 
     for i, (st, c, n) in enumerate(zip(prog.stmts, cpu, neu, strict=True)):
         def bad(rule: int, what: str, st: Stmt = st, i: int = i) -> None:
@@ -853,14 +859,18 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
         reads = {sids[x] for x in st.reads if x in sids}
         writes = {sids[x] for x in st.writes if x in sids}
         binds = {sids[x] for x in st.binds if x in sids}
-        dep = bool(reads & tainted) or bool(set(st.reads) & lost)
+        behind = set().union(*(tainted[x] for x in reads if x in tainted))  # failures the read data carries
+        dep = bool(behind) or bool(set(st.reads) & lost)
+        # which failure a surfacing raised: a sync point raises its stream's oldest unseen one, a launch or read of
+        # poisoned memory one of those behind that memory
+        named_by = frozenset() if st.sync else behind
         if reads & diverged:
             diverged |= writes | binds
         nbad = len(out)
         if c.exc is not None:
             data = st.deferrable and bool(DATA_DEPENDENT.search(c.msg))
             if data:
-                tainted |= writes
+                taint(writes, {i})
             # this statement's own error, or an earlier statement's deferred one (of the same type by chance)
             own = n.exc == c.exc and not (ASYNC_REPORT in n.msg and not n.msg.startswith(c.msg[:40]))
             reported = not own and n.exc in {p for p, _ in pending}
@@ -879,7 +889,7 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
             elif reported and mode != "blocking" and (st.sync or (data and dep)):
                 # an earlier error surfaced at this statement's sync point (a copy to the host) or dependent read,
                 # before the op's own check or launch: this one (a device-side error) is pending now
-                surface(n.exc)
+                surface(n.exc, named_by)
                 if data:
                     pending.append((c.exc, i))
                     seen.add(c.exc)
@@ -901,16 +911,17 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
             surfaced = mode != "blocking" and n.exc in {p for p, _ in pending} and (st.sync or dep)
             # a failure another surfacing did not name (another stream's, carried by an event wait to a stream that
             # had failed itself): each failure is raised once, so it may surface at a later sync point
-            carried = mode != "blocking" and n.exc in {p for p, _ in later} and (st.sync or dep)
+            held = [k for k, (p, j) in enumerate(later) if p == n.exc and (st.sync or j in behind)]
+            carried = mode != "blocking" and bool(held) and (st.sync or dep)
             poisoned = n.exc in seen and dep
             if surfaced or carried or poisoned or (n.exc == "NameError" and set(st.reads) & lost):
                 if surfaced:
-                    surface(n.exc)
+                    surface(n.exc, named_by)
                 elif carried:  # the older failure this stream held is raised here: those after it may surface later
-                    later.remove(next(x for x in later if x[0] == n.exc))
+                    del later[held[0]]
                     later += pending
                     pending = []
-                tainted |= writes | binds
+                taint(writes | binds, behind)
                 diverged |= writes  # it raised on neuron: its later writes did not happen there (an op that raises
                 lost |= set(st.binds)  # writes nothing), while the CPU made them
             else:
@@ -925,14 +936,14 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
                     f"{'a sync point' if st.sync else 'not a sync point'}; "
                     f"{'reads tainted data' if dep else 'reads no tainted data'})")
         elif dep:
-            tainted |= writes | binds
+            taint(writes | binds, behind)
         nrec = dict(n.records)
         if reads & diverged and len(out) == nbad:
             continue  # a consequence of an earlier mismatch
         for key, cv in c.records:
             if key in nrec and not _same(cv, nrec[key], exact):
                 bad(3, f"read {key}: neuron {_short(nrec[key])}, CPU {_short(cv)}"
-                    + (" (tainted)" if dep or reads & tainted else ""))
+                    + (" (tainted)" if dep else ""))
                 break
     if pending:
         out.append(Mismatch(2, len(prog.stmts) - 1, prog.stmts[pending[0][1]].kind,

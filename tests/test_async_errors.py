@@ -145,6 +145,21 @@ def test_a_side_streams_own_failure_behind_one_it_took_on_is_raised_next(busy):
     side.synchronize()
 
 
+def test_a_copys_own_size_error_comes_before_the_failure_behind_its_source(busy):
+    """copy_ from poisoned memory into a tensor of another size raises the CPU's size error (the copy's own check),
+    also when the copy runs at once (small, on an idle stream), not the failure that left its source uncomputed
+    (found by the long fuzz run, seed 80293); a copy that fits raises that failure."""
+    bad = _failing_index_select(torch.randn(8, 4, device=DEV), busy)
+    with pytest.raises(IndexError, match="index out of range"):
+        torch.neuron.synchronize()
+    torchneuron._C._set_queue_everything(False)  # small copies on an idle stream run now
+    dst = torch.zeros(6, 4, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        dst.copy_(bad)
+    with pytest.raises(IndexError, match="never computed"):
+        dst[:2].copy_(bad)
+
+
 def test_host_checkable_errors_raise_at_the_call_while_work_is_queued(busy):
     """Overlap and broadcasting in copy_ are the CPU's checks at the call; the ops launched between are not skipped."""
     v = torch.arange(16.0, device=DEV)

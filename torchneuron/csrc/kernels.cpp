@@ -96,11 +96,12 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   at::Tensor src = from_device ? host(self) : self;
   // The copy's own checks (broadcasting, overlap, self-copy), at the call as on the CPU: building copy_'s iterator
   // over the host aliases runs them without moving data (a queued copy would raise them at a later sync point).
+  // A copy run now makes them itself, unless poisoned memory is about: they come before a poisoned read's error.
   const bool same = d.is_alias_of(src) && d.storage_offset() == src.storage_offset() && d.sizes().equals(src.sizes()) &&
                     d.strides().equals(src.strides()) && d.scalar_type() == src.scalar_type() &&
                     d.is_conj() == src.is_conj() && d.is_neg() == src.is_neg();
   if (same) return dst;  // as ATen's copy_: nothing to do
-  if (!now)
+  if (!now || poisoned_storages())
     at::TensorIteratorConfig()
         .add_output(d)
         .add_const_input(src)
