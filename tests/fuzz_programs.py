@@ -204,6 +204,7 @@ class Result:
 
 NAME = re.compile(r"\bt\d+\b")
 ASYNC_REPORT = "run asynchronously"  # in the message of an error a queued kernel raised (reported later)
+POISONED_READ = "never computed"  # ... and of one raised again by a launch or host read of memory it left uncomputed
 DATA_DEPENDENT = re.compile(r"out of range|out of bounds|ZeroDivisionError|index \S+ is out of|invalid index",
                             re.IGNORECASE)
 
@@ -861,9 +862,10 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
         binds = {sids[x] for x in st.binds if x in sids}
         behind = set().union(*(tainted[x] for x in reads if x in tainted))  # failures the read data carries
         dep = bool(behind) or bool(set(st.reads) & lost)
-        # which failure a surfacing raised: a sync point raises its stream's oldest unseen one, a launch or read of
-        # poisoned memory one of those behind that memory
-        named_by = frozenset() if st.sync else behind
+        # which failure a surfacing raised: a launch or read of poisoned memory one of those behind that memory (its
+        # message says so), else a sync point its stream's oldest unseen one
+        by_poison = n.exc is not None and POISONED_READ in n.msg
+        named_by = behind if by_poison or not st.sync else frozenset()
         if reads & diverged:
             diverged |= writes | binds
         nbad = len(out)
@@ -911,7 +913,8 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
             surfaced = mode != "blocking" and n.exc in {p for p, _ in pending} and (st.sync or dep)
             # a failure another surfacing did not name (another stream's, carried by an event wait to a stream that
             # had failed itself): each failure is raised once, so it may surface at a later sync point
-            held = [k for k, (p, j) in enumerate(later) if p == n.exc and (st.sync or j in behind)]
+            held = [k for k, (p, j) in enumerate(later)
+                    if p == n.exc and (j in behind if by_poison else st.sync or j in behind)]
             carried = mode != "blocking" and bool(held) and (st.sync or dep)
             poisoned = n.exc in seen and dep
             if surfaced or carried or poisoned or (n.exc == "NameError" and set(st.reads) & lost):
