@@ -578,8 +578,8 @@ class Generator:
         src, binds, writes = self.r.choice(ops)
         if self.r.random() < 0.6:  # the same signature first in range, then the call queued behind slow work
             w = self.fresh()
-            self.emit(_rename(_rename(src, idx, twin), name, w), "index_op", (w,) if binds else (), writes,
-                      deferrable=True)
+            self.emit(_rename(_rename(src, idx, twin), name, w), "index_op", (w,) if binds else (),
+                      tuple(twin if x == idx else x for x in writes), deferrable=True)  # the target may be the index
             self.slow()
         self.emit(src, "index_op", binds, writes, deferrable=True, exact=None)
 
