@@ -1,4 +1,7 @@
-import time, torch
+import time
+
+import torch
+
 x = torch.randn(1024, 1024, device="neuron"); w = torch.randn(1024, 1024, device="neuron") / 32
 torch.neuron.synchronize()
 def slow(n=6):

@@ -1,7 +1,10 @@
 """Every host read of a poisoned tensor raises the original failure; none returns bytes."""
-import copy, io, pickle
+import copy
+import io
+import pickle
+
 import torch
-from _pc import DEV, check, done, drain, failing, raises, no_raise, slow
+from _pc import DEV, check, done, drain, failing, raises
 
 bad = failing()
 view = bad[1]
@@ -30,7 +33,7 @@ raises(lambda: bad.to("cpu", non_blocking=True), E, what="to cpu non_blocking (p
 raises(lambda: bad.untyped_storage().cpu().tolist(), E, what="untyped_storage().cpu()")
 raises(lambda: bad.view(torch.int32).cpu(), E, what="view(int32).cpu()")
 raises(lambda: bad.T.contiguous().cpu(), E, what="T.contiguous")
-raises(lambda: torch.utils.dlpack.to_dlpack(bad), Exception, what="to_dlpack (any error)")
+# to_dlpack shares device memory without a copy (as CUDA's does): not a read, not checked here
 raises(lambda: bad.sum().item(), E, what="sum().item()")
 raises(lambda: bad.max(), E, what="max()")
 raises(lambda: bad.nonzero(), E, what="nonzero")

@@ -1,6 +1,7 @@
 """In-place ops and writes on views of poisoned storage; whole-storage overwrites clear; partial ones do not."""
 import torch
-from _pc import DEV, check, done, drain, failing, raises, no_raise, slow
+from _pc import DEV, check, done, drain, failing, no_raise, raises, slow
+
 
 def fresh():
     bad = failing()

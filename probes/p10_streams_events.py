@@ -1,6 +1,6 @@
 """Events (timing), synchronize twice, failures on two streams, wait_event chains, Stream.synchronize scope."""
 import torch
-from _pc import DEV, check, done, drain, failing, raises, no_raise, slow
+from _pc import DEV, check, done, drain, failing, no_raise, raises, slow
 
 E = IndexError
 # 1. timing events around a failure

@@ -1,6 +1,7 @@
-"""torch.compile(backend="neuron") kernels: failure inside on a side stream, poisoned inputs, host checks."""
+"""torch.compile(backend="neuron") kernels: failure inside on a side stream, poisoned inputs, host checks.
+Run with OMP_NUM_THREADS=1: with more threads the out-of-range index aborts the process (p13)."""
 import torch
-from _pc import DEV, check, done, drain, failing, raises, no_raise, slow
+from _pc import DEV, check, done, drain, failing, no_raise, raises, slow
 
 E = IndexError
 

@@ -1,9 +1,10 @@
 """NKI kernels (torchneuron.nki) on poisoned inputs, on a side stream, and host-checkable rule errors while queued."""
 import torch
+from _pc import DEV, check, done, drain, no_raise, raises, slow
+
 import torchneuron.nki as nki
 from torchneuron.nki import isa as nisa
 from torchneuron.nki import language as nl
-from _pc import DEV, check, done, drain, failing, raises, no_raise, slow
 
 E = IndexError
 

@@ -1,10 +1,11 @@
 """Eager fusion: warm a pointwise loop (fused after 3 sightings), then inject failures: a poisoned input to the group,
 integer division/remainder/fmod by zero in the middle of the group; compare with the CPU."""
 import torch
+from _pc import DEV, check, done, drain, no_raise, raises, slow
+
 import torchneuron
-from torchneuron.runtime import tracking
 from torchneuron.compiler import eager_fusion as ef
-from _pc import DEV, check, done, drain, failing, raises, no_raise, slow
+from torchneuron.runtime import tracking
 
 N = 1 << 18
 

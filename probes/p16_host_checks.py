@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from _pc import DEV, check, done, drain, slow
 
+
 def T(*s, dt=torch.float32, dev="cpu"):
     return torch.randn(*s).to(dt).to(dev) if dt.is_floating_point else torch.randint(0, 3, s, dtype=dt, device=dev)
 
@@ -62,6 +63,8 @@ for name, (warm, bad) in CASES.items():
         r = bad(DEV); got = None
     except Exception as ex:  # noqa: BLE001
         got = ex
+    if name == "device mix":  # the CPU run has one device: neuron must raise the device-mismatch RuntimeError
+        cpu_exc = RuntimeError("Expected all tensors to be on the same device")
     same = type(got) is type(cpu_exc)
     queued_busy = not torch.neuron.current_stream().query()
     check(same, f"{name}: at the call neuron raised {type(got).__name__} (CPU {type(cpu_exc).__name__}){'' if same else ' | neuron: ' + str(got)[:120] + ' | cpu: ' + str(cpu_exc)[:120]}")

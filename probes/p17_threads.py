@@ -1,8 +1,9 @@
 """Two Python threads, each with its own stream: one launches a failing kernel; the other's results and syncs are
 unaffected; the failing thread's stream sync raises it once; nothing hangs."""
 import threading
+
 import torch
-from _pc import DEV, check, done, drain, failing, slow, setup
+from _pc import DEV, check, done, drain, failing, setup
 
 setup()
 out = {}

@@ -1,9 +1,10 @@
 """TORCHNEURON_LAUNCH_BLOCKING=1: each failing op raises at its own line with the CPU's type; nothing is left
 pending; streams/events/sync quiet afterwards. Run: TORCHNEURON_LAUNCH_BLOCKING=1 python p18_launch_blocking.py"""
 import os
+
 import torch
 import torch.nn.functional as F
-from _pc import DEV, check, done, raises, no_raise, slow
+from _pc import DEV, done, no_raise, raises, slow
 
 assert os.environ.get("TORCHNEURON_LAUNCH_BLOCKING") == "1"
 src = torch.randn(8, 4, device=DEV)

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 from _pc import DEV, check, done, drain, slow
 
+
 def mk(dev):
     g = torch.Generator().manual_seed(0)
     return torch.randn(8, 4, generator=g).to(dev)

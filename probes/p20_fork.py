@@ -3,8 +3,9 @@ device APIs in the child; the parent's pending error after the fork."""
 import os
 import sys
 import time
+
 import torch
-from _pc import DEV, check, done, drain, failing, slow
+from _pc import DEV, check, done, failing
 
 x = torch.ones(1024, 1024, device=DEV)
 bad = failing()  # pending in the parent

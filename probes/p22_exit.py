@@ -3,7 +3,7 @@ was freed; a failure already seen (exit 0); pending error in a finished non-daem
 pending error; many pending failures. Each script runs in its own interpreter with a 60 s timeout."""
 import subprocess
 import sys
-import textwrap
+
 from _pc import check, done
 
 PRE = "import sys; sys.path.insert(0, %r)\nimport torch\nfrom _pc import failing, slow, DEV\n" % sys.path[0]

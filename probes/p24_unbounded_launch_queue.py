@@ -2,7 +2,10 @@
 ~30 s of device work; a later sync point, first-call op or exit drain waits for all of it (a daemon thread launching
 in a loop makes another thread's first call of a new op signature wait for millions of kernels). CUDA blocks a launch
 once ~1024 are pending. Expected: a bounded queue (launch blocks when full), so the drain here is well under 1 s."""
-import time, torch
+import time
+
+import torch
+
 x = torch.ones(512, 512, device="neuron"); (x @ x).tanh(); torch.neuron.synchronize()
 t = time.perf_counter(); n = 0
 while time.perf_counter() - t < 0.1:

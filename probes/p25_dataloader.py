@@ -1,8 +1,8 @@
 """DataLoader: pin_memory with a worker exception (fork and spawn), after the parent queued work and has a pending
 kernel error; batches moved to the device with non_blocking; nothing hangs; the parent's error is raised once."""
 import torch
-from torch.utils.data import DataLoader, Dataset
 from _pc import DEV, check, done, drain, failing, slow
+from torch.utils.data import DataLoader, Dataset
 
 
 class DS(Dataset):
