@@ -1,17 +1,19 @@
-"""Held-out probes of issue 26's semantics that the runtime does not meet yet (probes/ has a standalone repro for
-each, named in its test's docstring). Each is `xfail(strict=True)`: the lead flips it once the runtime is fixed.
+"""Held-out probes of issue 26's semantics (probes/ has a standalone repro for each, named in its test's docstring),
+each failing before its fix; the two the runtime does not meet yet are `xfail(strict=True)`, with the reason.
 Unlike tests/test_async_errors.py, these run in the default mode (no queue-everything), as a user's program does;
 `slow()` queues ~0.2 s of matmuls so that the launches after it really queue."""
 from __future__ import annotations
 
 import io
 import pickle
+import threading
 import time
 
 import pytest
 import torch
 
 from tests.conftest import run_py
+from tests.helpers import Gate
 from tests.test_async import DEV, needs_async, on_device, operands, slow
 
 pytestmark = needs_async
@@ -46,7 +48,6 @@ def _failing(busy, src: torch.Tensor | None = None) -> torch.Tensor:
     return torch.index_select(src, 0, torch.tensor([0, 99], device=DEV))
 
 
-@pytest.mark.xfail(strict=True, reason="pickle.dumps / legacy torch.save read a poisoned storage without the check")
 @pytest.mark.parametrize("write", ["pickle", "legacy_save"])
 def test_serializing_a_poisoned_tensor_raises(busy, write):
     """probes/p02_pickle_poisoned.py: torch.save (zipfile) raises on a poisoned tensor; pickle.dumps and the legacy
@@ -61,8 +62,6 @@ def test_serializing_a_poisoned_tensor_raises(busy, write):
             torch.save(bad, io.BytesIO(), _use_new_zipfile_serialization=False)
 
 
-@pytest.mark.xfail(strict=True, reason="the poison of a result freed while its failing kernel is queued is dropped "
-                                       "for the kernels queued before the free that read it")
 @pytest.mark.parametrize("freed", ["failed_result", "skipped_result"])
 def test_a_result_freed_while_queued_still_poisons_its_queued_readers(busy, freed):
     """probes/p05_freed_failed_result.py: `r = f(g(idx))` with g failing frees g's result (or a skipped
@@ -83,7 +82,6 @@ def test_a_result_freed_while_queued_still_poisons_its_queued_readers(busy, free
         r.cpu()
 
 
-@pytest.mark.xfail(strict=True, reason="parameters are updated from gradients computed on uncomputed memory")
 def test_a_training_step_behind_a_failed_embedding_lookup_updates_nothing(busy):
     """probes/p06_backward_after_failed_forward.py (and p26 for a failure inside backward): the step's backward and
     SGD update, queued behind an embedding lookup that fails, must leave every parameter poisoned or unchanged."""
@@ -112,7 +110,6 @@ def test_a_training_step_behind_a_failed_embedding_lookup_updates_nothing(busy):
         assert torch.equal(v, b), "a parameter was updated from uncomputed memory"
 
 
-@pytest.mark.xfail(strict=True, reason=".item() does not raise a pending kernel error of the stream (.cpu() does)")
 def test_item_is_a_sync_point_that_raises_a_pending_failure(busy):
     """probes/p07_item_not_a_sync_point.py: docs/device.md lists `.item()` among the sync points; CUDA's `.item()`
     raises the sticky error."""
@@ -124,7 +121,6 @@ def test_item_is_a_sync_point_that_raises_a_pending_failure(busy):
         z.item()
 
 
-@pytest.mark.xfail(strict=True, reason="zero_/fill_ are treated as reading the poisoned tensor they overwrite")
 @pytest.mark.parametrize("fill", ["zero_", "fill_"])
 def test_filling_a_whole_poisoned_tensor_clears_it(busy, fill):
     """probes/p09_fill_zero_poisoned.py: copy_ and normal_ over a whole poisoned tensor clear it; zero_ and fill_
@@ -136,8 +132,6 @@ def test_filling_a_whole_poisoned_tensor_clears_it(busy, fill):
     assert torch.equal(bad.cpu(), torch.full((2, 4), 0.0 if fill == "zero_" else 3.0))
 
 
-@pytest.mark.xfail(strict=True, reason="a first-call host run on the middle stream drops the failure it took on "
-                                       "for streams that wait on it later")
 def test_a_failure_reaches_a_stream_through_a_stream_that_ran_a_new_signature(busy):
     """probes/p11_transitive_wait.py: a fails; b waits for a's event, then runs an op whose signature is new (its
     first call runs on the host after b's queue); c.wait_stream(b): c depends on the failure and must raise it."""
@@ -154,7 +148,6 @@ def test_a_failure_reaches_a_stream_through_a_stream_that_ran_a_new_signature(bu
         c.synchronize()
 
 
-@pytest.mark.xfail(strict=True, reason="one device synchronize marks every stream's failure seen but raises one")
 def test_independent_failures_on_two_streams_are_each_raised(busy):
     """probes/p27_device_sync_drops_second_failure.py: a's and b's kernels fail independently; successive sync
     points raise both (the second is otherwise lost: never raised, not printed at exit)."""
@@ -212,8 +205,6 @@ def test_a_forked_child_compiles_a_cpu_function():
     assert "child 0" in p.stdout, p.stdout + p.stderr[-500:]
 
 
-@pytest.mark.xfail(strict=True, reason="the exit drain's timeout path ends the process without printing the "
-                                       "failures already pending")
 def test_a_pending_failure_is_printed_when_the_exit_drain_times_out():
     """probes/p23_exit_timeout_drops_error.py: the index_select has failed long before exit; a daemon thread keeps
     the stream busy past TORCHNEURON_EXIT_TIMEOUT; stderr must still carry the IndexError (not only the timeout)."""
@@ -238,8 +229,6 @@ def test_a_pending_failure_is_printed_when_the_exit_drain_times_out():
     assert "IndexError" in p.stderr and "index_select" in p.stderr, p.stderr[-800:]
 
 
-@pytest.mark.xfail(strict=True, reason="a stream worker running a queued cross-stream wait parks itself at exit "
-                                       "(park_other_threads_at_exit via StreamQueue::wait_quiet): the drain times out")
 @pytest.mark.parametrize("failing", [False, True])
 def test_exit_with_a_stream_waiting_for_queued_work_is_prompt(failing):
     """probes/p32_exit_with_waiting_stream.py: the script ends right after side.wait_stream(default) while the
@@ -266,19 +255,28 @@ def test_exit_with_a_stream_waiting_for_queued_work_is_prompt(failing):
         assert p.returncode == 0, p.stderr[-600:]
 
 
-@pytest.mark.xfail(strict=True, reason="the launch queue has no depth bound")
 def test_the_launch_queue_is_bounded():
-    """probes/p24_unbounded_launch_queue.py: 0.1 s of host launches queue ~20k kernels (~30 s of work here), which
-    every later sync point, first call and the exit drain then wait for; CUDA blocks a launch once ~1024 are
-    pending, so the host never runs more than a bounded amount of work ahead."""
-    x = torch.ones(512, 512, device=DEV)
-    (x @ x).tanh()
+    """probes/p24_unbounded_launch_queue.py: CUDA blocks a launch once about 1,024 are pending, so the host never
+    runs more than a bounded amount of work ahead (a later sync point, first call or exit drain would wait behind
+    all of it). Behind a closed gate, a thread launching 1,500 kernels stops at the bound, then finishes once the
+    gate opens, with the CPU's values."""
+    x = torch.zeros(64, device=DEV)
+    x.add_(1)  # the signature known: queued below
     torch.neuron.synchronize()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 0.1:
-        x = (x @ x).tanh()
-    t1 = time.perf_counter()
-    torch.neuron.synchronize()
-    launched_for, drained_in = t1 - t0, time.perf_counter() - t1
-    assert drained_in < 50 * launched_for, f"{drained_in:.1f} s of queued work after {launched_for:.2f} s of launches"
+    launched = 0
+
+    def launch() -> None:
+        nonlocal launched
+        for _ in range(1500):
+            x.add_(1)
+            launched += 1
+
+    thread = threading.Thread(target=launch, daemon=True)
+    with Gate():
+        thread.start()
+        thread.join(timeout=5)  # it waits at the bound while the gate holds the stream
+        assert thread.is_alive() and launched <= 1024, launched
+    thread.join(timeout=120)
+    assert not thread.is_alive() and launched == 1500
+    assert torch.equal(x.cpu(), torch.full((64,), 1501.0))
 

@@ -190,8 +190,14 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   }
 
   c10::DeleterFnPtr raw_deleter() const override { return &delete_block; }
-  void copy_data(void* dst, const void* src, std::size_t count) const override { std::memcpy(dst, src, count); }
-
+  // Out of a device storage (a pickled storage, legacy torch.save): a sync point, never of uncomputed memory.
+  void copy_data(void* dst, const void* src, std::size_t count) const override {
+    if (const Block* b = const_cast<NeuronAllocator*>(this)->find(src)) {
+      synchronize_device(b->device);
+      raise_if_poisoned(Access{Touch{b->ptr, b->id, true, false, false}}, "a copy of its storage");
+    }
+    std::memcpy(dst, src, count);
+  }
   bool initialized() override { return device_count() > 0; }
 
   void emptyCache(c10::MempoolId_t = {0, 0}) override {
@@ -399,21 +405,14 @@ class NeuronAllocator final : public c10::DeviceAllocator {
 
 NeuronAllocator g_allocator;
 
-// Released before its poison is forgotten: a failure recorded concurrently either sees the block free (and records
-// nothing) or is forgotten here (poison_writes).
 void delete_block(void* ptr) {
   trace_memory_deallocation(ptr);
-  if (!ptr) return;
-  g_allocator.release(header_of(ptr));
-  forget_poison(ptr);  // the memory will hold another tensor's values
+  if (ptr) g_allocator.release(header_of(ptr));
 }
 
 void delete_adopted(void* block) {
-  auto* b = static_cast<Block*>(block);
-  const void* ptr = b->ptr;  // the block may be gone after its release
-  trace_memory_deallocation(ptr);
-  g_allocator.release(b);
-  forget_poison(ptr);
+  trace_memory_deallocation(static_cast<Block*>(block)->ptr);
+  g_allocator.release(static_cast<Block*>(block));
 }
 
 }  // namespace
@@ -431,8 +430,9 @@ c10::DeviceIndex device_of_pointer(const void* ptr) {
 
 bool allocation_holds(const void* ptr, uint64_t allocation) { return g_allocator.holds(ptr, allocation); }
 
-uint64_t allocation_id(const c10::DataPtr& memory) {
+uint64_t allocation_id(const c10::DataPtr& memory) {  // also of memory wrapped by from_blob (legacy torch.save)
   const Block* b = block_of(memory);
+  if (!b && memory.get() && memory.device().type() == kNeuron) b = g_allocator.find(memory.get());
   return b ? b->id : 0;
 }
 

@@ -41,13 +41,13 @@ int64_t thread_work(const c10::OperatorHandle& op, int64_t work, const c10::IVal
   return half ? kFullThreadsWork : work;
 }
 
-// The device storages a call reads and writes: every device argument is read, except an out= argument (written
-// only); written arguments are the schema's mutable ones.
+// The device storages a call reads and writes: every device argument is read, except an out= argument and the
+// argument of an op that overwrites it (fill_, zero_), written only; written arguments are the schema's mutable ones.
 Access access_of(const OpEntry& e, const c10::FunctionSchema& schema, const c10::IValue* args, size_t nargs) {
   Access a;
   for (size_t i = 0; i < nargs; ++i) {
     const bool write = std::find(e.writes.begin(), e.writes.end(), i) != e.writes.end();
-    const bool read = !(write && schema.arguments()[i].kwarg_only());
+    const bool read = !(write && (schema.arguments()[i].kwarg_only() || e.overwrites.load(std::memory_order_relaxed)));
     for_each_tensor(args[i], [&](const at::Tensor& t) {
       if (is_neuron(t)) a.push_back(touch(t, read, write));
     });
@@ -115,9 +115,6 @@ void round_host_scalar(Call& c, c10::IValue& v) {
 // The op's execution class, from its schema and tags (decided once per op).
 OpEntry::Exec classify_exec(const c10::OperatorHandle& op, const OpEntry& e) {
   const auto& schema = op.schema();
-  if (op.hasTag(at::Tag::dynamic_output_shape) || op.hasTag(at::Tag::data_dependent_output) ||
-      e.host_tensors.load(std::memory_order_relaxed))
-    return OpEntry::Exec::host;
   bool views = !schema.returns().empty();
   for (const auto& r : schema.returns()) {
     auto kind = r.type()->kind();
@@ -125,9 +122,12 @@ OpEntry::Exec classify_exec(const c10::OperatorHandle& op, const OpEntry& e) {
         kind == c10::TypeKind::TensorType ||
         (kind == c10::TypeKind::ListType && r.type()->containedType(0)->kind() == c10::TypeKind::TensorType) ||
         (kind == c10::TypeKind::OptionalType && r.type()->containedType(0)->kind() == c10::TypeKind::TensorType);
-    if (!tensors) return OpEntry::Exec::host;  // a number or a bool: read from the results
+    if (!tensors) return OpEntry::Exec::sync;  // a number or a bool: read from the results
     views &= r.alias_info() && !r.alias_info()->isWrite();
   }
+  if (op.hasTag(at::Tag::dynamic_output_shape) || op.hasTag(at::Tag::data_dependent_output) ||
+      e.host_tensors.load(std::memory_order_relaxed))
+    return OpEntry::Exec::host;
   if (schema.returns().empty() && e.writes.empty()) return OpEntry::Exec::host;  // a check: its error is its result
   if (views && e.writes.empty()) return OpEntry::Exec::now;
   return OpEntry::Exec::queued;
@@ -256,10 +256,12 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   };
   StreamQueue& q = current_queue(c.device);
   bool blocking = g_launch_blocking.load(std::memory_order_relaxed) || g_tracing_device.load(std::memory_order_relaxed);
-  if (exec == OpEntry::Exec::host || blocking || (trainium && c.fp64)) {
+  if (exec == OpEntry::Exec::host || exec == OpEntry::Exec::sync || blocking || (trainium && c.fp64)) {
     // A runtime-internal wait, not a sync point: a failure pending on the stream waits for one (this op raises it
-    // only if it reads memory the failure left uncomputed). `t[idx]` is no sync point on CUDA either.
+    // only if it reads memory the failure left uncomputed). `t[idx]` is no sync point on CUDA either; `.item()`,
+    // `torch.equal` (a number or a bool to Python) are.
     if (!q.idle()) e.waited.fetch_add(1, std::memory_order_relaxed), q.wait_quiet(q.enqueued());
+    if (exec == OpEntry::Exec::sync) q.raise_error();
     warn_deferred();  // what the kernels it waited for found
     count_path(Path::host);
     return on_host_now();

@@ -121,14 +121,18 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   void block(void* event, const Stream& stream) const override {
     trace_event_wait(event, stream);
     auto* e = static_cast<Event*>(event);
-    if (!e || e->done()) return;
+    if (!e || !e->queue) return;
     StreamQueue& q = queue_of(stream.device_index(), stream.id());
     if (&q == e->queue) return;  // in order already
+    if (e->done()) {             // nothing to wait for, but a failure behind the event surfaces here too (waits chain)
+      for (FailurePtr& f : e->queue->unreported_failures(e->ticket)) q.take_failure(std::move(f), q.enqueued());
+      return;
+    }
     q.push(
         "event wait",
         [src = e->queue, t = e->ticket, &q] {
           src->wait_quiet(t);
-          for (FailurePtr& f : src->unreported_failures(t)) q.take_failure(std::move(f));  // surface here too
+          for (FailurePtr& f : src->unreported_failures(t)) q.take_failure(std::move(f), q.running());
         },
         /*control=*/true);
   }

@@ -74,7 +74,8 @@ void exit_with_status() {
 // active exception"; 2 of 10 runs of a daemon thread launching in a loop, when the launch raised). The same holds
 // for a thread that was waiting for the device (queue.cpp's ReleaseGil).
 void park_other_threads_at_exit() {
-  if (g_lifecycle.load() != static_cast<int>(Lifecycle::exiting) || std::this_thread::get_id() == g_exiting_thread)
+  if (g_lifecycle.load() != static_cast<int>(Lifecycle::exiting) || std::this_thread::get_id() == g_exiting_thread ||
+      on_stream_worker())
     return;
   for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
 }

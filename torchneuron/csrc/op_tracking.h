@@ -49,6 +49,7 @@ struct OpEntry {
   // Its int64 results are positions in its arguments (max_pool's, argmax's, sort's indices): the trainium int64
   // rule need not look at their values when no argument is int64 and none holds 2^31 elements.
   std::atomic<bool> indices{false};
+  std::atomic<bool> overwrites{false};  // its in-place form writes its argument whole without reading it (fill_)
   // This overload is a structured kernel in ATen (its functional and out= forms run one meta and impl): a queued
   // call runs the out= form into the memory its launch handed out (fallback.cpp's out_variant).
   std::atomic<bool> structured{false};
@@ -59,7 +60,8 @@ struct OpEntry {
   // How the fallback runs it (fallback.cpp, decided at the first call): `now` on the calling thread (views:
   // metadata only), `host` on the calling thread after the stream's queued work (its results depend on data),
   // `queued` on the stream with the result layout of its first call with the same argument signature.
-  enum class Exec : uint8_t { unknown, now, host, queued };
+  // sync: on the host, and a sync point (its result is a number or a bool handed to Python, as CUDA's copy back)
+  enum class Exec : uint8_t { unknown, now, host, sync, queued };
   std::atomic<uint8_t> exec{0};
   std::atomic<void*> layouts{nullptr};      // fallback.cpp's per-signature result layouts
   std::atomic<void*> out_variant{nullptr};  // fallback.cpp: its out= overload (an OperatorHandle), once looked up
@@ -69,11 +71,11 @@ struct OpEntry {
 // The base name the op table is keyed by: "aten::add_.Tensor" -> "add" (namespace, overload and the in-place
 // underscore dropped; dunder names such as "__and__" kept).
 std::string base_name(const std::string& name);
-// native / exact / host_tensors / indices: base names; structured: "name.overload" ("mm.default"). No op list
-// lives in C++.
+// native / exact / host_tensors / indices / overwrites: base names; structured: "name.overload" ("mm.default"). No
+// op list lives in C++.
 void set_op_table(const std::vector<std::string>& native, const std::vector<std::string>& exact,
                   const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices,
-                  const std::vector<std::string>& structured);
+                  const std::vector<std::string>& overwrites, const std::vector<std::string>& structured);
 struct OpClass {
   std::string base;
   bool native, exact, host_tensors;

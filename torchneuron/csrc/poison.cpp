@@ -4,10 +4,12 @@
 // poisoned with the failure: a launch that reads it, a copy to the host and a host-thread op raise the original
 // error, naming the failed op and where it was launched. Work that does not depend on it goes on, and a write that
 // covers a whole storage (or its free) clears it, so a notebook or a test session recovers without a restart.
-// Poison is keyed by the storage's address and its allocation: a tensor freed on the host while a kernel writing it
-// is still queued has its memory handed out again at once (stream-ordered reuse), and the failure, landing later,
-// belongs to the old tensor only.
+// Poison is keyed by the storage's address and its allocation: a tensor freed on the host while kernels writing and
+// reading it are still queued (a temporary) keeps its poison for those kernels, while its memory, handed out again at
+// once (stream-ordered reuse), is another allocation's, untouched by it. Entries of freed allocations are dropped
+// once no queued work can read them (every stream idle).
 #include <unordered_map>
+#include <vector>
 
 #include "poison.h"
 #include "runtime.h"
@@ -15,19 +17,25 @@
 namespace torchneuron {
 namespace {
 
-struct Poisoned {
-  uint64_t allocation;  // of the memory at that address when the failure was recorded
-  FailurePtr failure;   // why it was not computed
+struct Storage {  // one allocation of a device storage
+  const void* base;
+  uint64_t allocation;
+  bool operator==(const Storage& o) const { return base == o.base && allocation == o.allocation; }
+};
+struct StorageHash {
+  size_t operator()(const Storage& s) const {
+    return std::hash<const void*>()(s.base) ^ (s.allocation * 0x9e3779b97f4a7c15ULL);
+  }
 };
 struct Poison {
   std::mutex mu;
-  std::unordered_map<const void*, Poisoned> by_base;  // by device storage's data pointer
+  std::unordered_map<Storage, FailurePtr, StorageHash> by_storage;  // why it was not computed
 };
 Poison& poison() {
   static auto* p = new Poison;  // leaked: workers may poison while statics are destroyed
   return *p;
 }
-std::atomic<size_t> g_poisoned{0};  // by_base.size(): lookups cost one relaxed load while nothing is poisoned
+std::atomic<size_t> g_poisoned{0};  // by_storage.size(): lookups cost one relaxed load while nothing is poisoned
 
 template <class E>
 bool rethrow_as(const std::exception_ptr& error, const std::string& where) {
@@ -62,16 +70,13 @@ Access access(std::initializer_list<at::Tensor> reads, std::initializer_list<at:
   return a;
 }
 
-// A storage freed on the host while the kernel writing it was queued is not poisoned: nothing can read it, and its
-// memory may already be another tensor's. The count goes up before the allocator is asked, so a free racing with
-// this either finds its block taken (and records nothing) or sees a count and forgets the entry (delete_block).
+// Also a storage already freed on the host: kernels queued before its free may read it (a temporary's consumers).
 void poison_writes(const Access& access, const FailurePtr& failure) {
   auto& p = poison();
   std::lock_guard<std::mutex> g(p.mu);
-  g_poisoned.fetch_add(1);
   for (const Touch& t : access)
-    if (t.write && t.base && allocation_holds(t.base, t.allocation)) p.by_base[t.base] = {t.allocation, failure};
-  g_poisoned.store(p.by_base.size());
+    if (t.write && t.base) p.by_storage[{t.base, t.allocation}] = failure;
+  g_poisoned.store(p.by_storage.size());
 }
 
 void clear_poison(const Access& access) {
@@ -79,18 +84,19 @@ void clear_poison(const Access& access) {
   auto& p = poison();
   std::lock_guard<std::mutex> g(p.mu);
   for (const Touch& t : access)
-    if (t.whole && !t.read)
-      if (auto it = p.by_base.find(t.base); it != p.by_base.end() && it->second.allocation == t.allocation)
-        p.by_base.erase(it);
-  g_poisoned.store(p.by_base.size(), std::memory_order_relaxed);
+    if (t.whole && !t.read) p.by_storage.erase({t.base, t.allocation});
+  g_poisoned.store(p.by_storage.size(), std::memory_order_relaxed);
 }
 
-void forget_poison(const void* base) {
+void forget_freed_poison() {
   if (!g_poisoned.load(std::memory_order_relaxed)) return;
+  for (StreamQueue* q : queues_of(-1))
+    if (!q->idle()) return;  // a queued kernel may still read a freed allocation
   auto& p = poison();
   std::lock_guard<std::mutex> g(p.mu);
-  p.by_base.erase(base);
-  g_poisoned.store(p.by_base.size(), std::memory_order_relaxed);
+  for (auto it = p.by_storage.begin(); it != p.by_storage.end();)
+    it = allocation_holds(it->first.base, it->first.allocation) ? std::next(it) : p.by_storage.erase(it);
+  g_poisoned.store(p.by_storage.size(), std::memory_order_relaxed);
 }
 
 FailurePtr poisoned(const Access& access) {
@@ -99,8 +105,7 @@ FailurePtr poisoned(const Access& access) {
   std::lock_guard<std::mutex> g(p.mu);
   for (const Touch& t : access)
     if (t.read && t.base)
-      if (auto it = p.by_base.find(t.base); it != p.by_base.end() && it->second.allocation == t.allocation)
-        return it->second.failure;
+      if (auto it = p.by_storage.find({t.base, t.allocation}); it != p.by_storage.end()) return it->second;
   return nullptr;
 }
 

@@ -37,8 +37,10 @@ Touch touch(const at::Tensor& t, bool read, bool write);
 // An explicit kernel's: the neuron tensors it reads and those it writes (others are ignored).
 Access access(std::initializer_list<at::Tensor> reads, std::initializer_list<at::Tensor> writes);
 void poison_writes(const Access& access, const FailurePtr& failure);  // what a failed or skipped kernel writes
-void clear_poison(const Access& access);    // a kernel ran: the storages it wrote whole without reading are computed
-void forget_poison(const void* base);       // the allocator freed the storage, or handed its memory out again
+void clear_poison(const Access& access);  // a kernel ran: the storages it wrote whole without reading are computed
+// Drop the poison of storages freed since it was recorded, when every stream is idle (no queued kernel can read
+// them any more): at device synchronizations.
+void forget_freed_poison();
 FailurePtr poisoned(const Access& access);  // the failure behind the first poisoned storage it reads, or null
 FailurePtr poisoned(const at::Tensor& t);
 size_t poisoned_storages();

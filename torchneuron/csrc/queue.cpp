@@ -23,12 +23,14 @@ std::atomic<bool> g_queue_everything{false};
 std::atomic<bool> g_launch_stacks{true};
 
 // lifecycle.cpp: once the exit-time drain began, a thread other than the exiting one never takes the GIL again
+// (a stream worker excepted: the drain waits for it)
 void park_other_threads_at_exit();
 // Threads inside push(): the exit-time drain waits for them (lifecycle.cpp), and each parks on its way out.
 std::atomic<int> g_pushing{0};
 
 namespace {
 
+thread_local bool t_stream_worker = false;
 constexpr int kFixedStreams = 1 + 2 * 32;              // the default stream and the two priority pools (guard.cpp)
 constexpr auto kSpin = std::chrono::microseconds(30);  // a worker (or waiter) spins this long before sleeping
 const int kCores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -100,6 +102,13 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
     }
   } pushing;
   check_device_use();  // lifecycle.cpp: refused in a forked child; other threads park during exit
+  // A bounded launch queue, as CUDA's (cudaLaunchKernel blocks with about 1,024 launches pending): a host far ahead
+  // waits until half have run, so what queued work holds stays bounded and a sync never waits behind tens of
+  // thousands of kernels.
+  if (!control && !t_stream_worker) {
+    const uint64_t queued = enqueued();
+    if (queued - completed_.load(std::memory_order_relaxed) >= kMaxQueued) wait_quiet(queued - kMaxQueued / 2);
+  }
   Task t{std::move(run),   name, nullptr, kernel_threads(at::get_num_threads(), work), control, std::move(fuse),
          std::move(access)};
   if (!control && g_launch_stacks.load(std::memory_order_relaxed) &&
@@ -122,6 +131,7 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
 }
 
 void StreamQueue::loop() {
+  t_stream_worker = true;
   int threads = -1;
   std::vector<Task> group;  // the ops after `t` handed to eager fusion with it
   for (;;) {
@@ -234,7 +244,7 @@ void StreamQueue::fail(Task& t, std::exception_ptr error) {
   f->device = device_, f->stream = id_, f->ticket = completed_.load() + 1;
   poison_writes(t.access, f);
   std::lock_guard<std::mutex> g(mu_);
-  hold(std::move(f), completed_.load() + 1);
+  hold(std::move(f), running());
 }
 
 // Every failure the user has not seen waits its turn: a sync point raises the oldest, the next one raises the one
@@ -257,9 +267,9 @@ std::vector<FailurePtr> StreamQueue::unreported_failures(uint64_t ticket) {
   return out;
 }
 
-void StreamQueue::take_failure(FailurePtr f) {
+void StreamQueue::take_failure(FailurePtr f, uint64_t at) {
   std::lock_guard<std::mutex> g(mu_);
-  hold(std::move(f), completed_.load() + 1);  // the waiting task's place: the worker runs it now
+  hold(std::move(f), at);
 }
 
 // The oldest failure the user has not seen, raised once; the memory it left uncomputed stays poisoned.
@@ -330,17 +340,10 @@ void synchronize_device(c10::DeviceIndex device, bool raise) {
   if (raise) check_device_use();  // lifecycle.cpp
   auto qs = queues_of(device);
   for (auto* q : qs) q->wait_quiet(q->enqueued());
+  forget_freed_poison();
   if (!raise) return;
-  // every stream's pending failure is reported here (the first is raised): none waits for a later, unrelated sync
-  std::exception_ptr first;
-  for (auto* q : qs) {
-    try {
-      q->raise_error();
-    } catch (...) {
-      if (!first) first = std::current_exception();
-    }
-  }
-  if (first) std::rethrow_exception(first);
+  // the first stream's oldest unseen failure is raised; the others' wait for the next sync point (each raised once)
+  for (auto* q : qs) q->raise_error();
 }
 
 void drain_current(c10::DeviceIndex device) {
@@ -358,6 +361,8 @@ void reset_queues_after_fork() {
   new (&r.mu) std::mutex();
   for (auto* q : r.all) q->reset_after_fork();
 }
+
+bool on_stream_worker() { return t_stream_worker; }
 
 void StreamQueue::reset_after_fork() {
   new (&mu_) std::mutex();

@@ -43,7 +43,8 @@ class StreamQueue {
   // A stream waiting (an event, wait_stream) for this one's work up to `ticket` takes on the failures it has not
   // reported yet: the error surfaces on every stream that depends on the failed work. take_failure: on the worker.
   std::vector<FailurePtr> unreported_failures(uint64_t ticket);
-  void take_failure(FailurePtr f);
+  void take_failure(FailurePtr f, uint64_t at);               // at: its place in this stream (a ticket)
+  uint64_t running() const { return completed_.load() + 1; }  // the worker's: the ticket of the task it runs
   c10::DeviceIndex device() const { return device_; }
   c10::StreamId id() const { return id_; }
   void reset_after_fork();
@@ -71,7 +72,8 @@ class StreamQueue {
   std::atomic<uint64_t> enqueued_{0}, completed_{0};
   uint64_t popped_ = 0;  // the worker's
   static constexpr uint64_t kNoWaiter = ~uint64_t{0};
-  std::atomic<uint64_t> wake_at_{kNoWaiter};  // the lowest ticket a sleeping waiter waits for
+  static constexpr uint64_t kMaxQueued = 1024;  // launches pending before the launching thread waits (push)
+  std::atomic<uint64_t> wake_at_{kNoWaiter};    // the lowest ticket a sleeping waiter waits for
   // The failures not yet reported at a sync point, in the order this stream met them (its own, and those it took
   // on by waiting for another stream), each with its place in this stream.
   struct Held {
@@ -82,6 +84,7 @@ class StreamQueue {
   std::atomic<bool> failed_{false};  // unseen_ is not empty
   bool started_ = false, sleeping_ = false;
 };
+bool on_stream_worker();  // this thread runs a stream's kernels (it never parks at exit, nor waits to launch)
 StreamQueue& queue_of(c10::DeviceIndex device, c10::StreamId id);
 StreamQueue& current_queue(c10::DeviceIndex device);
 std::vector<StreamQueue*> queues_of(c10::DeviceIndex device);  // -1: every device

@@ -198,6 +198,7 @@ def _at_exit() -> None:
         return
     timeout = _config.current().exit_timeout
     busy = _C._drain_for_exit(timeout)
+    reported = _print_pending_errors()
     if busy:
         print(f"neuron: queued work did not finish within {timeout:g} s at exit (TORCHNEURON_EXIT_TIMEOUT) on "
               f"{', '.join(busy)}; the process ends now with status 1, without the rest of the interpreter's "
@@ -205,9 +206,16 @@ def _at_exit() -> None:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(1)
+    if reported:
+        _C._set_exit_status(1)
+
+
+def _print_pending_errors() -> bool:
+    """Print every kernel error still pending, each stream's oldest first (also those behind a drain that timed
+    out: they are known already); whether there was one."""
     reported = set()
     k = 0
-    while True:  # each stream's pending errors, oldest first, until it raises none
+    while True:
         try:
             if not _C._raise_stream_error(k):
                 break
@@ -218,8 +226,7 @@ def _at_exit() -> None:
                 reported.add(text)
                 print(f"neuron: a queued kernel failed and its error was still pending at exit:\n{text}",
                       end="", file=sys.stderr)
-    if reported:
-        _C._set_exit_status(1)
+    return bool(reported)
 
 
 def _count() -> int:

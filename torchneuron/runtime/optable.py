@@ -74,7 +74,9 @@ class Op:
     its last Scalar multiplies argument 1 (`add`'s alpha, `addcmul`'s value), so a list op's per-tensor form folds
     that scalar into a multiply first (compiler/eager_fusion.py); `host_copy`: a copy that may cross between the
     device and the host (the stream checker orders it as a sync of the host); `fast` (an overload row): it has an
-    unboxed kernel in csrc/fastpath.cpp (tests/test_optable.py checks that file against these rows)."""
+    unboxed kernel in csrc/fastpath.cpp (tests/test_optable.py checks that file against these rows); `overwrites`:
+    its in-place form writes every element of its argument and reads none (a memset), so it makes memory a failed
+    kernel left uncomputed computed again."""
 
     name: str
     engine: str = "host"
@@ -97,6 +99,7 @@ class Op:
     scalar_scales: bool = False
     host_copy: bool = False
     fast: bool = False
+    overwrites: bool = False
 
 
 def _group(engine: str, names: str, **kw: Any) -> list[Op]:
@@ -128,7 +131,8 @@ _TABLE: list[Op] = [
     *_group("vector", "mul div", tp_linear="one", fuse=True),
     *_group("vector", "abs maximum minimum clamp clamp_min clamp_max", exact=True, fuse=True),
     *_group("vector", "eq ne lt le gt ge amax amin", exact=True, fuse=True),
-    *_group("vector", "max min argmax argmin fill zero", exact=True),
+    *_group("vector", "max min argmax argmin", exact=True),
+    *_group("vector", "fill zero", exact=True, overwrites=True),
     *_group("vector", "where", exact=True, passes=3, fuse=True),
     *_group("vector", "masked_fill", exact=True, passes=2, fuse=True),
     *_group("vector", "triu tril", exact=True),
