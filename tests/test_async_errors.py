@@ -97,16 +97,22 @@ def test_an_event_wait_carries_the_error_to_the_waiting_stream(busy):
         torch.neuron.current_stream().synchronize()
 
 
+def _two_failing_ops() -> tuple:
+    """A side stream, and operands of two ops that can fail (index_select out of range, integer division by zero)
+    whose signatures are known, so that later calls queue."""
+    src = torch.randn(8, 4, device=DEV)
+    a, ones, zeros = (torch.arange(4, device=DEV), torch.ones(4, dtype=torch.long, device=DEV),
+                      torch.zeros(4, dtype=torch.long, device=DEV))
+    torch.index_select(src, 0, torch.tensor([0, 1], device=DEV)), a // ones
+    return torch.neuron.Stream(), src, a, zeros
+
+
 @needs_async
 def test_a_failure_after_one_another_stream_reported_is_raised_too(busy):
     """The default stream fails; a side stream that waited for it raises that failure at its sync point (the user has
     seen it). A later failure on the default stream is raised at the next sync point, not dropped behind the first
     (found by the long fuzz run, seed 1080006)."""
-    side = torch.neuron.Stream()
-    src = torch.randn(8, 4, device=DEV)
-    a, ones, zeros = (torch.arange(4, device=DEV), torch.ones(4, dtype=torch.long, device=DEV),
-                      torch.zeros(4, dtype=torch.long, device=DEV))
-    torch.index_select(src, 0, torch.tensor([0, 1], device=DEV)), a // ones  # signatures known: queued below
+    side, src, a, zeros = _two_failing_ops()
     busy()
     torch.index_select(src, 0, torch.tensor([0, 99], device=DEV))
     side.wait_stream(torch.neuron.current_stream())
@@ -125,11 +131,7 @@ def test_a_side_streams_own_failure_behind_one_it_took_on_is_raised_next(busy):
     """A side stream takes on the default stream's failure (wait_stream), then fails itself. Its sync point raises
     the older failure; the next one raises the side stream's own, which is not lost behind it (found by the long fuzz
     run, seed 1080090), and each is raised once."""
-    side = torch.neuron.Stream()
-    src = torch.randn(8, 4, device=DEV)
-    a, ones, zeros = (torch.arange(4, device=DEV), torch.ones(4, dtype=torch.long, device=DEV),
-                      torch.zeros(4, dtype=torch.long, device=DEV))
-    torch.index_select(src, 0, torch.tensor([0, 1], device=DEV)), a // ones  # signatures known: queued below
+    side, src, a, zeros = _two_failing_ops()
     busy()
     a // zeros
     side.wait_stream(torch.neuron.current_stream())
