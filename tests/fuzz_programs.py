@@ -877,6 +877,10 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
             own = n.exc == c.exc and not (ASYNC_REPORT in n.msg and not n.msg.startswith(c.msg[:40]))
             reported = not own and n.exc in {p for p, _ in pending}
             if own:
+                if ASYNC_REPORT in n.msg and n.exc in {p for p, _ in pending} and mode != "blocking":
+                    # the same type and message as a pending one: that may be what surfaced here (a side block's
+                    # sync point raising its stream's older failure over this one), so it may surface later or not
+                    surface(n.exc, named_by)
                 if data:
                     seen.add(c.exc)
                     # raised at the call on both: each kernel stopped part way, after a split that follows its own
@@ -897,6 +901,8 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
                     seen.add(c.exc)
             elif n.exc == "NameError" and set(st.reads) & lost:
                 pass
+            elif by_poison and n.exc in seen and dep:
+                pass  # a part of the statement read poisoned memory (`.to("cpu")` of it) before the op's own check
             elif n.exc == "OutOfMemoryError" and "can't allocate memory" in c.msg:
                 pass  # the device's allocator raises torch.OutOfMemoryError (a RuntimeError), as CUDA's does
             elif reported:  # a pending error surfaced here, in place of this one's
