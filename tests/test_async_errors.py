@@ -127,6 +127,7 @@ def test_a_failure_after_one_another_stream_reported_is_raised_too(busy):
     torch.neuron.synchronize()  # each raised once
 
 
+@needs_async
 def test_a_side_streams_own_failure_behind_one_it_took_on_is_raised_next(busy):
     """A side stream takes on the default stream's failure (wait_stream), then fails itself. Its sync point raises
     the older failure; the next one raises the side stream's own, which is not lost behind it (found by the long fuzz
@@ -147,6 +148,7 @@ def test_a_side_streams_own_failure_behind_one_it_took_on_is_raised_next(busy):
     side.synchronize()
 
 
+@needs_async
 def test_a_copys_own_size_error_comes_before_the_failure_behind_its_source(busy):
     """copy_ from poisoned memory into a tensor of another size raises the CPU's size error (the copy's own check),
     also when the copy runs at once (small, on an idle stream), not the failure that left its source uncomputed
