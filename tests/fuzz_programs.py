@@ -902,7 +902,9 @@ def compare(prog: Program, cpu: list[Result], neu: list[Result], mode: str, exac
                 # before the op's own check or launch: this one (a device-side error) is pending now
                 surface(n.exc, named_by)
                 if data:
-                    pending.append((c.exc, i))
+                    # pending now; in a block whose `finally:` syncs, it may have been raised at the call and
+                    # replaced by the older failure the finally raised, so it may surface later or not
+                    (later if "finally:" in st.src else pending).append((c.exc, i))
                     seen.add(c.exc)
             elif n.exc == "NameError" and set(st.reads) & lost:
                 pass
