@@ -149,6 +149,19 @@ def test_a_side_streams_own_failure_behind_one_it_took_on_is_raised_next(busy):
 
 
 @needs_async
+def test_a_skipped_kernels_result_sized_at_its_launch_is_poisoned(busy):
+    """`abs` hands its kernel an empty out= tensor (ATen's composite: empty, then abs.out), whose memory exists only
+    once the launch sizes it. Skipped behind a failure, that result is poisoned too, not uninitialised memory read
+    as values (found by the long fuzz run, seed 1300539; probes/p34)."""
+    torch.randn(2, 4, device=DEV).abs()  # the signature known: queued below
+    r = _failing_index_select(torch.randn(8, 4, device=DEV), busy).abs()
+    with pytest.raises(IndexError, match="index out of range"):
+        torch.neuron.synchronize()
+    with pytest.raises(IndexError, match="never computed"):
+        r.cpu()
+
+
+@needs_async
 def test_a_copys_own_size_error_comes_before_the_failure_behind_its_source(busy):
     """copy_ from poisoned memory into a tensor of another size raises the CPU's size error (the copy's own check),
     also when the copy runs at once (small, on an idle stream), not the failure that left its source uncomputed

@@ -126,6 +126,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
     const at::Tensor& t = flat[r.arg];
     resize_device_storage(*t.storage().unsafeGetStorageImpl(), r.nbytes);
     t.unsafeGetTensorImpl()->set_sizes_and_strides(r.sizes, r.strides);
+    access.push_back(touch(t, false, true));  // its memory exists only now (a skipped kernel poisons it)
   }
   std::vector<c10::IValue> host(nargs);
   SmallMap<const c10::TensorImpl*, at::Tensor> same;  // one device tensor passed twice is one CPU tensor twice
