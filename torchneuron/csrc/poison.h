@@ -20,7 +20,6 @@ struct Failure {
   std::shared_ptr<c10::GatheredContext> stack;
   c10::DeviceIndex device = 0;
   c10::StreamId stream = 0;
-  uint64_t ticket = 0;                        // its place in its stream
   mutable std::atomic<bool> reported{false};  // the user has seen it (a sync point or a poisoned read): not again
 };
 using FailurePtr = std::shared_ptr<const Failure>;

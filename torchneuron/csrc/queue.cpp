@@ -241,7 +241,7 @@ void StreamQueue::wait(uint64_t ticket) {
 void StreamQueue::fail(Task& t, std::exception_ptr error) {
   auto f = std::make_shared<Failure>();
   f->error = std::move(error), f->name = t.name, f->stack = std::move(t.stack);
-  f->device = device_, f->stream = id_, f->ticket = completed_.load() + 1;
+  f->device = device_, f->stream = id_;
   poison_writes(t.access, f);
   std::lock_guard<std::mutex> g(mu_);
   hold(std::move(f), running());
