@@ -1,5 +1,5 @@
 """Held-out probes of issue 26's semantics (probes/ has a standalone repro for each, named in its test's docstring),
-each failing before its fix; the two the runtime does not meet yet are `xfail(strict=True)`, with the reason.
+each failing before its fix; the one the runtime does not meet yet is `xfail(strict=True)`, with the reason.
 Unlike tests/test_async_errors.py, these run in the default mode (no queue-everything), as a user's program does;
 `slow()` queues ~0.2 s of matmuls so that the launches after it really queue."""
 from __future__ import annotations
@@ -183,11 +183,10 @@ def test_a_compiled_kernels_out_of_range_index_raises_and_the_process_survives()
     assert p.returncode == 0 and "raised" in p.stdout, p.stderr[-500:]
 
 
-@pytest.mark.xfail(strict=True, reason="Dynamo asks torch.accelerator for the current stream, which the bad-fork "
-                                       "check refuses")
 def test_a_forked_child_compiles_a_cpu_function():
     """probes/p21_fork_child_compile.py: the child of a parent that used the device can do any CPU work, including
-    torch.compile of a CPU function (InternalTorchDynamoError "Cannot re-initialize neuron" now)."""
+    torch.compile of a CPU function (was InternalTorchDynamoError "Cannot re-initialize neuron": Dynamo asked
+    torch.accelerator for the current stream, which is available no more in such a child)."""
     p = run_py("""
         import os
         import torch

@@ -111,14 +111,16 @@ def body(out):
             seen[name] = [type(e).__name__, str(e).splitlines()[0]]
     torch.manual_seed(0)  # what a DataLoader worker does: PyTorch skips a device in a bad fork
     cpu = (torch.arange(4.0) * 2).tolist()
-    out.write(json.dumps([seen, torch.neuron._is_in_bad_fork(), torch.neuron.is_initialized(), cpu]))
+    available = [torch.neuron.is_available(), torch.accelerator.is_available()]  # code that checks goes to the CPU
+    out.write(json.dumps([seen, torch.neuron._is_in_bad_fork(), torch.neuron.is_initialized(), cpu, available]))
 
 child = in_child(body)
 print(json.dumps([child, torch.neuron._is_in_bad_fork(), (x * 2).cpu().tolist()]))
 """)
     child, parent_bad_fork, parent_value = out
     assert child != "hung"
-    seen, bad_fork, initialized, cpu = child
+    seen, bad_fork, initialized, cpu, available = child
+    assert available == [False, False]
     message = ("Cannot re-initialize neuron in forked subprocess. To use neuron with multiprocessing, you must use "
                "the 'spawn' start method")
     assert seen == {name: ["RuntimeError", message] for name in seen}
@@ -129,10 +131,11 @@ print(json.dumps([child, torch.neuron._is_in_bad_fork(), (x * 2).cpu().tolist()]
 def test_a_parent_that_never_used_the_device_forks_freely():
     out = result("""
 def body(out):
-    out.write(json.dumps([torch.neuron._is_in_bad_fork(), (torch.arange(4.0, device="neuron") * 2).cpu().tolist()]))
+    out.write(json.dumps([torch.neuron._is_in_bad_fork(), torch.accelerator.is_available(),
+                          (torch.arange(4.0, device="neuron") * 2).cpu().tolist()]))
 print(json.dumps(in_child(body)))
 """)
-    assert out == [False, [0.0, 2.0, 4.0, 6.0]]
+    assert out == [False, True, [0.0, 2.0, 4.0, 6.0]]
 
 
 def test_a_pending_error_stays_pending_for_the_parent():

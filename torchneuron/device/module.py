@@ -169,9 +169,12 @@ BACKWARD_ON_CALLING_THREAD = patches.declare(
 
 
 def is_available() -> bool:
-    """Never raises: False when the configuration is invalid, as torch.cuda when its driver cannot initialise."""
+    """Never raises: False when the configuration is invalid, as torch.cuda when its driver cannot initialise, and
+    in a forked child of a parent that had used the device, where any device use raises. torch.cuda says True there;
+    False lets code that checks first (Dynamo tracing a CPU function asks for the current stream only if an
+    accelerator is available) take its CPU path instead of failing."""
     _warn_if_unusable()
-    return _count() > 0
+    return _count() > 0 and not _C._in_bad_fork()
 
 
 def is_initialized() -> bool:
