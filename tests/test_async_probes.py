@@ -1,5 +1,5 @@
 """Held-out probes of issue 26's semantics (probes/ has a standalone repro for each, named in its test's docstring),
-each failing before its fix; the one the runtime does not meet yet is `xfail(strict=True)`, with the reason.
+each failing before its fix.
 Unlike tests/test_async_errors.py, these run in the default mode (no queue-everything), as a user's program does;
 `slow()` queues ~0.2 s of matmuls so that the launches after it really queue."""
 from __future__ import annotations
@@ -165,22 +165,37 @@ def test_independent_failures_on_two_streams_are_each_raised(busy):
     assert raised == 2
 
 
-@pytest.mark.xfail(strict=True, reason="the Inductor kernel's index check throws inside an OpenMP region: abort")
-def test_a_compiled_kernels_out_of_range_index_raises_and_the_process_survives():
-    """probes/p13_compiled_index_oob_aborts.py: status 134, "terminate called ...". Expected an exception (CUDA: a
-    device-side assert error at a sync point). Needs more than one intra-op thread to abort."""
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_a_compiled_kernels_out_of_range_index_raises_and_the_process_survives(threads):
+    """probes/p13_compiled_index_oob_aborts.py: status 134, "terminate called ..." with more than one intra-op thread
+    (Inductor's index check threw inside its OpenMP region). Expected an exception (CUDA: a device-side assert error
+    at a sync point), for each kind of indirect index (a gather's, an embedding's, a scatter's: the store's index), and
+    the device going on afterwards."""
     p = run_py("""
-        import torch
-        f = torch.compile(lambda x, i: torch.index_select(x, 0, i) * 2 + 1, backend="neuron")
-        src = torch.randn(8, 1024, device="neuron")
-        for _ in range(3):
-            f(src, torch.tensor([0, 1] * 128, device="neuron"))
-        try:
-            f(src, torch.tensor([0, 99] * 128, device="neuron")).cpu()
-        except Exception as e:
-            print("raised", type(e).__name__)
-        """, env={"OMP_NUM_THREADS": "2"}, timeout=120, check=False)
-    assert p.returncode == 0 and "raised" in p.stdout, p.stderr[-500:]
+        import torch, torch.nn.functional as F
+        kernels = {
+            "index_select": (lambda x, i: torch.index_select(x, 0, i) * 2 + 1, (8, 1024), (256,), 8),
+            "embedding": (lambda w, i: F.embedding(i, w).sum(-1), (10, 64), (4, 2), 10),
+            "gather": (lambda x, i: torch.gather(x, 1, i) + 1, (64, 64), (64, 64), 64),
+            "scatter_add": (lambda x, i: x.scatter_add(0, i, torch.ones(i.shape, device=i.device)) * 3, (16, 32),
+                            (64, 32), 16),
+        }
+        for name, (fn, shape, index_shape, n) in kernels.items():
+            f = torch.compile(fn, backend="neuron")
+            x = torch.randn(shape, device="neuron")
+            good = torch.randint(0, n, index_shape, device="neuron")
+            for _ in range(3):
+                assert torch.allclose(f(x, good).cpu(), fn(x.cpu(), good.cpu())), name
+            try:
+                f(x, good + n).cpu()
+                print(name, "no error")
+            except Exception as e:
+                print(name, "raised", type(e).__name__, "index out of bounds" in str(e) or "out of bounds" in str(e))
+            print(name, "after", torch.allclose(f(x, good).cpu(), fn(x.cpu(), good.cpu())))
+        """, env={"OMP_NUM_THREADS": threads}, timeout=300, check=False)
+    assert p.returncode == 0, p.stderr[-800:]
+    for name in ("index_select", "embedding", "gather", "scatter_add"):
+        assert f"{name} raised RuntimeError True" in p.stdout and f"{name} after True" in p.stdout, p.stdout
 
 
 def test_a_forked_child_compiles_a_cpu_function():

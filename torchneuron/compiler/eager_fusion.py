@@ -29,7 +29,7 @@ from ..hardware import config
 from ..runtime import patches
 from ..runtime.optable import op_info
 from .cache import Cache, digest
-from .inductor import GIL_FREE_KERNELS, build, target
+from .inductor import build, kernel_codegen, target
 
 
 @dataclass(frozen=True)
@@ -849,11 +849,8 @@ def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[No
 def _build(gm: Any, example: list, out_specs: tuple[Spec, ...], inputs: tuple[Spec, ...]) -> FusedKernel:
     """Inductor's code for the traced group, from the compile cache or compiled now (and stored there); its
     kernels bound without the GIL."""
-    patches.apply(GIL_FREE_KERNELS)
-    try:
+    with kernel_codegen():
         return _build_bound(gm, example, out_specs, inputs)
-    finally:
-        patches.undo(GIL_FREE_KERNELS)
 
 
 def _build_bound(gm: Any, example: list, out_specs: tuple[Spec, ...], inputs: tuple[Spec, ...]) -> FusedKernel:

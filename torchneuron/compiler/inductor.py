@@ -6,6 +6,9 @@ are bound without the GIL (`GIL_FREE_KERNELS`) because a stream worker runs them
 Importing this module is cheap: Inductor loads at the first build."""
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,7 +18,7 @@ from .._version import __version__
 from ..runtime import patches
 from .cache import digest
 
-ABI = 1  # bump when the meaning of a cache entry (a compiled graph's or a fused group's) changes
+ABI = 2  # bump when the meaning of a cache entry (a compiled graph's or a fused group's) changes
 
 
 def target() -> dict:
@@ -67,3 +70,108 @@ GIL_FREE_KERNELS = patches.declare(
     "thread keeps launching while a stream worker runs it (its binding is a different source, so a different cache "
     "entry)", "tests/test_eager_fusion.py::test_a_fused_kernel_runs_without_the_gil", _gil_free_bindings,
     when="on demand")
+
+
+# Inductor's CPU kernel checks an indirect index (index_select, embedding, gather, scatter) with TORCH_CHECK, which
+# throws; inside the kernel's OpenMP parallel region an exception cannot leave a thread and the process aborts
+# (plain CPU Inductor too, with more than one thread). The checked kernels instead note the error and skip the rest
+# of the loop iteration (its loads and stores at that index; the results are never handed back), then raise once the
+# parallel region is over, as Inductor's own integer-division check does, through the same per-call flag. A check
+# with no loop around it, or inside a lambda (a masked load's body), where `continue` cannot go, keeps Inductor's.
+_INDEX_ERRORS = """
+#ifndef TORCHNEURON_INDEX_ERRORS
+#define TORCHNEURON_INDEX_ERRORS
+inline std::atomic<const char*> torchneuron_index_error{nullptr};
+inline void torchneuron_note_index_error(const char* msg) {
+  if (inductor_cpu_integer_div_error_flag == nullptr) TORCH_CHECK(false, msg);
+  const char* none = nullptr;
+  torchneuron_index_error.compare_exchange_strong(none, msg);
+  inductor_cpu_integer_div_error_flag->store(2, std::memory_order_relaxed);
+}
+inline void torchneuron_throw_if_kernel_error(std::atomic<int>& error) {
+  if (error.load(std::memory_order_acquire) == 2) {
+    const char* msg = torchneuron_index_error.exchange(nullptr);
+    TORCH_CHECK(false, msg ? msg : "index out of bounds");
+  }
+  inductor_cpu_throw_if_integer_div_error(error);
+}
+#endif
+"""
+_PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>\n"
+_THROW = "inductor_cpu_throw_if_integer_div_error(inductor_cpu_integer_div_error);"
+_CHECK = re.compile(r'TORCH_CHECK\((.*), ("index out of bounds: [^"]*")\)', re.S)
+_NOTED = re.compile(r'if \(C10_UNLIKELY\(!\((.*)\)\)\) \{ torchneuron_note_index_error\(("[^"]*")\); continue; \}')
+
+
+def _in_a_loop(lines: list[str], at: int) -> bool:
+    """Whether line `at` of generated C++ is inside a for loop with no lambda between (so `continue` is valid)."""
+    openers: list[str] = []  # for each open brace, the code that opened it
+    previous = ""
+    for line in lines[:at]:
+        code = re.sub(r'"(\\.|[^"\\])*"', '""', line)
+        for i, ch in enumerate(code):
+            if ch == "{":
+                openers.append(code[:i].strip() or previous)
+            elif ch == "}" and openers:
+                openers.pop()
+        if code.strip():
+            previous = code.strip()
+    for opener in reversed(openers):
+        if "[&]" in opener or "[=]" in opener or opener.startswith("[]"):
+            return False
+        if re.match(r"for\s*\(", opener):
+            return True
+    return False
+
+
+def _index_checks_after_the_region(done: patches.Applied) -> None:
+    from torch._inductor.codegen.cpp import CppKernel, CppVecKernel, KernelGroup
+
+    def noting(original: Any) -> Any:
+        def indirect_assert(self: Any, var: Any, lower: Any, upper: Any, mask: Any = None) -> str:
+            line = original(self, var, lower, upper, mask)
+            m = _CHECK.fullmatch(line)
+            return line if m is None else (f"if (C10_UNLIKELY(!({m[1]}))) {{ torchneuron_note_index_error({m[2]}); "
+                                           "continue; }")
+        return indirect_assert
+
+    def codegen_group(self: Any, name: Any = None) -> str:
+        code = group(self, name)
+        if "torchneuron_note_index_error" not in code:
+            return code
+        lines = code.split("\n")
+        for i, line in enumerate(lines):
+            if (m := _NOTED.search(line)) and not _in_a_loop(lines, i):
+                lines[i] = line[:m.start()] + f"TORCH_CHECK({m[1]}, {m[2]});" + line[m.end():]
+        code = "\n".join(lines)
+        if "torchneuron_note_index_error" not in code:
+            return code
+        return code.replace(_PREFIX, _PREFIX + _INDEX_ERRORS, 1).replace(
+            _THROW, "torchneuron_throw_if_kernel_error(inductor_cpu_integer_div_error);")
+
+    group = KernelGroup.codegen_group
+    done.replace(CppKernel, "indirect_assert", noting(CppKernel.indirect_assert))
+    done.replace(CppVecKernel, "indirect_assert", noting(CppVecKernel.indirect_assert))
+    done.replace(KernelGroup, "codegen_group", codegen_group)
+
+
+INDEX_CHECKS_AFTER_THE_REGION = patches.declare(
+    "index-checks-after-the-parallel-region", "torch._inductor.codegen.cpp.CppKernel.indirect_assert, "
+    "CppVecKernel.indirect_assert, KernelGroup.codegen_group (while a fused group or a compiled graph compiles)",
+    "an out-of-range index in a compiled kernel raises instead of aborting the process: Inductor's check throws "
+    "inside the OpenMP parallel region, where an exception ends the process",
+    "tests/test_async_probes.py::test_a_compiled_kernels_out_of_range_index_raises_and_the_process_survives",
+    _index_checks_after_the_region, when="on demand")
+
+
+@contextlib.contextmanager
+def kernel_codegen() -> Iterator[None]:
+    """Inductor's CPU code generation as the device needs it, for one build or load of a compiled graph or fused
+    group: GIL-free bindings and index checks that raise after the parallel region."""
+    for patch in (GIL_FREE_KERNELS, INDEX_CHECKS_AFTER_THE_REGION):
+        patches.apply(patch)
+    try:
+        yield
+    finally:
+        for patch in (GIL_FREE_KERNELS, INDEX_CHECKS_AFTER_THE_REGION):
+            patches.undo(patch)

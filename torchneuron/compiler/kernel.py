@@ -20,10 +20,9 @@ import torch
 import torch.fx as fx
 
 from .. import _C
-from ..runtime import patches
 from ..runtime.tracking import KERNEL_OBSERVERS
 from .cache import Cache, digest
-from .inductor import GIL_FREE_KERNELS, build, target
+from .inductor import build, kernel_codegen, target
 
 CPU = torch.device("cpu")
 _DEVICE_STR = re.compile(r"neuron(:\d+)?")
@@ -336,24 +335,21 @@ def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner
     visible = gm.graph.output_node().meta.get("user_visible_output_idxs")
     key = digest({"graph": gm.code, "inputs": signature(inputs), "target": target(), "visible": visible,
                   "kwargs": {k: inner_kwargs.get(k) for k in ("is_backward", "is_inference")}})
-    patches.apply(GIL_FREE_KERNELS)  # queued calls run on a stream worker: their loops must not hold the GIL
-    try:
-        with cache.inductor_dir():
-            entry = cache.load(key)
-            if entry is not None:
-                call = None
-                strides = [tuple(s) if s is not None else None for s in entry["output_strides"]]
-                source = entry["source"]
-            else:
-                call, strides, source = build(gm, inputs, inner_kwargs)
-                if call is None:
-                    cache.store(key, {"graph": gm.code, "source": source, "output_strides": strides})
-            queueable = call is None  # a module loaded from its source (no constants it holds)
+    # queued calls run on a stream worker: their loops must not hold the GIL
+    with kernel_codegen(), cache.inductor_dir():
+        entry = cache.load(key)
+        if entry is not None:
+            call = None
+            strides = [tuple(s) if s is not None else None for s in entry["output_strides"]]
+            source = entry["source"]
+        else:
+            call, strides, source = build(gm, inputs, inner_kwargs)
             if call is None:
-                module = PyCodeCache.load(source)
-                module.empty_strided_cpu = _allocate  # its buffers come from the call's plan (see `_allocate`)
-                call = module.call
-    finally:
-        patches.undo(GIL_FREE_KERNELS)
+                cache.store(key, {"graph": gm.code, "source": source, "output_strides": strides})
+        queueable = call is None  # a module loaded from its source (no constants it holds)
+        if call is None:
+            module = PyCodeCache.load(source)
+            module.empty_strided_cpu = _allocate  # its buffers come from the call's plan (see `_allocate`)
+            call = module.call
     return Compiled(Kernel(call, device_inputs, outputs, name, gm, queueable), strides, entry is not None,
                     time.perf_counter() - start, source)
