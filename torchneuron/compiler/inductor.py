@@ -74,33 +74,15 @@ GIL_FREE_KERNELS = patches.declare(
 
 # Inductor's CPU kernel checks an indirect index (index_select, embedding, gather, scatter) with TORCH_CHECK, which
 # throws; inside the kernel's OpenMP parallel region an exception cannot leave a thread and the process aborts
-# (plain CPU Inductor too, with more than one thread). The checked kernels instead note the error and skip the rest
-# of the loop iteration (its loads and stores at that index; the results are never handed back), then raise once the
-# parallel region is over, as Inductor's own integer-division check does, through the same per-call flag. A check
-# with no loop around it, or inside a lambda (a masked load's body), where `continue` cannot go, keeps Inductor's.
-_INDEX_ERRORS = """
-#ifndef TORCHNEURON_INDEX_ERRORS
-#define TORCHNEURON_INDEX_ERRORS
-inline std::atomic<const char*> torchneuron_index_error{nullptr};
-inline void torchneuron_note_index_error(const char* msg) {
-  if (inductor_cpu_integer_div_error_flag == nullptr) TORCH_CHECK(false, msg);
-  const char* none = nullptr;
-  torchneuron_index_error.compare_exchange_strong(none, msg);
-  inductor_cpu_integer_div_error_flag->store(2, std::memory_order_relaxed);
-}
-inline void torchneuron_throw_if_kernel_error(std::atomic<int>& error) {
-  if (error.load(std::memory_order_acquire) == 2) {
-    const char* msg = torchneuron_index_error.exchange(nullptr);
-    TORCH_CHECK(false, msg ? msg : "index out of bounds");
-  }
-  inductor_cpu_throw_if_integer_div_error(error);
-}
-#endif
-"""
-_PREFIX = "#include <torch/csrc/inductor/cpp_prefix.h>\n"
-_THROW = "inductor_cpu_throw_if_integer_div_error(inductor_cpu_integer_div_error);"
-_CHECK = re.compile(r'TORCH_CHECK\((.*), ("index out of bounds: [^"]*")\)', re.S)
-_NOTED = re.compile(r'if \(C10_UNLIKELY\(!\((.*)\)\)\) \{ torchneuron_note_index_error\(("[^"]*")\); continue; \}')
+# (plain CPU Inductor too, with more than one thread). In the kernels Inductor's loop code generator writes, each
+# such check instead notes its error in the per-call flag Inductor's own integer-division check uses (value 2 + the
+# check's number) and skips the rest of the loop iteration (its loads and stores at that index; the results are never
+# handed back); the kernel raises once the parallel region is over. A check with no loop around it, or inside a
+# lambda (a masked load's body), where `continue` cannot go, and the checks of template kernels (flex attention's,
+# GEMM's) stay Inductor's.
+_FLAG = "inductor_cpu_integer_div_error"
+_THROW = f"inductor_cpu_throw_if_integer_div_error({_FLAG});"
+_CHECK = re.compile(r'TORCH_CHECK\((.*), ("index out of bounds: [^"]*")\);')
 
 
 def _in_a_loop(lines: list[str], at: int) -> bool:
@@ -124,40 +106,33 @@ def _in_a_loop(lines: list[str], at: int) -> bool:
     return False
 
 
+def _checks_after_the_region(code: str) -> str:
+    """A kernel's index checks rewritten to note and skip (see above), and its raise after the parallel region."""
+    if _THROW not in code or "index out of bounds" not in code:
+        return code
+    lines, messages = code.split("\n"), []
+    for i, line in enumerate(lines):
+        if (m := _CHECK.search(line)) and _in_a_loop(lines, i):
+            lines[i] = (line[:m.start()] + f"if (C10_UNLIKELY(!({m[1]}))) {{ inductor_cpu_integer_div_error_flag->"
+                        f"store({2 + len(messages)}, std::memory_order_relaxed); continue; }}" + line[m.end():])
+            messages.append(m[2])
+    if not messages:
+        return code
+    raise_ = (f"if (const int e = {_FLAG}.load(std::memory_order_acquire); e >= 2) {{ static const char* const "
+              f"index_checks[] = {{{', '.join(messages)}}}; TORCH_CHECK(false, index_checks[e - 2]); }} {_THROW}")
+    return "\n".join(lines).replace(_THROW, raise_)
+
+
 def _index_checks_after_the_region(done: patches.Applied) -> None:
-    from torch._inductor.codegen.cpp import CppKernel, CppVecKernel, KernelGroup
-
-    def noting(original: Any) -> Any:
-        def indirect_assert(self: Any, var: Any, lower: Any, upper: Any, mask: Any = None) -> str:
-            line = original(self, var, lower, upper, mask)
-            m = _CHECK.fullmatch(line)
-            return line if m is None else (f"if (C10_UNLIKELY(!({m[1]}))) {{ torchneuron_note_index_error({m[2]}); "
-                                           "continue; }")
-        return indirect_assert
-
-    def codegen_group(self: Any, name: Any = None) -> str:
-        code = group(self, name)
-        if "torchneuron_note_index_error" not in code:
-            return code
-        lines = code.split("\n")
-        for i, line in enumerate(lines):
-            if (m := _NOTED.search(line)) and not _in_a_loop(lines, i):
-                lines[i] = line[:m.start()] + f"TORCH_CHECK({m[1]}, {m[2]});" + line[m.end():]
-        code = "\n".join(lines)
-        if "torchneuron_note_index_error" not in code:
-            return code
-        return code.replace(_PREFIX, _PREFIX + _INDEX_ERRORS, 1).replace(
-            _THROW, "torchneuron_throw_if_kernel_error(inductor_cpu_integer_div_error);")
+    from torch._inductor.codegen.cpp import KernelGroup
 
     group = KernelGroup.codegen_group
-    done.replace(CppKernel, "indirect_assert", noting(CppKernel.indirect_assert))
-    done.replace(CppVecKernel, "indirect_assert", noting(CppVecKernel.indirect_assert))
-    done.replace(KernelGroup, "codegen_group", codegen_group)
+    done.replace(KernelGroup, "codegen_group", lambda self, name=None: _checks_after_the_region(group(self, name)))
 
 
 INDEX_CHECKS_AFTER_THE_REGION = patches.declare(
-    "index-checks-after-the-parallel-region", "torch._inductor.codegen.cpp.CppKernel.indirect_assert, "
-    "CppVecKernel.indirect_assert, KernelGroup.codegen_group (while a fused group or a compiled graph compiles)",
+    "index-checks-after-the-parallel-region", "torch._inductor.codegen.cpp.KernelGroup.codegen_group (while a fused "
+    "group or a compiled graph compiles)",
     "an out-of-range index in a compiled kernel raises instead of aborting the process: Inductor's check throws "
     "inside the OpenMP parallel region, where an exception ends the process",
     "tests/test_async_probes.py::test_a_compiled_kernels_out_of_range_index_raises_and_the_process_survives",
