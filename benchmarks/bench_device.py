@@ -2,13 +2,14 @@
 steps."""
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from benchmarks.common import FOREACH, paired, row
+from benchmarks.common import FOREACH, first_calls, paired, row
 from torchneuron.compiler.eager_fusion import AFTER
 from torchneuron.models import GPTConfig, SmallCNN, TinyGPT, gpt_batch, image_batch
 
@@ -88,4 +89,17 @@ def run(quick: bool = False) -> list[dict]:
                                        ("cnn", "small-CNN training step", 8, None)):
         t = paired(train_step, calls=calls // 3 if quick else calls, repeats=reps, min_turn=turn, model=model)
         rows.append(row(name, t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", target))
+    # Start-up: from building the model to the end of its 10th step, in fresh processes. With an empty compile
+    # cache (a first run: eager fusion's kernels compile in the background meanwhile) and with one a run left.
+    with tempfile.TemporaryDirectory() as root:
+        caches: list[str] = []
+
+        def empty() -> dict[str, str]:
+            caches.append(tempfile.mkdtemp(dir=root))
+            return {"TORCHNEURON_CACHE_DIR": caches[-1]}
+
+        for state, env in (("empty", empty), ("warm", lambda: {"TORCHNEURON_CACHE_DIR": caches[0]})):
+            t = first_calls(train_step, calls=10, env=env, repeats=1 if quick else 3, model="gpt")
+            rows.append(row(f"small-GPT, start to 10th step, {state} compile cache", t["neuron"] * 1e3,
+                            t["cpu"] * 1e3, "ms", 1.0))
     return rows

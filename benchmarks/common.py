@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -129,6 +130,52 @@ def paired(build: Callable[..., Callable[[], object]], calls: int, repeats: int 
             proc.join(60)
             if proc.is_alive():
                 proc.kill()
+
+
+def _first_calls(conn, threads: int, build: Callable[..., Callable[[], object]], kwargs: dict, calls: int) -> None:
+    """One side of `first_calls`: build, make `calls` calls, synchronize; send the seconds that took."""
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    fn = build(**kwargs)
+    for _ in range(calls):
+        fn()
+    sync()
+    conn.send(time.perf_counter() - t0)
+    if kwargs["device"] == "neuron":  # the compiles it started finish (and fill the cache) before the next run
+        from torchneuron.compiler import eager_fusion
+        eager_fusion.wait_compiles()
+
+
+def first_calls(build: Callable[..., Callable[[], object]], calls: int, env: Callable[[], dict[str, str]],
+                repeats: int = 3, **kwargs: object) -> dict[str, float]:
+    """Median seconds from building `build(device=d, **kwargs)` to the end of its `calls`-th call, on "neuron" and on
+    "cpu", each run in a fresh process (spawned with `env()` added to this process's environment), the sides taking
+    turns: the start-up a user waits for (first-call work, fusion compiles started in the background) rather than
+    the steady state `paired` measures. The processes' imports are not timed."""
+    ctx = multiprocessing.get_context("spawn")
+    samples: dict[str, list[float]] = {"neuron": [], "cpu": []}
+    for r in range(repeats):
+        for device in (("neuron", "cpu") if r % 2 == 0 else ("cpu", "neuron")):
+            added = env()
+            saved = {k: os.environ.get(k) for k in added}
+            os.environ.update(added)
+            try:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_first_calls, args=(child, torch.get_num_threads(), build,
+                                                              {**kwargs, "device": device}, calls), daemon=True)
+                proc.start()
+                child.close()  # the child's end lives in the child only: its death ends `recv` with EOFError
+            finally:
+                for k, v in saved.items():
+                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            try:
+                samples[device].append(parent.recv())
+            except EOFError:
+                raise RuntimeError(f"the {device} side of the benchmark failed (exit code {proc.exitcode}); its "
+                                   "traceback is above") from None
+            finally:
+                proc.join(600)
+    return {d: statistics.median(v) for d, v in samples.items()}
 
 
 def row(name: str, neuron: float, cpu: float, unit: str, target: float | None = None) -> dict:
