@@ -90,16 +90,16 @@ def run(quick: bool = False) -> list[dict]:
         t = paired(train_step, calls=calls // 3 if quick else calls, repeats=reps, min_turn=turn, model=model)
         rows.append(row(name, t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", target))
     # Start-up: from building the model to the end of its 10th step, in fresh processes. With an empty compile
-    # cache (a first run: eager fusion's kernels compile in the background meanwhile) and with one a run left.
+    # cache (a first run: eager fusion's kernels compile in the background meanwhile) and with the one a run left.
     with tempfile.TemporaryDirectory() as root:
         caches: list[str] = []
 
-        def empty() -> dict[str, str]:
+        def empty() -> str:
             caches.append(tempfile.mkdtemp(dir=root))
-            return {"TORCHNEURON_CACHE_DIR": caches[-1]}
+            return caches[-1]
 
-        for state, env in (("empty", empty), ("warm", lambda: {"TORCHNEURON_CACHE_DIR": caches[0]})):
-            t = first_calls(train_step, calls=10, env=env, repeats=1 if quick else 3, model="gpt")
+        for state, cache_dir in (("empty", empty), ("warm", lambda: caches[0])):
+            t = first_calls(train_step, calls=10, cache_dir=cache_dir, repeats=1 if quick else 3, model="gpt")
             rows.append(row(f"small-GPT, start to 10th step, {state} compile cache", t["neuron"] * 1e3,
                             t["cpu"] * 1e3, "ms", 1.0))
     return rows

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import multiprocessing
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -146,28 +145,24 @@ def _first_calls(conn, threads: int, build: Callable[..., Callable[[], object]],
         eager_fusion.wait_compiles()
 
 
-def first_calls(build: Callable[..., Callable[[], object]], calls: int, env: Callable[[], dict[str, str]],
+def first_calls(build: Callable[..., Callable[[], object]], calls: int, cache_dir: Callable[[], str],
                 repeats: int = 3, **kwargs: object) -> dict[str, float]:
     """Median seconds from building `build(device=d, **kwargs)` to the end of its `calls`-th call, on "neuron" and on
-    "cpu", each run in a fresh process (spawned with `env()` added to this process's environment), the sides taking
-    turns: the start-up a user waits for (first-call work, fusion compiles started in the background) rather than
-    the steady state `paired` measures. The processes' imports are not timed."""
+    "cpu", each run in a fresh process (spawned with TORCHNEURON_CACHE_DIR=`cache_dir()`), the sides taking turns:
+    the start-up a user waits for (first-call work, fusion compiles started in the background) rather than the
+    steady state `paired` measures. The processes' imports are not timed."""
+    from torchneuron.hardware.config import scoped_env
+
     ctx = multiprocessing.get_context("spawn")
     samples: dict[str, list[float]] = {"neuron": [], "cpu": []}
     for r in range(repeats):
         for device in (("neuron", "cpu") if r % 2 == 0 else ("cpu", "neuron")):
-            added = env()
-            saved = {k: os.environ.get(k) for k in added}
-            os.environ.update(added)
-            try:
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_first_calls, args=(child, torch.get_num_threads(), build,
-                                                              {**kwargs, "device": device}, calls), daemon=True)
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_first_calls, args=(child, torch.get_num_threads(), build,
+                                                          {**kwargs, "device": device}, calls), daemon=True)
+            with scoped_env("TORCHNEURON_CACHE_DIR", cache_dir()):
                 proc.start()
-                child.close()  # the child's end lives in the child only: its death ends `recv` with EOFError
-            finally:
-                for k, v in saved.items():
-                    os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            child.close()  # the child's end lives in the child only: its death ends `recv` with EOFError
             try:
                 samples[device].append(parent.recv())
             except EOFError:

@@ -85,19 +85,9 @@ _THROW = f"inductor_cpu_throw_if_integer_div_error({_FLAG});"
 _CHECK = re.compile(r'TORCH_CHECK\((.*), ("index out of bounds: [^"]*")\);')
 
 
-def _in_a_loop(lines: list[str], at: int) -> bool:
-    """Whether line `at` of generated C++ is inside a for loop with no lambda between (so `continue` is valid)."""
-    openers: list[str] = []  # for each open brace, the code that opened it
-    previous = ""
-    for line in lines[:at]:
-        code = re.sub(r'"(\\.|[^"\\])*"', '""', line)
-        for i, ch in enumerate(code):
-            if ch == "{":
-                openers.append(code[:i].strip() or previous)
-            elif ch == "}" and openers:
-                openers.pop()
-        if code.strip():
-            previous = code.strip()
+def _loop_without_lambda(openers: list[str]) -> bool:
+    """Whether the innermost enclosing for loop, with no lambda between, exists (so `continue` is valid there);
+    `openers` is the code that opened each enclosing brace, outermost first."""
     for opener in reversed(openers):
         if "[&]" in opener or "[=]" in opener or opener.startswith("[]"):
             return False
@@ -111,11 +101,21 @@ def _checks_after_the_region(code: str) -> str:
     if _THROW not in code or "index out of bounds" not in code:
         return code
     lines, messages = code.split("\n"), []
+    openers: list[str] = []  # for each open brace, the code that opened it
+    previous = ""
     for i, line in enumerate(lines):
-        if (m := _CHECK.search(line)) and _in_a_loop(lines, i):
+        if (m := _CHECK.search(line)) and _loop_without_lambda(openers):
             lines[i] = (line[:m.start()] + f"if (C10_UNLIKELY(!({m[1]}))) {{ inductor_cpu_integer_div_error_flag->"
                         f"store({2 + len(messages)}, std::memory_order_relaxed); continue; }}" + line[m.end():])
             messages.append(m[2])
+        code_only = re.sub(r'"(\\.|[^"\\])*"', '""', line)
+        for j, ch in enumerate(code_only):
+            if ch == "{":
+                openers.append(code_only[:j].strip() or previous)
+            elif ch == "}" and openers:
+                openers.pop()
+        if code_only.strip():
+            previous = code_only.strip()
     if not messages:
         return code
     raise_ = (f"if (const int e = {_FLAG}.load(std::memory_order_acquire); e >= 2) {{ static const char* const "

@@ -335,7 +335,7 @@ def compile_kernel(gm: fx.GraphModule, example_inputs: list, cache: Cache, inner
     visible = gm.graph.output_node().meta.get("user_visible_output_idxs")
     key = digest({"graph": gm.code, "inputs": signature(inputs), "target": target(), "visible": visible,
                   "kwargs": {k: inner_kwargs.get(k) for k in ("is_backward", "is_inference")}})
-    # queued calls run on a stream worker: their loops must not hold the GIL
+    # queued calls run on a stream worker: their loops must not hold the GIL, their index checks must not abort
     with kernel_codegen(), cache.inductor_dir():
         entry = cache.load(key)
         if entry is not None:
