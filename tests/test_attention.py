@@ -54,27 +54,52 @@ def test_bf16_equals_cpu():
         torch.testing.assert_close(d, c, rtol=1.6e-2, atol=1e-2)
 
 
-def test_dropout_masks_come_from_the_neuron_generator():
+@pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"attn_mask": "float"}], ids=["plain", "causal", "mask"])
+def test_dropout_masks_come_from_the_neuron_generator(kw):
     """With dropout the fused op draws its [B, H, L, S] keep-mask from the neuron generator; the backward redraws
-    the same mask from the (seed, offset) the forward returned: gradients match the math formula with that mask."""
-    q, k, v, _ = inputs(2, 2, 8, 8, {})
+    the same mask from the (seed, offset) the forward returned: the result, its log-sum-exp and the gradients match
+    the math formula with that mask."""
+    q, k, v, kw = inputs(2, 2, 8, 8, kw)
     torch.manual_seed(3)
     state = torch.neuron.get_rng_state()
-    dev = run(q, k, v, {"dropout_p": 0.4}, "neuron")
+    dev = run(q, k, v, {**kw, "dropout_p": 0.4}, "neuron")
+    torch.neuron.set_rng_state(state)
+    bias = kw.get("attn_mask")
+    lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        *(t.to("neuron") for t in (q, k, v)), None if bias is None else bias.to("neuron"), True, 0.4,
+        kw.get("is_causal", False))[1]
     torch.neuron.set_rng_state(state)
     keep = torch.empty(2, 2, 8, 8, device="neuron").bernoulli_(0.6).bool().cpu()  # the same counters
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    att = (leaves[0] @ leaves[1].transpose(-2, -1) / 4).softmax(-1)
-    out = (att * keep / 0.6) @ leaves[2]
+    scores = leaves[0] @ leaves[1].transpose(-2, -1) / 4
+    if kw.get("is_causal"):
+        scores = scores.masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+    if bias is not None:
+        scores = scores + bias
+    out = (scores.softmax(-1) * keep / 0.6) @ leaves[2]
     out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
     for d, c in zip(dev, [out.detach(), *(x.grad for x in leaves)], strict=True):
         torch.testing.assert_close(d, c, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.cpu()[..., :8], scores.detach().logsumexp(-1), rtol=1e-5, atol=1e-6)
 
 
+def test_dropout_under_autocast_computes_in_float():
+    """The fused op's own math stays in float under autocast (a compiled graph calls the op itself, which autocast
+    passes through): its result equals the same call outside autocast."""
+    q, k, v = (t.to("neuron") for t in inputs(2, 2, 8, 8, {})[:3])
+    attention = torch.ops.aten._scaled_dot_product_efficient_attention
+    state = torch.neuron.get_rng_state()
+    with torch.autocast("neuron", dtype=torch.bfloat16):
+        inside = attention(q, k, v, None, True, 0.2, True)
+    torch.neuron.set_rng_state(state)
+    outside = attention(q, k, v, None, True, 0.2, True)
+    for a, b in zip(inside[:2], outside[:2], strict=True):
+        assert a.dtype == torch.float32 and torch.equal(a.cpu(), b.cpu())
 
-def test_dropout_backward_takes_the_forward_mask_or_draws_the_same_one():
-    """The forward hands its keep-mask to the backward (a memo): a second backward of the same graph finds none and
-    draws it again from (seed, offset). Both give the same gradients."""
+
+def test_dropout_backward_draws_the_same_mask_again():
+    """The backward draws the forward's keep-mask again from (seed, offset): two backwards of the same graph give
+    the same gradients."""
     q, k, v, _ = inputs(2, 2, 8, 8, {})
     leaves = [t.to("neuron").requires_grad_() for t in (q, k, v)]
     out = F.scaled_dot_product_attention(*leaves, dropout_p=0.3)
@@ -87,6 +112,7 @@ def test_dropout_backward_takes_the_forward_mask_or_draws_the_same_one():
             x.grad = None
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
 
 def test_what_the_fused_op_cannot_do_takes_math_counted():
     q = torch.randn(3, 8, 16, device="neuron")  # 3-D inputs: the fused op takes (batch, heads, seq, dim)
