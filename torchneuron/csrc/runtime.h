@@ -70,7 +70,7 @@ constexpr int64_t kInlineElements = 1 << 15;
 // alone, never of timing, so a kernel's result (a reduction's split follows the thread count) is the same every
 // run; off under torch.use_deterministic_algorithms(True), where results equal the CPU's bit for bit. Kernels
 // below kInlineElements in every tensor split no work across threads: they may run inline.
-constexpr int64_t kFullThreadsWork = 1 << 18;
+constexpr int64_t kFullThreadsWork = 1 << 19;
 int kernel_threads(int threads, int64_t work);
 // A kernel run on the host thread (a signature's first call, a data-dependent op) computes with the threads its
 // queued runs would: this sets kernel_threads(current, work) on this thread and restores the count after.
