@@ -6,7 +6,6 @@
 // gradient) with the neuron generator's mask, as device ops. What the fused op cannot express
 // (inputs that are not 4-D, unsupported dtypes, GQA's unequal head counts, or sdpa_kernel excluding it) takes the
 // math decomposition, counted as aten::_scaled_dot_product_attention_math in get_executed_ops().
-#include <ATen/Parallel.h>
 #include <ATen/native/transformers/attention.h>
 #include <ATen/native/transformers/sdp_utils_cpp.h>
 #include <torch/library.h>
@@ -56,11 +55,8 @@ at::Tensor keep_scale(c10::DeviceIndex dev, PhiloxSlice draw, at::IntArrayRef si
   launch(dev, "aten::_scaled_dot_product_efficient_attention", n, access({}, {m}),
          [d = host_alias(m), draw, keep = BelowP(1.0 - p), kept = static_cast<float>(1.0 / (1.0 - p)), n] {
            float* out = d.data_ptr<float>();
-           at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
-             for_each_philox(draw.seed, draw.offset + static_cast<uint64_t>(lo), hi - lo,
-                             [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
-                               out[lo + j] = keep(w0, w1) ? kept : 0.0f;
-                             });
+           parallel_philox(draw, n, [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
+             out[i] = keep(w0, w1) ? kept : 0.0f;
            });
          });
   return m;

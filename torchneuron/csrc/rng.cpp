@@ -127,14 +127,10 @@ Draws draw(PhiloxSlice s, at::IntArrayRef sizes, Want want) {
   double* a = want == Want::bits ? nullptr : d.u1.data_ptr<double>();
   double* b = want == Want::two ? d.u2.data_ptr<double>() : nullptr;
   int64_t* w64 = want == Want::bits ? d.bits.data_ptr<int64_t>() : nullptr;
-  at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
-    for_each_philox(s.seed, s.offset + static_cast<uint64_t>(lo), hi - lo,
-                    [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
-                      const int64_t i = lo + j;
-                      if (w64) w64[i] = static_cast<int64_t>(static_cast<uint64_t>(w1) << 32 | w0);
-                      if (a) a[i] = philox_unit(w0, w1);
-                      if (b) b[i] = philox_unit(w2, w3);
-                    });
+  parallel_philox(s, n, [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+    if (w64) w64[i] = static_cast<int64_t>(static_cast<uint64_t>(w1) << 32 | w0);
+    if (a) a[i] = philox_unit(w0, w1);
+    if (b) b[i] = philox_unit(w2, w3);
   });
   return d;
 }
@@ -228,11 +224,8 @@ at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Genera
     launch(dev, "aten::bernoulli_", n, access({}, {self}), [dst, s, below = BelowP(p), n]() mutable {
       AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kBool, dst.scalar_type(), "bernoulli_", [&] {
         scalar_t* out = dst.data_ptr<scalar_t>();
-        at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
-          for_each_philox(s.seed, s.offset + static_cast<uint64_t>(lo), hi - lo,
-                          [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
-                            out[lo + j] = static_cast<scalar_t>(below(w0, w1));
-                          });
+        parallel_philox(s, n, [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
+          out[i] = static_cast<scalar_t>(below(w0, w1));
         });
       });
     });

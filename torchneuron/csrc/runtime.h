@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CachingDeviceAllocator.h>
 
@@ -236,6 +237,16 @@ struct PhiloxSlice {
   uint64_t seed, offset;
 };
 PhiloxSlice reserve_philox(const std::optional<at::Generator>& gen, c10::DeviceIndex device, uint64_t n);
+// use(i, w0, w1, w2, w3) for i in [0, n) with the words of counter s.offset + i, over the intra-op threads: how
+// every counter-based random kernel fills its n elements.
+template <class F>
+void parallel_philox(PhiloxSlice s, int64_t n, F&& use) {
+  at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
+    for_each_philox(
+        s.seed, s.offset + static_cast<uint64_t>(lo), hi - lo,
+        [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) { use(lo + j, w0, w1, w2, w3); });
+  });
+}
 // Random ops without a counter-based kernel run on the host: a CPU generator seeded from the neuron generator's
 // next counter, and the neuron generator then advanced by the op's element count.
 at::Generator host_generator_of(const at::Generator& neuron_gen);
