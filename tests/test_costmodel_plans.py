@@ -207,6 +207,24 @@ def test_search_finds_the_cheapest_configuration_meeting_the_target_and_its_fron
             assert f"cheapest meeting the target: {search._row(cheapest)}" in search.table(cands)
 
 
+def test_search_prices_every_platform_as_the_chosen_kind_and_leaves_out_unrated_gpus():
+    """--search --pricing capacity-block: trn1.32xlarge at $15.49/h, the H100 on p5.48xlarge at $39.33/h, the H200
+    on p5e.48xlarge at $43.26/h (S35); no B200 block rate is published, so the B200 is left out."""
+    from torchneuron.costmodel import search
+
+    def build(batch):
+        model = _llama8b(layers=1)
+        return model, presets.lm_inputs(model, mode="decode", context=128, batch=batch)
+
+    cands = search.search(build, mode="decode", target="trn1", gpus=("h100", "h200", "b200"), batches=(1,),
+                          latency_s=1.0, pricing="capacity-block")
+    rates = {"trn1.32xlarge": (15.49, 32), "p5.48xlarge": (39.33, 8), "p5e.48xlarge": (43.26, 8)}
+    assert {c.result.instance for c in cands} == set(rates)
+    for c in cands:
+        rate, per_instance = rates[c.result.instance]
+        assert c.result.cost_per_hour == pytest.approx(rate * c.result.cores / per_instance)
+
+
 def test_cli_search_needs_its_target():
     p = argparse.ArgumentParser()
     cli.add_estimate_arguments(p)
@@ -293,15 +311,58 @@ def test_moe_experts_cost_their_routed_tokens_and_read_only_the_hit_experts():
     assert 0 < fwd.mfu < 1 and fwd.mfu > 0.1  # the expert GEMMs count as model FLOPs
 
 
-def test_reserved_pricing_uses_the_published_ri_rate_where_there_is_one():
-    """AWS publishes RI-effective rates for trn1 only (trn1.32xlarge $8.197/h); elsewhere it is a usage error."""
+def _pricing_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     cli.add_estimate_arguments(p)
-    a = p.parse_args(["--target", "trn1", "--pricing", "reserved"])
+    a = p.parse_args(list(argv))
     cli.check_estimate_arguments(a, cli.usage_error)
-    assert a.price == pytest.approx(8.197)
-    with pytest.raises(ValueError, match="no reserved rate for trn2.48xlarge"):
-        cli.check_estimate_arguments(p.parse_args(["--target", "trn2", "--pricing", "reserved"]), cli.usage_error)
+    return a
+
+
+def test_reserved_pricing_uses_the_published_ri_rate_and_no_gpu_side_without_one():
+    """AWS publishes RI-effective rates for trn1 only (trn1.32xlarge $8.197/h) and none for a GPU instance: the
+    GPU side of a reserved comparison is a usage error unless it is priced (--gpu-price) or dropped."""
+    assert _pricing_args("--target", "trn1", "--pricing", "reserved", "--gpu", "none").price == pytest.approx(8.197)
+    with pytest.raises(ValueError, match="no reserved rate is published for trn2.48xlarge"):
+        _pricing_args("--target", "trn2", "--pricing", "reserved", "--gpu", "none")
+    with pytest.raises(ValueError, match="no reserved rate is published for p5.48xlarge"):
+        _pricing_args("--target", "trn1", "--pricing", "reserved")
+    a = _pricing_args("--target", "trn1", "--pricing", "reserved", "--gpu-price", "30")
+    assert (a.price, a.gpu_price, a.compare) == (pytest.approx(8.197), 30.0, "p5.48xlarge")
+
+
+@pytest.mark.parametrize("gpu,instance,rate", [("h100", "p5.48xlarge", 39.33), ("h200", "p5e.48xlarge", 43.26)])
+def test_capacity_block_pricing_prices_both_sides_at_the_published_block_rates(monkeypatch, gpu, instance, rate):
+    """EC2 Capacity Blocks (S35): trn1.32xlarge $15.49/h, p5.48xlarge (8 x H100) $39.33/h, p5e.48xlarge (8 x H200)
+    $43.26/h. Each side's $/M tokens is its rate pro rata for the cores used over its tokens per hour."""
+    seen = {}
+
+    def spy(*args, **kw):
+        seen["r"] = r = estimate(*args, **kw)
+        return r
+
+    monkeypatch.setattr(cli, "estimate", spy)
+    a = _pricing_args("--model", "gpt2-small", "--target", "trn1", "--mode", "decode", "--seq", "128", "--tp", "4",
+                      "--pricing", "capacity-block", "--gpu", gpu, "--gpu-tp", "1", "--top", "0")
+    assert (a.price, a.compare, a.gpu_price) == (pytest.approx(15.49), instance, pytest.approx(rate))
+    assert cli.run_estimate(a) == 0
+    r = seen["r"]
+    c = r.comparison
+    assert (r.instance, r.cores, c.instance, c.cores) == ("trn1.32xlarge", 4, instance, 1)
+    assert r.cost_per_million == pytest.approx(15.49 * 4 / 32 / (3600 / r.step_time_s) * 1e6)
+    assert c.cost_per_million == pytest.approx(rate * 1 / 8 / (3600 / c.step_time_s) * 1e6)
+
+
+def test_capacity_block_pricing_is_a_usage_error_where_no_block_rate_is_published():
+    """The Capacity Blocks page used (S35) lists no trn2, B200 or H100-on-p5en rate."""
+    with pytest.raises(ValueError, match="no capacity-block rate is published for trn2.48xlarge"):
+        _pricing_args("--target", "trn2", "--pricing", "capacity-block")
+    with pytest.raises(ValueError, match="no capacity-block rate is published for p6-b200.48xlarge"):
+        _pricing_args("--target", "trn1", "--pricing", "capacity-block", "--gpu", "b200")
+    with pytest.raises(ValueError, match="no capacity-block rate is published for p5en.48xlarge"):
+        _pricing_args("--target", "trn1", "--pricing", "capacity-block", "--compare", "p5en.48xlarge")
+    a = _pricing_args("--target", "trn2", "--pricing", "capacity-block", "--price", "20", "--gpu-price", "50")
+    assert (a.price, a.gpu_price, a.compare) == (20.0, 50.0, "p5.48xlarge")  # given rates stand; p5 by default
 
 
 def _mixtral(layers: int = 2):

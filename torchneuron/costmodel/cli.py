@@ -11,7 +11,17 @@ from typing import Any
 
 import torch
 
-from ..hardware.chips import CHIPS, GPU_INSTANCES, GPUS, INSTANCES, LARGEST_INSTANCE
+from ..hardware.chips import (
+    CHIPS,
+    GPU_INSTANCES,
+    GPUS,
+    INSTANCES,
+    LARGEST_INSTANCE,
+    PRICING,
+    gpu_instance,
+    hourly_rate,
+    rated_instances,
+)
 from .estimate import EXECUTIONS, MODES, PRECISIONS, RECOMPUTE, SCHEDULES, EstimateResult, estimate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -64,8 +74,10 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", choices=RECOMPUTE, default="none")
     p.add_argument("--price", type=positive_finite,
                    help="USD per instance-hour, > 0 (default: the documented estimate)")
-    p.add_argument("--pricing", choices=["on-demand", "reserved"], default="on-demand",
-                   help="reserved: AWS's published RI-effective rate where one is published (trn1)")
+    p.add_argument("--pricing", choices=PRICING, default="on-demand",
+                   help="how both sides' instance-hours are bought: reserved (AWS's RI-effective rate: trn1) or "
+                        "capacity-block (EC2 Capacity Blocks: trn1.32xlarge, p5.48xlarge, p5e.48xlarge); a usage "
+                        "error where no rate is published (docs/hardware.md, Prices)")
     p.add_argument("--precision", choices=[x for x in PRECISIONS if x],
                    help="fp8: matmuls in fp8 (MFU on the fp8 peak); w8: 8-bit weights, 16-bit math (inference)")
     p.add_argument("--pp", type=at_least(1), default=1, help="pipeline stages (layers split evenly)")
@@ -136,12 +148,8 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
             a.search_batches = []
         if not a.search_batches or min(a.search_batches) < 1:
             error("--search-batches: comma-separated integers >= 1, e.g. 1,4,16")
-    if a.pricing == "reserved" and a.price is None:
-        inst = INSTANCES.get(a.instance or LARGEST_INSTANCE[a.target])
-        if inst is None or inst.reserved_per_hour is None:
-            error(f"--pricing reserved: AWS publishes no reserved rate for {a.instance or LARGEST_INSTANCE[a.target]} "
-                  "(only trn1's RI-effective rates); pass --price")
-        a.price = inst.reserved_per_hour
+    if a.pricing != "on-demand":
+        _apply_pricing(a, error)
     if a.vpp > 1 and a.schedule != "interleaved":
         error("--vpp needs --schedule interleaved")
     if a.fsdp and a.mode != "train":
@@ -170,6 +178,28 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
             error(f"--model {a.model!r}: use one of {', '.join(PRESETS)} or path/to/file.py:function")
     if a.report and not os.path.isdir(os.path.dirname(os.path.abspath(a.report))):
         error(f"--report {a.report!r}: its directory does not exist")
+
+
+def _apply_pricing(a: argparse.Namespace, error: Callable[[str], Any]) -> None:
+    """--pricing reserved | capacity-block: the Trainium instance and the compared GPU instance both at that kind
+    of rate (a buyer compares like with like; --price / --gpu-price override a side). An H200 is bought on the
+    instance that kind of rate is published for. A usage error names an instance without a published rate."""
+    def rate(instance: str, flag: str) -> float:
+        r = hourly_rate(instance, a.pricing)
+        if r is None:
+            error(f"--pricing {a.pricing}: no {a.pricing} rate is published for {instance} (published for: "
+                  f"{', '.join(rated_instances(a.pricing))}); pass {flag}")
+        return r
+
+    if a.price is None:
+        a.price = rate(a.instance or LARGEST_INSTANCE[a.target], "--price")
+    gpu = a.gpu or a.compare
+    if a.search or gpu == "none":  # --search prices each GPU instance itself and leaves out those without a rate
+        return
+    instance = gpu_instance(gpu, a.pricing) if gpu in GPUS else gpu
+    if a.gpu_price is None:
+        a.gpu_price = rate(instance, "--gpu-price (or --gpu none)")
+    a.gpu, a.compare = None, instance
 
 
 def _ops_table(r: EstimateResult, n: int) -> str:
@@ -221,6 +251,8 @@ def run_estimate(a: argparse.Namespace) -> int:
         return 1
     print(f"{a.model}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, batch {a.batch} x "
           f"{'context ' if a.mode == 'decode' else ''}{a.seq}, {a.dtype}")
+    if a.pricing != "on-demand":
+        print(f"prices: {a.pricing} rates on both sides (docs/hardware.md, Prices)")
     print(r.summary())
     if r.comparison:
         print(r.comparison.summary())
@@ -286,10 +318,10 @@ def run_search(a: argparse.Namespace) -> int:
                           tokens_per_s=a.target_tokens_per_s if a.mode == "train" else None,
                           latency_s=latency / 1e3 if latency else None, dtype=DTYPES[a.dtype],
                           global_batch_tokens=a.global_batch * a.seq if a.global_batch else None,
-                          gpu_prices=prices)
+                          gpu_prices=prices, pricing=a.pricing, trainium_price=a.price)
     goal = (f"{a.target_tokens_per_s:,.0f} tokens/s" if a.mode == "train" else
             f"{latency:g} ms {'per output token' if a.mode == 'decode' else 'to first token'}")
-    print(f"{a.model}, {a.mode}, seq {a.seq}: configurations meeting {goal} (* meets it), prices on demand")
+    print(f"{a.model}, {a.mode}, seq {a.seq}: configurations meeting {goal} (* meets it), prices {a.pricing}")
     print(search.table(cands))
     return 0
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..hardware.chips import GPU_INSTANCE, GPUS, LARGEST_INSTANCE
+from ..hardware.chips import GPUS, LARGEST_INSTANCE, gpu_instance, hourly_rate
 from .estimate import EstimateResult, Layout, Plan, cost, experts, fit_error
 from .trace import Trace, trace
 
@@ -63,21 +63,26 @@ def _meets(r: EstimateResult, tokens_per_s: float | None, latency_s: float | Non
 def search(build: Callable[[int], tuple[torch.nn.Module, Any]], *, mode: str, target: str = "trn2",
            gpus: Sequence[str] = ("h100",), batches: Sequence[int] = (1,), tokens_per_s: float | None = None,
            latency_s: float | None = None, dtype: torch.dtype = torch.bfloat16,
-           global_batch_tokens: float | None = None, gpu_prices: dict[str, float] | None = None) -> list[Candidate]:
+           global_batch_tokens: float | None = None, gpu_prices: dict[str, float] | None = None,
+           pricing: str = "on-demand", trainium_price: float | None = None) -> list[Candidate]:
     """Every fitting configuration on `target`'s largest instance and on each GPU's instance, costed.
 
     build(batch) -> (model, example_inputs). Training: `tokens_per_s` is the target; data-parallel replicas are
     added until it is met (at most 4,096 cores). Serving: `latency_s` bounds the step (a decode step is the time
-    per output token, a forward pass the time to first token); each batch size in `batches` is a candidate."""
+    per output token, a forward pass the time to first token); each batch size in `batches` is a candidate.
+    Every platform is priced as `pricing` (hardware.chips.PRICING) unless `trainium_price` / `gpu_prices` (by GPU
+    or instance name) give its rate; a GPU instance without a rate is left out."""
     train = mode == "train"
-    platforms = [("trainium", Layout.of(target, LARGEST_INSTANCE[target]))]
+    tlay = Layout.of(target, LARGEST_INSTANCE[target])
+    tprice = trainium_price if trainium_price is not None else hourly_rate(tlay.instance, pricing)
+    platforms = [("trainium", replace(tlay, price_per_hour=tprice))]
     prices = gpu_prices or {}
     for g in gpus:
-        name = GPU_INSTANCE[g] if g in GPUS else g
-        lay = Layout.of(name)
-        if lay.price_per_hour is None and g not in prices and name not in prices:
+        name = gpu_instance(g, pricing) if g in GPUS else g
+        price = prices.get(g, prices.get(name, hourly_rate(name, pricing)))
+        if price is None:
             continue  # no price: cost per token unknown; pass a price to include it
-        platforms.append(("gpu", replace(lay, price_per_hour=prices.get(g, prices.get(name, lay.price_per_hour)))))
+        platforms.append(("gpu", replace(Layout.of(name), price_per_hour=price)))
     out: list[Candidate] = []
     for batch in batches:
         model, inputs = build(batch)

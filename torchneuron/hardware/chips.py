@@ -5,8 +5,9 @@ Every constant names its source (the full list with paths is docs/hardware.md):
 S1/S2/S3 = trainium{,2,3}.rst chip pages, S4-S6 = neuron-core-v{2,3,4}.rst, S7-S9 = trn{1,2,3}-arch.rst,
 S10 = data-types.rst, S11 = logical-neuroncore-config.rst, S12-S14 = NKI architecture guides,
 S15 = NKI performance guide, S16/S17 = NKI DMA guides, S40 = nccom-test user guide (measured collectives),
-S41/S42 = intra-/inter-node collective deep dives, S34/S35/S37/S38 = H100, p5, H200, B200 specifications [3p],
-S45/S46 = p5en / p6-b200 on-demand prices [3p],
+S41/S42 = intra-/inter-node collective deep dives, S34/S35/S37/S38 = H100, p5, H200, B200 specifications [3p]
+(S35, the EC2 Capacity Blocks pricing page, also gives the Capacity Block rates), S45/S46 = p5en / p6-b200 on-demand
+prices [3p],
 G1-G3 = published GPU measurements [3p] (matmul, HBM and launch, NCCL),
 [3p] = third party, [derived] = arithmetic on cited values, [assumption] = no published figure.
 Where AWS pages disagree the value used is noted. Nothing here imports torch: the device, the compiler and the
@@ -165,13 +166,14 @@ class Instance:
     price_source: str = ""
     efa_bps: float = 0.0  # bits/s between instances
     reserved_per_hour: float | None = None  # USD, AWS's published "RI-effective" rate (S26); None: not published
+    capacity_block_per_hour: float | None = None  # USD, EC2 Capacity Blocks effective instance rate (S35)
 
 
 INSTANCES: dict[str, Instance] = {
     i.name: i
     for i in (
         Instance("trn1.2xlarge", "trn1", 1, 1.34375, "[3p] public price tables, 2026", 25e9, 0.512),
-        Instance("trn1.32xlarge", "trn1", 16, 21.50, "[3p] usage.ai 2026 and price tables", 800e9, 8.197),
+        Instance("trn1.32xlarge", "trn1", 16, 21.50, "[3p] usage.ai 2026 and price tables", 800e9, 8.197, 15.49),
         Instance("trn1n.32xlarge", "trn1", 16, 24.78, "[3p] public price tables", 1600e9),
         Instance("trn2.3xlarge", "trn2", 1, 35.7608 / 16, "[derived] 1/16 of trn2.48xlarge; UNVERIFIED", 0.0),
         Instance("trn2.48xlarge", "trn2", 16, 35.7608, "[3p] us-east-1 Feb 2026, UNVERIFIED", 3200e9),
@@ -263,6 +265,8 @@ class GpuInstance:
     price_per_hour: float | None  # USD on-demand; None where no source was found
     price_source: str
     efa_bps: float
+    reserved_per_hour: float | None = None  # no reserved GPU rate is published in the sources used (hardware.md)
+    capacity_block_per_hour: float | None = None  # USD, EC2 Capacity Blocks effective instance rate (S35)
 
 
 GPU_INSTANCES: dict[str, GpuInstance] = {
@@ -270,10 +274,14 @@ GPU_INSTANCES: dict[str, GpuInstance] = {
     for g in (
         GpuInstance("p5.48xlarge", "h100", 8, 55.04,
                     "[3p] us-east-1 on-demand after the June 2025 P5 price cut (2026 price tables); $98.32 at launch",
-                    3200e9),  # S35
+                    3200e9, capacity_block_per_hour=39.33),  # S35
         GpuInstance("p5en.48xlarge", "h200", 8, 63.296,
                     "[3p] us-east-1 on-demand, AWS price list as listed by dstack (PR #4110, Aug 2026) and 2026 "
                     "price tables", 3200e9),  # S45
+        # the H200 instance AWS's Capacity Blocks page prices (S35: 8 x H200, 3,200 Gbps); after p5en, so that an
+        # H200 comparison on demand uses p5en
+        GpuInstance("p5e.48xlarge", "h200", 8, None, "no on-demand price in the sources used (hardware.md)",
+                    3200e9, capacity_block_per_hour=43.26),
         GpuInstance("p6-b200.48xlarge", "b200", 8, 113.9328,
                     "[3p] us-east-1 on-demand, 2026 public price tables (Vantage, DoiT)", 3200e9),  # S46
     )
@@ -281,3 +289,26 @@ GPU_INSTANCES: dict[str, GpuInstance] = {
 
 # The GPU instance the cost model uses for a GPU when none is named.
 GPU_INSTANCE = {g.gpu: name for name, g in reversed(GPU_INSTANCES.items())}
+
+# How an instance-hour is bought: on demand, AWS's RI-effective rate (S26), or an EC2 Capacity Block (S35).
+PRICING = ("on-demand", "reserved", "capacity-block")
+
+
+def hourly_rate(instance: str, pricing: str = "on-demand") -> float | None:
+    """USD per hour of a Trainium or GPU instance bought as `pricing`; None where no rate is published in the
+    sources used (docs/hardware.md, "Prices")."""
+    i = INSTANCES[instance] if instance in INSTANCES else GPU_INSTANCES[instance]
+    return {"on-demand": i.price_per_hour, "reserved": i.reserved_per_hour,
+            "capacity-block": i.capacity_block_per_hour}[pricing]
+
+
+def rated_instances(pricing: str) -> list[str]:
+    """The instances with a published `pricing` rate (named in usage errors)."""
+    return [n for n in (*INSTANCES, *GPU_INSTANCES) if hourly_rate(n, pricing) is not None]
+
+
+def gpu_instance(gpu: str, pricing: str = "on-demand") -> str:
+    """The instance a GPU is bought on: its default one, or under another pricing the first instance of that GPU
+    with a published rate of that kind (an H200 Capacity Block is a p5e.48xlarge); the default when none has."""
+    return next((n for n, g in GPU_INSTANCES.items() if g.gpu == gpu and hourly_rate(n, pricing) is not None),
+                GPU_INSTANCE[gpu])
