@@ -259,7 +259,8 @@ def _matmul(op, ins, outs, attrs, shard, t):
     bat = {"a": len(a) > 2, "b": len(b) > 2, "c": True}
     if op == "_grouped_mm" and len(a) == 2 and len(b) == 3:
         # MoE: the [M, K] rows are grouped by expert (offsets) against [E, K, N]: each row meets one expert, so
-        # the work is one [M, K] x [K, N] GEMM; the weights of at most min(E, M) experts are read
+        # the work is one [M, K] x [K, N] GEMM (published grouped GEMMs run at their dense GEMMs' rate, G13); the
+        # weights of at most min(E, M) experts are read
         dims["b"], bat = 1, {"a": False, "b": False, "c": False}
         weights = min(b[0], a[0])
     else:
