@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -18,27 +19,53 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10))
 
 
-# name: (model, batch), each made on the CPU from seed 0, so both sides train the same model on the same batch
-MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {
-    "mlp": (_mlp, lambda: (torch.randn(64, 256), torch.randint(0, 10, (64,)))),
-    "gpt": (lambda: TinyGPT(GPTConfig()), lambda: gpt_batch(GPTConfig(), 8, torch.Generator().manual_seed(0))),
-    "gpt_sdpa": (lambda: TinyGPT(GPTConfig(sdpa=True)),  # nanoGPT's form: attention is one fused kernel
-                 lambda: gpt_batch(GPTConfig(sdpa=True), 8, torch.Generator().manual_seed(0))),
-    "cnn": (SmallCNN, lambda: image_batch(32, torch.Generator().manual_seed(0))),
+def _hf_gpt2() -> nn.Module:
+    """A transformers GPT-2 built from a config (no download): 12 blocks, so AdamW steps over 148 tensors, as an HF
+    model's optimizer does (hundreds of small parameter tensors), with its own SDPA attention and dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel  # the test extra; imported only for this row
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=12, n_embd=64, n_head=4, vocab_size=1000, n_positions=64,
+                                      attn_implementation="sdpa"))
+
+
+class BenchModel(NamedTuple):
+    """A benchmark model: made on the CPU from seed 0 with its batch, so both sides train the same model on the same
+    batch, and its loss on that batch."""
+
+    make: Callable[[], nn.Module]
+    batch: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, 1000, (8, 64), generator=torch.Generator().manual_seed(0))
+
+
+def _own_loss(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return m(x, y)[1] if isinstance(m, TinyGPT) else F.cross_entropy(m(x), y)
+
+
+MODELS: dict[str, BenchModel] = {
+    "mlp": BenchModel(_mlp, lambda: (torch.randn(64, 256), torch.randint(0, 10, (64,))), _own_loss),
+    "gpt": BenchModel(lambda: TinyGPT(GPTConfig()), lambda: gpt_batch(GPTConfig(), 8, torch.Generator().manual_seed(0)),
+                      _own_loss),
+    "gpt_sdpa": BenchModel(lambda: TinyGPT(GPTConfig(sdpa=True)),  # nanoGPT's form: attention is one fused kernel
+                           lambda: gpt_batch(GPTConfig(sdpa=True), 8, torch.Generator().manual_seed(0)), _own_loss),
+    "cnn": BenchModel(SmallCNN, lambda: image_batch(32, torch.Generator().manual_seed(0)), _own_loss),
+    "hf_gpt2": BenchModel(_hf_gpt2, lambda: (_tokens(),) * 2, lambda m, x, y: m(input_ids=x, labels=y).loss),
 }
 
 
 def train_step(device: str, model: str) -> Callable[[], None]:
     """A training step (forward, loss, backward, AdamW) of MODELS[model] on `device`."""
-    make_model, make_batch = MODELS[model]
+    bm = MODELS[model]
     torch.manual_seed(0)
-    m, (x, y) = make_model().to(device), make_batch()
+    m, (x, y) = bm.make().to(device), bm.batch()
     x, y = x.to(device), y.to(device)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=FOREACH)
 
     def step() -> None:
-        out = m(x, y) if isinstance(m, TinyGPT) else m(x)
-        loss = out[1] if isinstance(out, tuple) else F.cross_entropy(out, y)
+        loss = bm.loss(m, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -86,7 +113,8 @@ def run(quick: bool = False) -> list[dict]:
     for model, name, calls, target in (("mlp", "MLP training step", 30, 0.85),
                                        ("gpt", "small-GPT training step", 8, 0.9),
                                        ("gpt_sdpa", "small-GPT training step, SDPA attention", 8, None),
-                                       ("cnn", "small-CNN training step", 8, None)):
+                                       ("cnn", "small-CNN training step", 8, None),
+                                       ("hf_gpt2", "HF GPT-2 training step (12 blocks, 148 tensors)", 4, None)):
         t = paired(train_step, calls=calls // 3 if quick else calls, repeats=reps, min_turn=turn, model=model)
         rows.append(row(name, t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", target))
     # Start-up: from building the model to the end of its 10th step, in fresh processes. With an empty compile
