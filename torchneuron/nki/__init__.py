@@ -16,7 +16,8 @@ from typing import Any
 
 _LAZY = {
     "jit": ("kernel", "jit"), "baremetal": ("kernel", "jit"), "simulate": ("kernel", "simulate"),
-    "Kernel": ("kernel", "Kernel"),
+    "Kernel": ("kernel", "Kernel"), "simulate_kernel": ("kernel", "simulate_kernel"),
+    "benchmark": ("kernel", "benchmark"), "profile": ("kernel", "profile"), "tensor": ("core", "NkiTensor"),
     "nki_op": ("torch_op", "nki_op"), "KernelProfile": ("cost", "KernelProfile"),
 }
 _SUBMODULES = ("language", "isa", "core", "cost", "kernel", "ops", "torch_op", "typing", "validation", "compiler")

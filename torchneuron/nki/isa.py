@@ -101,6 +101,12 @@ def _check_access(eng: str, instr: str, reads: list, writes: list) -> None:
                              f"{', '.join(sorted(allowed))}")
         if eng != "dma" and t.buffer.on_chip:
             _check_tile(t, instr, role)
+        if isinstance(t, core.GatherTile) and t.valid is not None:
+            m = core.mask_for(t)
+            outside = ~t.valid if m is None else ~t.valid & m
+            if bool(outside.any()):
+                fail(IndexError, f"{instr}: {role} reaches {int(outside.sum())} elements outside its {t.src.shape} "
+                                 f"tensor ({t.buffer.name}) that the instruction's mask= does not exclude")
 
 
 def _init_view(t: NkiTensor) -> np.ndarray | None:
@@ -116,6 +122,11 @@ def _init_view(t: NkiTensor) -> np.ndarray | None:
 def _check_initialised(instr: str, reads: list) -> None:
     for role, t in reads:
         v = _init_view(t)
+        m = core.mask_for(t)
+        if v is not None and isinstance(t, core.GatherTile) and t.valid is not None:
+            m = t.valid if m is None else m & t.valid
+        if v is not None and m is not None:
+            v = v[m.numpy()]
         if v is not None and not bool(v.all()):
             fail(RuntimeError, f"{instr}: {role} reads {t.buffer.name} that no instruction wrote "
                                f"({int((~v).sum())} of {v.size} elements uninitialised): on hardware this is "
@@ -126,12 +137,15 @@ def _check_initialised(instr: str, reads: list) -> None:
 
 def _mark_written(writes: list) -> None:
     for _, t in writes:
-        if isinstance(t, core.GatherTile) and t.alloc.init is not None:
-            _init_view(t.src)[tuple(i.numpy() for i in t.idx)] = True
+        m = core.mask_for(t)
+        if isinstance(t, core.GatherTile):
+            idx = t.selected(m)
+            if t.alloc.init is not None:
+                _init_view(t.src)[tuple(i.numpy() for i in (t.idx if idx is None else idx))] = True
             continue
         v = _init_view(t)
         if v is not None:
-            v[...] = True
+            v[... if m is None else m.numpy()] = True
         if t.buffer is PSUM:
             t.alloc.mm_read = False
 
@@ -140,8 +154,9 @@ def _issue(instr: str, eng: str, cycles: float, reads: list, writes: list, flops
     run = core.current_run()
     _check_access(eng, instr, reads, writes)
     _check_initialised(instr, reads)
-    line = core._user_frame()[1]
-    run.timeline.compute(instr, eng, cycles, [t for _, t in reads], [t for _, t in writes], line, flops)
+    if not core.masked_off():  # mask=False: the compiler drops the instruction
+        line = core._user_frame()[1]
+        run.timeline.compute(instr, eng, cycles, [t for _, t in reads], [t for _, t in writes], line, flops)
     return run
 
 
@@ -196,10 +211,13 @@ def _store(run: core.Run, dst: NkiTensor, v: torch.Tensor) -> None:
         return
     v = v.reshape(dst.shape) if v.numel() == dst.data.numel() else v.expand(dst.shape)
     v = round_to(v, dst.dtype, run.stochastic_rounding, run.generator)
+    m = core.mask_for(dst)
     if isinstance(dst, core.GatherTile):
-        dst.write(v)
-    else:
+        dst.write(v, m)
+    elif m is None:
         dst.data.copy_(v)
+    else:  # only the mask's elements are written
+        dst.data.copy_(torch.where(m, v, dst.data))
 
 
 def _new(shape: tuple, dtype: Any, buffer: Any = SBUF) -> NkiTensor:
@@ -232,6 +250,8 @@ def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | 
         if t.dtype not in MATMUL_DTYPES:
             fail(TypeError, f"nc_matmul: {role} has dtype {t.dtype}; the Tensor engine multiplies float8/bfloat16/"
                             "float16/float32")
+    if legacy:  # the compiler moves a PSUM operand (an earlier nc_transpose's result) to SBUF first
+        stationary, moving = _to_sbuf(stationary), _to_sbuf(moving)
     k, m = stationary.shape[0], stationary.free_size
     k2, n = moving.shape[0], moving.free_size
     if k != k2:
@@ -263,6 +283,16 @@ def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | 
         _store(run, dst, prod)
     _mark_written([("dst", dst)])
     return dst if legacy else None
+
+
+def _to_sbuf(t: NkiTensor) -> NkiTensor:
+    """A PSUM tile copied to SBUF on the Vector engine (what the compiler inserts before an engine that cannot
+    read PSUM, in the earlier API where it places the tiles); other tiles as they are."""
+    if t.buffer is not PSUM:
+        return t
+    out = _new(t.shape, t.dtype)
+    tensor_copy(dst=out, src=t)
+    return out
 
 
 def accumulate_psum(dst: NkiTensor, src: NkiTensor) -> None:
@@ -322,7 +352,7 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
                reduce_cmd: reduce_cmd = reduce_cmd.idle, dtype: Any = None, **_: Any) -> NkiTensor | None:
     """dst = op(data * scale + bias) on the Scalar engine; scale a scalar or a [P, 1] tile, bias a [P, 1] tile.
     With reduce_res (reduce_op nl.add) the free-axis sum of the result is also written ([P, 1])."""
-    legacy = dst is None and (not args or isinstance(args[0], Op))
+    legacy = dst is None and (not args or isinstance(as_op(args[0]), Op))
     if legacy:
         op, data = (list(args) + [op, data])[:2] if len(args) >= 2 else (args[0] if args else op, data)
     else:
@@ -340,7 +370,7 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
                          "sizes")
     reads = [("data", data)] + [(r, t) for r, t in (("bias", bias), ("scale", scale)) if isinstance(t, NkiTensor)]
     writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
-    if reduce_op is not None and getattr(reduce_op, "name", None) not in ("add", "sum"):
+    if reduce_op is not None and getattr(as_op(reduce_op), "name", None) not in ("add", "sum"):
         fail(ValueError, "activation: the Scalar engine's reduction registers only sum (reduce_op=nl.add)")
     cycles = engine_cycles(run.chip, "scalar", data.free_size, data.dtype.itemsize)
     cycles += run.chip.mm_min_cycles if reduce_res is not None else 0
@@ -359,7 +389,9 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
             if regs is None or cmd in (type(cmd).reset, type(cmd).reset_reduce):
                 regs = torch.zeros(p, 1)
             if cmd != type(cmd).reset:
-                regs = regs + value(dst).reshape(p, -1).sum(1, keepdim=True)
+                y, m = value(dst), core.mask_for(dst)
+                y = y if m is None else torch.where(m, y, torch.tensor(0.0))
+                regs = regs + y.reshape(p, -1).sum(1, keepdim=True)
             run.act_regs = regs
             if reduce_res is not None:
                 _store(run, reduce_res, regs)
@@ -493,11 +525,16 @@ def scalar_tensor_tensor(*args: Any, dst: NkiTensor | None = None, data: NkiTens
     return dst if legacy else None
 
 
+# what a masked-off element contributes to a reduction
+_IDENTITY = {"add": 0.0, "sum": 0.0, "mean": 0.0, "multiply": 1.0, "prod": 1.0, "max": -math.inf,
+             "maximum": -math.inf, "min": math.inf, "minimum": math.inf}
+
+
 def tensor_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: NkiTensor | None = None,
                   axis: Any = None, negate: bool = False, keepdims: bool = False, dtype: Any = None,
                   **_: Any) -> NkiTensor | None:
     """dst = op-reduction of data over free axes (never the partition axis 0) on the Vector engine."""
-    legacy = dst is None and (not args or isinstance(args[0], Op))
+    legacy = dst is None and (not args or isinstance(as_op(args[0]), Op))
     names = ["op", "data", "axis", "negate", "keepdims"] if legacy else ["dst", "op", "data", "axis", "negate",
                                                                           "keepdims"]
     given = dict(zip(names, args, strict=False))
@@ -520,7 +557,10 @@ def tensor_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, data
     cycles = engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize)
     _issue(f"tensor_reduce({op.name})", "vector", cycles, [("data", data)], [("dst", dst)])
     if run.compute:
-        r = op.reduce(value(data), axes)
+        x, m = value(data), core.mask_for(data)
+        if m is not None:  # masked-off elements do not take part
+            x = torch.where(m, x, torch.tensor(_IDENTITY.get(op.name, 0.0)))
+        r = op.reduce(x, axes)
         _store(run, dst, -r if negate else r)
     _mark_written([("dst", dst)])
     return dst if legacy else None
@@ -660,7 +700,11 @@ def affine_select(*args: Any, dst: NkiTensor | None = None, pattern: Any = None,
                       torch.tensor(0.0)).bool()
         legacy = False
     _same_shape(dst, on_true_tile, "affine_select")
-    _issue("affine_select", "gpsimd", engine_cycles(run.chip, "gpsimd", dst.free_size, dst.dtype.itemsize),
+    # GpSimd cannot reach PSUM. In the earlier form the compiler picks the engine and moves the instruction to
+    # the Vector engine when an operand is in PSUM (AWS's reference flash attention selects on a PSUM tile this
+    # way); the current form names its tiles and is refused.
+    eng = "vector" if legacy and PSUM in (on_true_tile.buffer, dst.buffer) else "gpsimd"
+    _issue("affine_select", eng, engine_cycles(run.chip, eng, dst.free_size, dst.dtype.itemsize),
            [("on_true_tile", on_true_tile)], [("dst", dst)])
     if run.compute:
         _store(run, dst, torch.where(mask, _rows(on_true_tile), torch.tensor(float(on_false_value))))
@@ -696,6 +740,31 @@ def select(*args: Any, dst: NkiTensor | None = None, predicate: NkiTensor | None
     return dst if legacy else None
 
 
+def dropout(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, prob: Any = None,
+            dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst = data with each element replaced by 0 with probability prob (a scalar or a [P, 1] tile); the kept
+    ones are not rescaled. Vector engine; the draws come from the run's generator (`nl.random_seed`), not the
+    hardware's random number generator."""
+    legacy = dst is None and _tiles(args) < 2
+    names = ["data", "prob"] if legacy else ["dst", "data", "prob"]
+    given = dict(zip(names, args, strict=False))
+    dst, data, prob = given.get("dst", dst), given.get("data", data), given.get("prob", prob)
+    run = core.current_run()
+    if legacy:
+        dst = _new(data.shape, dtype or data.dtype)
+    _same_shape(dst, data, "dropout")
+    reads = [("data", data)] + ([("prob", prob)] if isinstance(prob, NkiTensor) else [])
+    _issue("dropout", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize), reads,
+           [("dst", dst)])
+    if run.compute:
+        x = _rows(data)
+        p = _vector(prob, x.shape[0], "dropout", "prob")
+        keep = torch.rand(x.shape, generator=run.generator) >= p
+        _store(run, dst, torch.where(keep, x, torch.tensor(0.0)))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
 # --------------------------------------------------------------------------------------------- DMA
 def dma_copy(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None, dst_rmw_op: Any = None,
              **_: Any) -> None:
@@ -721,7 +790,8 @@ def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, transpose:
     eff = 1.0
     if transpose:
         eff = 0.9 if src.buffer.is_hbm else 0.5  # DMA transpose: ~90% of DMA throughput from HBM, ~50% SBUF->SBUF
-    run.timeline.dma(instr, nbytes, min(row_bytes(src), row_bytes(dst)), reads, [dst], line, eff)
+    if not core.masked_off():
+        run.timeline.dma(instr, nbytes, min(row_bytes(src), row_bytes(dst)), reads, [dst], line, eff)
     if run.compute:
         v = value(src)
         if transpose:
@@ -756,7 +826,7 @@ def tensor_scalar_reduce(*args: Any, dst: NkiTensor | None = None, data: NkiTens
     given = dict(zip(names, args, strict=False))
     dst, data, op0, operand0 = (given.get(k, v) for k, v in
                                 (("dst", dst), ("data", data), ("op0", op0), ("operand0", operand0)))
-    reduce_op, reduce_res = given.get("reduce_op", reduce_op), given.get("reduce_res", reduce_res)
+    reduce_op, reduce_res = as_op(given.get("reduce_op", reduce_op)), given.get("reduce_res", reduce_res)
     reverse0 = given.get("reverse0", reverse0)
     legacy = dst is None
     run = core.current_run()
@@ -838,10 +908,10 @@ def bn_aggr(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = N
 def tensor_partition_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None,
                             data: NkiTensor | None = None, dtype: Any = None, **_: Any) -> NkiTensor | None:
     """dst[1, F] = op-reduction of data[P, F] across its partitions, on the GpSimd engine."""
-    legacy = dst is None and (not args or isinstance(args[0], Op))
+    legacy = dst is None and (not args or isinstance(as_op(args[0]), Op))
     names = ["op", "data"] if legacy else ["dst", "op", "data"]
     given = dict(zip(names, args, strict=False))
-    dst, op, data = given.get("dst", dst), given.get("op", op), given.get("data", data)
+    dst, op, data = given.get("dst", dst), as_op(given.get("op", op)), given.get("data", data)
     if not isinstance(op, Op) or op.reduce is None:
         fail(ValueError, f"tensor_partition_reduce: op must reduce (nl.add, nl.max, ...), got {op!r}")
     run = core.current_run()
@@ -892,5 +962,6 @@ def tensor_tensor_scan(*args: Any, dst: NkiTensor | None = None, data0: NkiTenso
     return dst if legacy else None
 
 
-core.refuse_masks(globals())
-core.provide(dma_copy=dma_copy, tensor_copy=tensor_copy, memset=memset, accumulate_psum=accumulate_psum)
+core.accept_masks(globals())
+core.provide(dma_copy=dma_copy, tensor_copy=tensor_copy, memset=memset, accumulate_psum=accumulate_psum,
+             tensor_tensor=tensor_tensor)

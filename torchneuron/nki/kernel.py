@@ -82,12 +82,14 @@ class Kernel:
     def __getitem__(self, grid: Any) -> Kernel:
         """`kernel[g0, g1]`: the same kernel launched over an SPMD grid of programs."""
         grid = tuple(grid) if isinstance(grid, tuple | list) else (grid,)
-        k = Kernel(self.fn, self.target, self.stochastic_rounding, tuple(int(g) for g in grid))
+        k = type(self)(self.fn, self.target, self.stochastic_rounding, tuple(int(g) for g in grid))
         k._specs, k._profiles = self._specs, self._profiles
         k.parent = self
         return k
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if core.CURRENT.run is not None:  # a kernel called from a kernel (`@nki.jit(mode="trace")` helpers): inline
+            return self.fn(*args, **kwargs)
         if torch.compiler.is_compiling():  # traced by Dynamo: run it as an opaque call (a graph break)
             return _opaque()(self, args, kwargs)
         return self._call(args, kwargs)
@@ -115,8 +117,9 @@ class Kernel:
                 shared.next = 0
                 core.CURRENT.run = run
                 nki_args = [self._argument(a, i) for i, a in enumerate(args)]
-                result = self.fn(*nki_args, **kwargs)
-                del nki_args
+                nki_kwargs = {k: self._argument(v, k) for k, v in kwargs.items()}  # tensors passed by name too
+                result = self.fn(*nki_args, **nki_kwargs)
+                del nki_args, nki_kwargs
         finally:
             core.CURRENT.run = outer
         profile = timeline.profile()
@@ -125,7 +128,7 @@ class Kernel:
             self.parent.last_profile = profile
         return _outputs(result, numpy_in)
 
-    def _argument(self, a: Any, i: int) -> Any:
+    def _argument(self, a: Any, i: int | str) -> Any:
         a = _to_host_tensor(a)
         if not isinstance(a, torch.Tensor):
             return a
@@ -255,6 +258,7 @@ def jit(fn: Callable[..., Any] | None = None, *, target: str | None = None, plat
     default: the configured instance's); stochastic_rounding: round float32 results into bf16/fp16/fp8
     stochastically instead of to nearest even."""
     def wrap(f: Callable[..., Any]) -> Kernel:
+        f = f.fn if isinstance(f, Kernel) else f  # nki.baremetal(an @nki.jit kernel)
         return Kernel(f, target or platform_target, stochastic_rounding)
     return wrap(fn) if fn is not None else wrap
 
@@ -263,3 +267,63 @@ def simulate(kernel: Any) -> Callable[..., Any]:
     """`nki.simulate(kernel)(*arrays)`: run a kernel on host arrays (NumPy or CPU tensors)."""
     k = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
     return lambda *args, **kwargs: k.run(args, kwargs)
+
+
+def simulate_kernel(kernel: Any, *args: Any, **kwargs: Any) -> Any:
+    """`nki.simulate_kernel(kernel[grid], *arrays)`: the earlier API's simulator call; the results as arrays."""
+    k = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+    return k.run(args, kwargs)
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """`benchmark_result.nc_latency`: the modelled latency in microseconds. The timeline is deterministic, so
+    every percentile is the same number (on hardware they spread over the benchmark's iterations)."""
+
+    latency_us: float
+
+    def get_latency_percentile(self, percentile: float) -> float:
+        return self.latency_us
+
+
+@dataclass(frozen=True)
+class BenchmarkResult:
+    nc_latency: LatencyStats
+
+
+class Benchmark(Kernel):
+    """A kernel decorated by `nki.benchmark`: a call prices it (the modelled timeline, values not computed) and
+    leaves `benchmark_result.nc_latency`; it returns nothing, as AWS's benchmark runs the compiled kernel for its
+    latency only."""
+
+    benchmark_result: BenchmarkResult | None = None
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        host = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+        self.run(host, kwargs, compute=False)
+        result = BenchmarkResult(LatencyStats(self.last_profile.latency_s * 1e6))
+        self.benchmark_result = result
+        if self.parent is not None:
+            self.parent.benchmark_result = result
+        return None
+
+
+def benchmark(kernel: Any = None, *, warmup: int = 0, iters: int = 1, target: str | None = None,
+              platform_target: str | None = None, **_: Any) -> Any:
+    """`nki.benchmark(warmup=, iters=, save_neff_name=...)`: a kernel whose calls report its modelled latency
+    (`benchmark_result.nc_latency.get_latency_percentile(p)`, microseconds) instead of computing values; the
+    NEFF/trace file arguments are accepted and ignored."""
+    def wrap(f: Any) -> Benchmark:
+        f = f.fn if isinstance(f, Kernel) else f
+        return Benchmark(f, target or platform_target)
+    return wrap(kernel) if kernel is not None else wrap
+
+
+def profile(kernel: Any = None, *, target: str | None = None, platform_target: str | None = None,
+            **_: Any) -> Any:
+    """`nki.profile(working_directory=..., save_trace_name=...)`: runs the kernel; its modelled timeline is
+    `kernel.last_profile` (`chrome_trace()` for a trace viewer). No NEFF/NTFF files are written."""
+    def wrap(f: Any) -> Kernel:
+        f = f.fn if isinstance(f, Kernel) else f
+        return Kernel(f, target or platform_target)
+    return wrap(kernel) if kernel is not None else wrap

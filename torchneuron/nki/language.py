@@ -5,6 +5,7 @@ by DMA)."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,54 @@ def shared_constant(value: Any, dtype: Any = None, **_: Any) -> NkiTensor:
     return core.allocate(tuple(t.shape), dtype, HBM, data=t.to(dtype).clone())
 
 
+def spmd_dim(*sizes: int) -> int:
+    """`kernel[nl.spmd_dim(n, nl.nc(2)), ...]`: a grid axis of n x 2 programs spread over logical cores (here
+    they run one after another on the modelled core, like every SPMD program)."""
+    return math.prod(int(s) for s in sizes)
+
+
+def nc(n: int) -> int:
+    """`nl.nc(n)`: n NeuronCores, a factor of an `nl.spmd_dim` grid axis."""
+    return int(n)
+
+
+def static_cast(x: Any, dtype: Any) -> Any:
+    """A host array cast to `dtype` (NumPy in, NumPy out). bfloat16 / float8 have no NumPy dtype here (no
+    ml_dtypes): the values are rounded to that dtype and kept as float32."""
+    import numpy as np
+
+    d = core.to_dtype(dtype)
+    t = torch.as_tensor(np.asarray(x))
+    if d in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.to(d).float().numpy()
+    return t.to(d).numpy()
+
+
+finfo = torch.finfo  # nl.finfo(dtype).min / .max
+fp32 = torch.finfo(torch.float32)  # nl.fp32.min: the most negative float32 (the -inf stand-in of kernels)
+Tensor = NkiTensor  # the type of tiles (annotations)
+
+
+def loop_reduce(x: NkiTensor, op: Any, loop_indices: Any = (), dtype: Any = None, **_: Any) -> core.LoopReduce:
+    """`dst[...] = nl.loop_reduce(x, op=np.add, loop_indices=[i])`: dst accumulates x over the loop on i (a
+    Vector-engine tensor_tensor per iteration; dst must be initialised before the loop)."""
+    return core.LoopReduce(x, ops.as_op(op), core.CURRENT.mask)
+
+
+def random_seed(seed: Any, **_: Any) -> None:
+    """Seed the draws of `nl.dropout` (an int, or a [1, 1] tile's value)."""
+    run = core.current_run()
+    if isinstance(seed, NkiTensor):
+        isa._check_initialised("random_seed", [("seed", seed)])
+        seed = int(seed.data.flatten()[0].item()) if run.compute else 0
+    run.generator.manual_seed(int(seed))
+
+
+def dropout(x: NkiTensor, rate: Any, dtype: Any = None, **_: Any) -> NkiTensor:
+    """x with each element zeroed with probability rate (nisa.dropout)."""
+    return isa.dropout(x, rate, dtype=dtype)
+
+
 def affine_range(*args: int, **_: Any) -> range:
     """A loop whose iterations are independent (the compiler may pipeline them; the timeline orders them only
     by their data dependencies)."""
@@ -194,8 +243,8 @@ def device_print(prefix: str, t: NkiTensor) -> None:
 
 # ------------------------------------------------------------------------------------------ memory
 def load(src: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
-    """HBM -> a new SBUF tile (a DMA)."""
-    dst = ndarray(src.shape, dtype or src.dtype, SBUF)
+    """HBM -> a new SBUF tile (a DMA); a single element loads as a [1, 1] tile."""
+    dst = ndarray(src.shape or (1, 1), dtype or src.dtype, SBUF)
     isa.dma_copy(dst=dst, src=src)
     return dst
 
@@ -228,6 +277,7 @@ def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False, **_: Any) -> N
     x = copy(x) if x.buffer is PSUM else x  # the compiler moves PSUM operands to SBUF for nl-level calls
     y = copy(y) if y.buffer is PSUM else y
     out = ndarray((x.free_size, y.free_size), torch.float32, PSUM)
+    out.alloc.matmul_result = True  # `psum += nl.matmul(...)` accumulates, as the legacy nc_matmul form does
     isa.nc_matmul(dst=out, stationary=x, moving=y)
     return out
 
@@ -257,8 +307,6 @@ def _is_vector(t: Any, p: int) -> bool:
 def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: bool = False, **_: Any) -> Any:
     """`nl.<op>(...)` on tiles: activations on the Scalar engine, binary ops on the Vector engine (tensor_scalar
     when one side is a scalar or a [P, 1] column), reductions with tensor_reduce."""
-    if _.get("mask") is not None:
-        fail(NotImplementedError, f"nl.{op.name}: mask= is not implemented here: slice the tiles to the region instead")
     if op.kind == "act":
         (x,) = args[:1]
         if op.name == "reciprocal":
@@ -278,6 +326,10 @@ def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: 
         return op.fn(torch.tensor(a), torch.tensor(b)).item()
     if not isinstance(a, NkiTensor):
         return isa.tensor_scalar(b, op, a, True, dtype=dtype)
+    if isinstance(b, NkiTensor) and a.shape[0] != b.shape[0] and 1 in (a.shape[0], b.shape[0]):
+        # a one-partition tile is read by every partition (a stride-0 partition access, NumPy's broadcasting)
+        a, b = (a.broadcast_to((b.shape[0], *a.shape[1:])), b) if a.shape[0] == 1 else \
+            (a, b.broadcast_to((a.shape[0], *b.shape[1:])))
     p = a.shape[0]
     if not isinstance(b, NkiTensor) or (_is_vector(b, p) and a.free_size > 1):
         return isa.tensor_scalar(a, op, b, dtype=dtype)
@@ -301,5 +353,5 @@ def softmax(x: NkiTensor, axis: int = -1, dtype: Any = None, **_: Any) -> NkiTen
     return isa.tensor_scalar(e, OPS["multiply"], r, dtype=dtype or x.dtype)
 
 
-core.refuse_masks(globals())
+core.accept_masks(globals())
 ops.provide(apply_op)
