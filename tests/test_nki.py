@@ -7,6 +7,7 @@ import importlib
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -923,9 +924,163 @@ def test_porting_report_lists_nki_kernels():
     assert "softmax_kernel:" in porting_report.render_text(r)
 
 
-def test_masks_are_refused_not_ignored():
-    @nki.jit
-    def k(x):
-        return nl.load(x, mask=nl.arange(128)[:, None] < 64)
+# ----------------------------------------------------------------------------------------------- legacy masks
+@nki.jit
+def row_scale_kernel(a):
+    """Each row times its sum, in 128-row tiles; the last tile runs past the end of `a` and is masked (the
+    earlier API's form: arange indices, mask= on every instruction that touches the tail)."""
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    ip, jf = nl.arange(128)[:, None], nl.arange(a.shape[1])[None, :]
+    for t in nl.affine_range((a.shape[0] + 127) // 128):
+        inside = t * 128 + ip < a.shape[0]
+        x = nl.load(a[t * 128 + ip, jf], mask=inside)
+        s = nl.sum(x, axis=1, mask=inside)
+        nl.store(out[t * 128 + ip, jf], value=nl.multiply(x, s, mask=inside), mask=inside)
+    return out
 
-    _raises(NotImplementedError, "mask= is not implemented", k, torch.zeros(128, 4))
+
+def test_mask_limits_instructions_to_the_rows_inside_the_tensor():
+    a = torch.randn(200, 8)  # 1 full tile + 72 rows
+    close(row_scale_kernel(a), a * a.sum(1, keepdim=True), 1e-5)
+
+
+def test_unmasked_tile_past_the_end_of_a_tensor_is_refused():
+    @nki.jit
+    def k(a):
+        ip, jf = nl.arange(128)[:, None], nl.arange(a.shape[1])[None, :]
+        return nl.load(a[64 + ip, jf])
+
+    msg = _raises(IndexError, "outside its", k, torch.zeros(160, 4))
+    assert "64 elements" not in msg and "128 elements" in msg  # 32 rows x 4 past the end
+
+
+def test_mask_false_drops_the_instruction_and_writes_nothing():
+    """A Python-bool mask (a tile-position test, as attention kernels compute them) that is False: the
+    instruction leaves its destination alone and costs nothing; True: it runs."""
+    @nki.jit
+    def k(a, flag):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        x = nl.load(a)
+        y = nl.full(a.shape, 7.0, dtype=a.dtype)
+        y[...] = nl.exp(x, mask=flag)
+        nl.store(out, value=y)
+        return out
+
+    a = torch.randn(128, 16)
+    close(k(a, False), torch.full_like(a, 7.0), 0)
+    scalar_off = k.last_profile.instructions.get("scalar", 0)
+    close(k(a, True), a.exp(), 1e-6)
+    assert scalar_off == 0 and k.last_profile.instructions["scalar"] == 1
+
+
+def test_mask_must_be_a_compile_time_predicate_not_a_tile():
+    @nki.jit
+    def k(a):
+        x = nl.load(a)
+        return nl.exp(x, mask=x)
+
+    _raises(TypeError, "compile-time predicate", k, torch.zeros(128, 4))
+
+
+def test_arange_indices_in_swapped_order_address_the_transpose():
+    """`out[i_f, i_p]` with i_p a column and i_f a row of arange indices: the tile's partition axis runs along
+    the tensor's second axis (a transposed store, as AWS's attention kernels write their [d, seq] results)."""
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((a.shape[1], a.shape[0]), dtype=a.dtype, buffer=nl.shared_hbm)
+        ip, jf = nl.arange(a.shape[0])[:, None], nl.arange(a.shape[1])[None, :]
+        nl.store(out[jf, ip], value=nl.load(a[ip, jf]))
+        return out
+
+    a = torch.randn(64, 32)
+    close(k(a), a.T, 0)
+
+
+def test_loop_reduce_accumulates_into_its_destination():
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((128, a.shape[2]), dtype=a.dtype, buffer=nl.shared_hbm)
+        acc = nl.zeros((128, a.shape[2]), dtype=nl.float32)
+        for i in nl.affine_range(a.shape[0]):
+            acc[...] = nl.loop_reduce(nl.load(a[i]), op=np.add, loop_indices=[i])
+        nl.store(out, value=acc)
+        return out
+
+    a = torch.randn(3, 128, 16)
+    close(k(a), a.sum(0), 1e-5)
+
+
+def test_int_index_of_a_tiles_last_free_axis_keeps_a_size_one_axis():
+    """`t[:, i]` of an on-chip [P, n] tensor is a [P, 1] tile (NKI's tiles stay [partition, free]); a NumPy
+    reducer (`np.max`) is accepted as the op, as the earlier API's kernels pass it."""
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((128, 1), dtype=a.dtype, buffer=nl.shared_hbm)
+        cols = nl.ndarray((128, a.shape[0]), dtype=nl.float32)
+        for i in nl.affine_range(a.shape[0]):
+            cols[:, i] = nisa.tensor_reduce(np.max, nl.load(a[i]), axis=(1,))
+        assert cols[:, 0].shape == (128, 1)
+        nl.store(out, value=nisa.tensor_reduce(np.add, cols, axis=(1,)))
+        return out
+
+    a = torch.randn(3, 128, 16)
+    close(k(a), a.amax(2).sum(0)[:, None], 1e-5)
+
+
+def test_one_partition_operand_is_broadcast_to_every_partition():
+    @nki.jit
+    def k(a, b):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.add(nl.load(a), nl.load(b)))
+        return out
+
+    a, b = torch.randn(128, 8), torch.randn(1, 8)
+    close(k(a, b), a + b, 1e-6)
+
+
+def test_in_place_add_on_an_indexed_tile_issues_no_extra_copy():
+    """`t[i] += x` is Python's `t[i] = t[i].__iadd__(x)`: the store-back is the same place and no instruction."""
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((128, a.shape[1]), dtype=a.dtype, buffer=nl.shared_hbm)
+        acc = nl.zeros((2, nl.par_dim(128), a.shape[1]), dtype=nl.float32)
+        acc[1] += nl.load(a)
+        nl.store(out, value=acc[1])
+        return out
+
+    a = torch.randn(128, 8)
+    close(k(a), a, 0)
+    # two memsets (one per block), the add, its copy into acc[1]; no copy of acc[1] onto itself
+    assert k.last_profile.instructions["vector"] == 4
+
+
+def test_legacy_matmul_and_select_take_psum_operands_through_the_compilers_routes():
+    """The earlier API places tiles itself: an nc_transpose result (PSUM) used as a matmul operand is first copied
+    to SBUF, and affine_select on a PSUM tile runs on the Vector engine (GpSimd cannot reach PSUM). The current
+    form names its tiles and stays refused (test_rule_engine_buffers)."""
+    @nki.jit
+    def k(a, b):
+        out = nl.ndarray((a.shape[0], b.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm)
+        at = nisa.nc_transpose(nl.load(a))  # a.T: [K, M], in PSUM
+        prod = nisa.nc_matmul(at, nl.load(b))  # stationary [K, M], moving [K, N]: a @ b
+        ip, jf = nl.mgrid[0:a.shape[0], 0:b.shape[1]]
+        nl.store(out, value=nisa.affine_select(ip >= jf, prod, -1.0))
+        return out
+
+    a, b = torch.randn(32, 64), torch.randn(64, 48)  # a: [M, K]
+    ref = torch.where(torch.arange(32)[:, None] >= torch.arange(48)[None, :], a @ b, torch.tensor(-1.0))
+    close(k(a, b), ref, 1e-4)
+    engines = {e.engine for e in k.last_profile.timeline if e.name.startswith("affine_select")}
+    assert engines == {"vector"}
+
+
+def test_benchmark_reports_the_modelled_latency_and_simulate_kernel_returns_arrays():
+    bench = nki.benchmark(warmup=5, iters=10)(softmax_kernel)
+    x = torch.randn(128, 96)
+    assert bench(x) is None
+    softmax_kernel(x)
+    p = bench.benchmark_result.nc_latency
+    assert p.get_latency_percentile(50) == p.get_latency_percentile(99) == \
+        pytest.approx(softmax_kernel.last_profile.latency_s * 1e6)
+    out = nki.simulate_kernel(nki.baremetal(softmax_kernel), x.numpy())
+    close(torch.from_numpy(out), torch.softmax(x, -1), 1e-5)

@@ -357,7 +357,7 @@ def _reordered(key: tuple) -> bool:
             axes = [i for i, n in enumerate(k.values.shape) if n > 1]
             if len(axes) == 1:
                 order.append(axes[0])
-    return any(a >= b for a, b in zip(order, order[1:]))
+    return any(a >= b for a, b in zip(order, order[1:], strict=False))
 
 
 @dataclass(frozen=True)
@@ -494,6 +494,9 @@ class NkiTensor:
 
     def __setitem__(self, key: Any, value: Any) -> None:
         dst = self[key]
+        if isinstance(value, NkiTensor) and value.alloc is dst.alloc and value.box() == dst.box() \
+                and type(value) is type(dst) is NkiTensor and value.data.stride() == dst.data.stride():
+            return  # `t[i] += x`: Python stores the in-place result back into the place it was computed in
         if isinstance(value, LoopReduce):  # nl.loop_reduce: dst = dst <op> x
             outer = CURRENT.mask
             CURRENT.mask = value.mask
