@@ -1084,3 +1084,20 @@ def test_benchmark_reports_the_modelled_latency_and_simulate_kernel_returns_arra
         pytest.approx(softmax_kernel.last_profile.latency_s * 1e6)
     out = nki.simulate_kernel(nki.baremetal(softmax_kernel), x.numpy())
     close(torch.from_numpy(out), torch.softmax(x, -1), 1e-5)
+
+
+def test_garbage_from_a_masked_load_may_be_computed_on_but_not_stored():
+    """A masked load leaves the tail rows uninitialised; computing on them (on hardware: on whatever SBUF held)
+    keeps those rows uninitialised, a store under the same mask is fine, an unmasked store raises."""
+    @nki.jit
+    def k(a, masked_store):
+        out = nl.ndarray((128, a.shape[1]), dtype=a.dtype, buffer=nl.shared_hbm)
+        ip, jf = nl.arange(128)[:, None], nl.arange(a.shape[1])[None, :]
+        x = nl.load(a[ip, jf], mask=ip < a.shape[0])
+        y = nl.exp(x)  # unmasked: rows a.shape[0].. are garbage in, garbage out
+        nl.store(out[ip, jf], value=y, mask=(ip < a.shape[0]) if masked_store else None)
+        return out
+
+    a = torch.randn(100, 8)
+    close(k(a, True)[:100], a.exp(), 1e-6)
+    _raises(RuntimeError, "reach HBM", k, a, False)

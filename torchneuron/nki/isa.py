@@ -119,20 +119,44 @@ def _init_view(t: NkiTensor) -> np.ndarray | None:
     return np.lib.stride_tricks.as_strided(flat, tuple(t.data.shape), tuple(t.data.stride()))
 
 
-def _check_initialised(instr: str, reads: list) -> None:
+# Instructions whose outputs mix partitions: an uninitialised input element reaches every output element.
+_CROSS_PARTITION = ("nc_matmul", "nc_transpose", "dma_transpose", "tensor_partition_reduce")
+# The current instruction's outputs computed from uninitialised inputs: (write tile, its elements) for
+# _mark_written, which leaves them uninitialised.
+_POISONED: list[tuple[NkiTensor, torch.Tensor]] = []
+
+
+def _check_initialised(instr: str, reads: list, writes: list = ()) -> None:
+    """Reading memory no instruction wrote (on hardware: whatever it held) is allowed when the garbage only
+    reaches on-chip outputs of the same partitions: those elements stay uninitialised (kernels compute on a
+    masked load's tail rows and then store under the same mask). It raises when the garbage would cross
+    partitions or reach HBM."""
+    _POISONED.clear()
     for role, t in reads:
         v = _init_view(t)
-        m = core.mask_for(t)
-        if v is not None and isinstance(t, core.GatherTile) and t.valid is not None:
-            m = t.valid if m is None else m & t.valid
-        if v is not None and m is not None:
-            v = v[m.numpy()]
-        if v is not None and not bool(v.all()):
-            fail(RuntimeError, f"{instr}: {role} reads {t.buffer.name} that no instruction wrote "
-                               f"({int((~v).sum())} of {v.size} elements uninitialised): on hardware this is "
-                               "whatever the memory held")
+        if v is not None:
+            m = core.mask_for(t)
+            if isinstance(t, core.GatherTile) and t.valid is not None:
+                m = t.valid if m is None else m & t.valid
+            bad = ~v if m is None else ~v & m.numpy()
+            if bool(bad.any()):
+                _poison(instr, role, t, torch.from_numpy(np.ascontiguousarray(bad)), writes)
         if t.buffer is PSUM:
             t.alloc.mm_read = True
+
+
+def _poison(instr: str, role: str, t: NkiTensor, bad: torch.Tensor, writes: list) -> None:
+    p = t.shape[0] if t.shape else 1
+    rows = bad.reshape(p, -1)
+    for _, w in writes:
+        if instr.split("(")[0] in _CROSS_PARTITION or w.buffer.is_hbm or isinstance(w, core.GatherTile) \
+                or not w.shape or w.shape[0] != p:
+            fail(RuntimeError, f"{instr}: {role} reads {t.buffer.name} that no instruction wrote "
+                               f"({int(bad.sum())} of {bad.numel()} elements uninitialised): on hardware this is "
+                               "whatever the memory held" + (", and it would reach HBM" if w.buffer.is_hbm else ""))
+        free = math.prod(w.shape[1:])
+        e = rows if rows.shape[1] == free else rows.any(1, keepdim=True).expand(p, free)
+        _POISONED.append((w, e.reshape(w.shape)))
 
 
 def _mark_written(writes: list) -> None:
@@ -146,14 +170,18 @@ def _mark_written(writes: list) -> None:
         v = _init_view(t)
         if v is not None:
             v[... if m is None else m.numpy()] = True
+            for w, bad in _POISONED:
+                if w is t:
+                    v[(bad if m is None else bad & m).numpy()] = False
         if t.buffer is PSUM:
             t.alloc.mm_read = False
+    _POISONED.clear()
 
 
 def _issue(instr: str, eng: str, cycles: float, reads: list, writes: list, flops: int = 0) -> core.Run:
     run = core.current_run()
     _check_access(eng, instr, reads, writes)
-    _check_initialised(instr, reads)
+    _check_initialised(instr, reads, writes)
     if not core.masked_off():  # mask=False: the compiler drops the instruction
         line = core._user_frame()[1]
         run.timeline.compute(instr, eng, cycles, [t for _, t in reads], [t for _, t in writes], line, flops)
@@ -783,7 +811,7 @@ def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, transpose:
         for role, t in (("src", src), ("dst", dst)):
             if t.buffer.on_chip and t.pdim != 0:
                 fail(ValueError, f"{instr}: {role} still has block axes before its partition axis: index them")
-    _check_initialised(instr, [("src", src)])
+    _check_initialised(instr, [("src", src)], [("dst", dst)])
     reads = [src] + ([dst] if rmw is not None else [])
     line = core._user_frame()[1]
     nbytes = src.data.numel() * src.dtype.itemsize
