@@ -1101,3 +1101,48 @@ def test_garbage_from_a_masked_load_may_be_computed_on_but_not_stored():
     a = torch.randn(100, 8)
     close(k(a, True)[:100], a.exp(), 1e-6)
     _raises(RuntimeError, "reach HBM", k, a, False)
+
+
+def test_dma_through_a_tile_of_computed_indices_gathers_rows():
+    """An indirect DMA: `t[idx_tile, i_f]` with idx_tile an int32 SBUF tile the kernel computed (here
+    idx = floor(p / 2), through an integer tile divided by an int: NumPy's promotion makes it float first);
+    the rows past the end are masked off. An engine cannot read through computed indices."""
+    @nki.jit
+    def k(a, n_out):
+        out = nl.ndarray((n_out, a.shape[1]), dtype=a.dtype, buffer=nl.shared_hbm)
+        ip, jf = nl.arange(128)[:, None], nl.arange(a.shape[1])[None, :]
+        pos = nisa.iota(ip, dtype=nl.int32)
+        src = nl.floor(pos / 2, dtype=nl.int32)
+        x = nl.load(a[src, jf], mask=ip < n_out)
+        nl.store(out[ip, jf], value=x, mask=ip < n_out)
+        return out
+
+    a = torch.randn(50, 8)
+    close(k(a, 99), a[torch.arange(99) // 2], 0)
+
+    @nki.jit
+    def engine_reads_indirect(a):
+        ip = nl.arange(4)[:, None]
+        idx = nisa.iota(ip, dtype=nl.int32)
+        return nl.exp(nl.load(a)[idx, nl.arange(4)[None, :]])
+
+    _raises(ValueError, "only DMA", engine_reads_indirect, torch.zeros(4, 4))
+
+
+def test_nl_operators_broadcast_size_one_free_axes_like_numpy():
+    """nl.equal / nl.where of a [P, a, 1] and a [P, a, b] tile, and an iota of an expression missing the
+    partition axis ([1, 1, b]), broadcast as NumPy does (stride-0 access patterns)."""
+    @nki.jit
+    def k(x):
+        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        m = nl.max(t, axis=[2], keepdims=True)
+        g = nl.mgrid[0:1, 0:1, 0:x.shape[2]]
+        lin = nisa.iota(g.y, dtype=nl.float32)
+        first_max = nl.where(nl.equal(m, t, dtype=nl.float32), lin, -1.0, dtype=nl.float32)
+        nl.store(out, value=first_max)
+        return out
+
+    x = torch.randn(128, 3, 5)
+    ref = torch.where(x == x.amax(2, keepdim=True), torch.arange(5.0), torch.tensor(-1.0))
+    close(k(x), ref, 0)

@@ -433,7 +433,7 @@ class NkiTensor:
             key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1:]
         if len(key) > self.ndim:
             fail(IndexError, f"too many indices ({len(key)}) for a tensor of shape {self.shape}")
-        if any(isinstance(k, IndexExpr) and (not k.is_affine() or not k.within(n))
+        if any(isinstance(k, NkiTensor) or (isinstance(k, IndexExpr) and (not k.is_affine() or not k.within(n)))
                for k, n in zip(key, self.shape, strict=False)) or _reordered(key):
             return GatherTile(self, key)
         key = key + (slice(None),) * (self.ndim - len(key))
@@ -591,13 +591,19 @@ class GatherTile(NkiTensor):
     allowed here (`valid` marks the ones inside): the instruction that uses the tile must mask them off
     (`mask=`), as AWS's compiler requires for a tile that runs past the end of a tensor."""
 
-    __slots__ = ("src", "idx", "valid")
+    __slots__ = ("src", "idx", "valid", "indirect")
 
     def __init__(self, src: NkiTensor, key: tuple):
-        idx, valid = [], None
+        idx, valid, self.indirect = [], None, False
         for k in key:
             if isinstance(k, IndexExpr):
                 idx.append(k.values)
+            elif isinstance(k, NkiTensor):  # indices computed by the kernel (an indirect DMA)
+                if k.buffer is not SBUF or k.dtype.is_floating_point:
+                    fail(TypeError, f"an index tile must be an integer SBUF tile, got {k!r}")
+                run = CURRENT.run
+                idx.append(k.data.long() if run is None or run.compute else torch.zeros(k.shape, dtype=torch.long))
+                self.indirect = True
             elif isinstance(k, int):
                 idx.append(torch.tensor(k))
             else:

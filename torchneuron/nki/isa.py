@@ -101,6 +101,9 @@ def _check_access(eng: str, instr: str, reads: list, writes: list) -> None:
                              f"{', '.join(sorted(allowed))}")
         if eng != "dma" and t.buffer.on_chip:
             _check_tile(t, instr, role)
+        if isinstance(t, core.GatherTile) and t.indirect and eng != "dma":
+            fail(ValueError, f"{instr}: {role} is addressed by a tile of indices; only DMA reads and writes through "
+                             "computed indices (load it with nl.load / nisa.dma_copy first)")
         if isinstance(t, core.GatherTile) and t.valid is not None:
             m = core.mask_for(t)
             outside = ~t.valid if m is None else ~t.valid & m
@@ -193,6 +196,8 @@ def value(t: Any) -> torch.Tensor:
     """An operand as the engines see it: float32 (integers stay integers for bit operations)."""
     if isinstance(t, NkiTensor):
         d = t.data
+        if d.dtype in (torch.uint16, torch.uint32):  # torch computes little on these: widen (values unchanged)
+            return d.long()
         return d if not d.is_floating_point() and d.dtype != torch.bool else d.float()
     return torch.tensor(t, dtype=torch.float32)
 
@@ -682,7 +687,7 @@ def iota(*args: Any, dst: NkiTensor | None = None, pattern: Any = None, offset: 
         expr = args[0]
         dt = args[1] if len(args) > 1 else dtype
         v = expr.values
-        v = v.reshape(v.shape[0], -1) if v.dim() > 1 else v.reshape(1, -1)
+        v = v if v.dim() > 1 else v.reshape(1, -1)  # the expression's shape (a row for a 1-D arange)
         dst = _new(tuple(v.shape), dt)
         run = core.current_run()
         _issue("iota", "gpsimd", engine_cycles(run.chip, "gpsimd", dst.free_size, 4), [], [("dst", dst)])

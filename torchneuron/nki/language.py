@@ -4,6 +4,7 @@ the NKI compiler does (math on the Scalar engine's activation, binary ops on the
 by DMA)."""
 from __future__ import annotations
 
+import builtins
 import itertools
 import math
 from dataclasses import dataclass
@@ -291,6 +292,10 @@ def transpose(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
 
 
 def where(condition: NkiTensor, x: Any, y: Any, dtype: Any = None, **_: Any) -> NkiTensor:
+    tiles = [t for t in (condition, x, y) if isinstance(t, NkiTensor)]
+    if len({t.ndim for t in tiles}) == 1 and len({t.shape for t in tiles}) > 1:  # NumPy's broadcasting
+        common = tuple(builtins.max(n) for n in zip(*(t.shape for t in tiles), strict=True))
+        condition, x, y = (t.broadcast_to(common) if isinstance(t, NkiTensor) else t for t in (condition, x, y))
     like = x if isinstance(x, NkiTensor) else condition
     dst = ndarray(like.shape, dtype or like.dtype, SBUF)
     if not isinstance(x, NkiTensor):
@@ -324,12 +329,17 @@ def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: 
     a, b = args[:2]
     if not isinstance(a, NkiTensor) and not isinstance(b, NkiTensor):
         return op.fn(torch.tensor(a), torch.tensor(b)).item()
+    if dtype is None and op.kind == "arith":
+        dtype = _promoted(a, b, op)
     if not isinstance(a, NkiTensor):
         return isa.tensor_scalar(b, op, a, True, dtype=dtype)
-    if isinstance(b, NkiTensor) and a.shape[0] != b.shape[0] and 1 in (a.shape[0], b.shape[0]):
-        # a one-partition tile is read by every partition (a stride-0 partition access, NumPy's broadcasting)
-        a, b = (a.broadcast_to((b.shape[0], *a.shape[1:])), b) if a.shape[0] == 1 else \
-            (a, b.broadcast_to((a.shape[0], *b.shape[1:])))
+    if isinstance(b, NkiTensor) and a.shape != b.shape and a.ndim == b.ndim and _broadcastable(a.shape, b.shape) \
+            and not (_is_vector(a, a.shape[0]) or _is_vector(b, b.shape[0])) or \
+            isinstance(b, NkiTensor) and a.shape[0] != b.shape[0] and 1 in (a.shape[0], b.shape[0]):
+        # NumPy's broadcasting: size-1 axes read repeatedly (stride-0 access patterns; a one-partition tile read
+        # by every partition)
+        common = tuple(builtins.max(x, y) for x, y in zip(a.shape, b.shape, strict=True))
+        a, b = a.broadcast_to(common), b.broadcast_to(common)
     p = a.shape[0]
     if not isinstance(b, NkiTensor) or (_is_vector(b, p) and a.free_size > 1):
         return isa.tensor_scalar(a, op, b, dtype=dtype)
@@ -341,6 +351,21 @@ def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: 
         fail(ValueError, f"nl.{op.name}: shapes {a.shape} and {b.shape} do not match; engines broadcast only a "
                          "scalar or a [P, 1] column along the free axis")
     return isa.tensor_tensor(a, b, op, dtype=dtype)
+
+
+def _broadcastable(x: tuple, y: tuple) -> bool:
+    return all(m == n or 1 in (m, n) for m, n in zip(x, y, strict=True))
+
+
+def _promoted(a: Any, b: Any, op: Op) -> torch.dtype | None:
+    """The result dtype of integer operands where NumPy's promotion makes it float: a division, or a Python
+    float operand (`idx_tile / 7`, `idx_tile * 0.5`); None otherwise (the tiles' own)."""
+    tiles = [t for t in (a, b) if isinstance(t, NkiTensor)]
+    if any(t.dtype.is_floating_point for t in tiles):
+        return None
+    if op.name == "divide" or any(isinstance(x, float) for x in (a, b)):
+        return torch.float32
+    return None
 
 
 def softmax(x: NkiTensor, axis: int = -1, dtype: Any = None, **_: Any) -> NkiTensor:
