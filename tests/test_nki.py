@@ -1146,3 +1146,29 @@ def test_nl_operators_broadcast_size_one_free_axes_like_numpy():
     x = torch.randn(128, 3, 5)
     ref = torch.where(x == x.amax(2, keepdim=True), torch.arange(5.0), torch.tensor(-1.0))
     close(k(x), ref, 0)
+
+
+def test_operand_mask_bitcast_view_alu_abs_and_masked_bn_stats():
+    """Forms of AWS's rmsnorm-quant and layernorm kernels: `tile[predicate]` masks the instruction that uses the
+    tile; `t.view(nl.float8_e4m3)` reads a float32 tile's bytes as 4 fp8 each; tensor_scalar_reduce with op0
+    nl.abs (|x|) and reduce nl.max; bn_stats over a masked tail (only the mask's elements count)."""
+    @nki.jit
+    def k(a):
+        n = a.shape[1]
+        ip, jf = nl.mgrid[0:128, 0:512]
+        out = nl.ndarray((128, 2 + 4), dtype=nl.float8_e4m3, buffer=nl.shared_hbm)
+        x = nl.load(a[ip, jf][jf < n])  # a [128, 512] tile of the [128, n] tensor, its tail masked off
+        stats = nisa.bn_stats(x, mask=jf < n)
+        mv = nisa.bn_aggr(stats)
+        absmax = nl.ndarray((128, 1), dtype=nl.float32)
+        nisa.tensor_scalar_reduce(data=x, op0=nl.abs, operand0=0.0, reduce_op=nl.max, reduce_res=absmax,
+                                  mask=jf < n)
+        nl.store(out[:, 0:2], value=nl.copy(mv, dtype=nl.float8_e4m3))
+        nl.store(out[:, 2:6], value=absmax.view(nl.float8_e4m3))
+        return out
+
+    a = torch.randn(128, 300)
+    r = k(a)
+    close(r[:, 0].float(), a.mean(1).to(torch.float8_e4m3fn).float(), 0)
+    close(r[:, 1].float(), a.var(1, unbiased=False).to(torch.float8_e4m3fn).float(), 0)
+    close(r[:, 2:].contiguous().view(torch.float32)[:, 0], a.abs().amax(1), 0)

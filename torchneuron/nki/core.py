@@ -7,6 +7,7 @@ memory no instruction wrote is an error, as on hardware it would be garbage. Cap
 `hardware/chips.py`."""
 from __future__ import annotations
 
+import copy
 import linecache
 import math
 import os
@@ -291,8 +292,9 @@ class IndexExpr:
 
     __array_priority__ = 100
 
-    def __init__(self, values: torch.Tensor):
+    def __init__(self, values: torch.Tensor, predicate: bool = False):
         self.values = values
+        self.predicate = predicate  # a comparison (a mask), not indices
 
     def __getitem__(self, key: Any) -> IndexExpr:
         return IndexExpr(self.values[key])
@@ -308,7 +310,7 @@ class IndexExpr:
     def __rsub__(self, o): return IndexExpr(o - self.values)
 
     def _cmp(self, other: Any, fn: Any) -> IndexExpr:
-        return IndexExpr(fn(self.values, other.values if isinstance(other, IndexExpr) else other).long())
+        return IndexExpr(fn(self.values, other.values if isinstance(other, IndexExpr) else other).long(), True)
 
     def __ge__(self, o): return self._cmp(o, torch.ge)
     def __gt__(self, o): return self._cmp(o, torch.gt)
@@ -320,11 +322,11 @@ class IndexExpr:
     def __floordiv__(self, o): return self._bin(o, torch.floor_divide)
     def __mod__(self, o): return self._bin(o, torch.remainder)
     # predicates (comparisons give 0/1) combine into masks
-    def __and__(self, o): return self._bin(o, torch.mul)
+    def __and__(self, o): return self._cmp(o, lambda a, b: (a * b) != 0)
     __rand__ = __and__
     def __or__(self, o): return self._cmp(o, lambda a, b: (a + b) > 0)
     __ror__ = __or__
-    def __invert__(self): return IndexExpr(1 - self.values)
+    def __invert__(self): return IndexExpr(1 - self.values, True)
 
     def within(self, size: int) -> bool:
         """Whether every index lies in [0, size)."""
@@ -372,10 +374,11 @@ class DynSlice:
 class NkiTensor:
     """A tensor or tile of an NKI kernel: a view of its allocation's torch tensor."""
 
-    __slots__ = ("alloc", "data", "dims", "fixed", "pdim")
+    __slots__ = ("alloc", "data", "dims", "fixed", "pdim", "pmask")
 
     def __init__(self, alloc: Allocation, data: torch.Tensor, dims: tuple, pdim: int, fixed: tuple = ()):
         self.alloc, self.data, self.dims, self.pdim, self.fixed = alloc, data, dims, pdim, fixed
+        self.pmask: torch.Tensor | None = None  # `tile[predicate]`: the instruction using it is masked
 
     # ---- metadata
     @property
@@ -426,6 +429,11 @@ class NkiTensor:
 
     # ---- indexing
     def __getitem__(self, key: Any) -> NkiTensor:
+        if isinstance(key, IndexExpr) and key.predicate:  # `tile[mask]`: the tile, its instruction masked
+            t = NkiTensor(self.alloc, self.data, self.dims, self.pdim, self.fixed) if type(self) is NkiTensor \
+                else copy.copy(self)
+            t.pmask = key.values.bool() if self.pmask is None else self.pmask & key.values.bool()
+            return t
         if not isinstance(key, tuple):
             key = (key,)
         if any(k is Ellipsis for k in key):
@@ -533,7 +541,26 @@ class NkiTensor:
             fail(ValueError, f"cannot reshape {self.shape} into {tuple(shape)}")
         return NkiTensor(self.alloc, self.data.view(*shape), None, 0 if self.buffer.is_hbm else self.pdim)
 
-    view = reshape
+    def view(self, *shape: Any, **kw: Any) -> NkiTensor:
+        """`t.view(dtype)`: the same bytes read as another dtype (the last axis scales by the size ratio);
+        `t.view(shape)`: a reshape."""
+        if len(shape) == 1 and not isinstance(shape[0], tuple | list | int):
+            return self._bitcast(to_dtype(shape[0]))
+        return self.reshape(*shape, **kw)
+
+    def _bitcast(self, dtype: torch.dtype) -> NkiTensor:
+        if self.data.stride()[-1] != 1:
+            fail(ValueError, f"view as {_dn(dtype)} needs a tile contiguous along its last axis")
+        data = self.data.view(dtype)
+        alloc = Allocation(data, self.buffer, None, initialised=True)
+        if self.alloc.init is not None:  # what was written, in units of the new dtype
+            flat = self.alloc.init.reshape(-1)[self.data.storage_offset():]
+            init = np.lib.stride_tricks.as_strided(flat, tuple(self.data.shape), tuple(self.data.stride()))
+            ratio = self.dtype.itemsize // dtype.itemsize
+            init = np.repeat(init, ratio, axis=-1) if ratio >= 1 else \
+                init.reshape(*init.shape[:-1], -1, dtype.itemsize // self.dtype.itemsize).all(-1)
+            alloc.init = np.ascontiguousarray(init)
+        return NkiTensor(alloc, data, tuple((d, 0, 1, n) for d, n in enumerate(data.shape)), self.pdim)
 
     # ---- operators (nl functions)
     def _op(self, name: str, other: Any, reverse: bool = False) -> NkiTensor:

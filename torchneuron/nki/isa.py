@@ -179,10 +179,26 @@ def _mark_written(writes: list) -> None:
         if t.buffer is PSUM:
             t.alloc.mm_read = False
     _POISONED.clear()
+    if _OUTER_MASK:
+        core.CURRENT.mask = _OUTER_MASK.pop()
+
+
+# CURRENT.mask before operand masks (`tile[predicate]`) of the instruction being issued took effect; restored
+# by _mark_written, the last step of every instruction.
+_OUTER_MASK: list[torch.Tensor | None] = []
+
+
+def _operand_masks(tiles: list) -> None:
+    masks = [t.pmask for t in tiles if isinstance(t, NkiTensor) and t.pmask is not None]
+    if masks:
+        _OUTER_MASK.append(core.CURRENT.mask)
+        for m in masks:
+            core.CURRENT.mask = m if core.CURRENT.mask is None else core.CURRENT.mask & m
 
 
 def _issue(instr: str, eng: str, cycles: float, reads: list, writes: list, flops: int = 0) -> core.Run:
     run = core.current_run()
+    _operand_masks([t for _, t in reads + writes])
     _check_access(eng, instr, reads, writes)
     _check_initialised(instr, reads, writes)
     if not core.masked_off():  # mask=False: the compiler drops the instruction
@@ -443,9 +459,21 @@ def activation_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, 
 # --------------------------------------------------------------------------------------------- Vector engine
 def _arith(op: Any, instr: str) -> Op:
     op = as_op(op)
+    if isinstance(op, Op) and op.name == "abs":  # the ALU's abs: |data|, the operand (0.0 by convention) unused
+        return _ABS
     if not isinstance(op, Op) or op.kind == "act":
         fail(ValueError, f"{instr}: op must be a binary operator (nl.add, nl.multiply, nl.maximum, ...), got {op!r}")
     return op
+
+
+_ABS = Op("abs", "arith", lambda a, b: a.abs())
+
+
+def reset() -> None:
+    """Forget the operand-mask state a failed instruction may have left (a new kernel call starts clean)."""
+    _OUTER_MASK.clear()
+    _POISONED.clear()
+    core.CURRENT.mask = None
 
 
 def _same_shape(dst: NkiTensor, data: NkiTensor, instr: str) -> None:
@@ -809,6 +837,7 @@ def dma_copy(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = N
 
 def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, transpose: bool = False) -> None:
     run = core.current_run()
+    _operand_masks([dst, src])
     _check_access("dma", instr, [("src", src)], [("dst", dst)])
     if dst.data.numel() != src.data.numel():
         fail(ValueError, f"{instr}: dst {dst.shape} and src {src.shape} hold different element counts")
@@ -901,10 +930,12 @@ def bn_stats(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = 
     _issue("bn_stats", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize),
            [("data", data)], [("dst", dst)])
     if run.compute:
-        x = _rows(data)
-        n = torch.full((x.shape[0], 1), float(x.shape[1]))
-        mean = x.mean(1, keepdim=True)
-        m2 = ((x - mean) ** 2).sum(1, keepdim=True)
+        x, m = _rows(data), core.mask_for(data)
+        w = torch.ones_like(x) if m is None else m.reshape(x.shape).float()  # masked-off elements do not count
+        x = torch.where(w > 0, x, torch.tensor(0.0))
+        n = w.sum(1, keepdim=True)
+        mean = x.sum(1, keepdim=True) / n.clamp(min=1)
+        m2 = (w * (x - mean) ** 2).sum(1, keepdim=True)
         _store(run, dst, torch.cat([n, mean, m2, torch.zeros(x.shape[0], 3)], 1))
     _mark_written([("dst", dst)])
     return dst if legacy else None

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import core
+from . import core, isa
 from . import language as _language  # noqa: F401  (hands core and ops their instructions before a kernel runs)
 from .core import NkiTensor
 from .cost import KernelProfile, Timeline
@@ -116,6 +116,7 @@ class Kernel:
                                shared=shared)
                 shared.next = 0
                 core.CURRENT.run = run
+                isa.reset()  # no mask left over from a failed call
                 nki_args = [self._argument(a, i) for i, a in enumerate(args)]
                 nki_kwargs = {k: self._argument(v, k) for k, v in kwargs.items()}  # tensors passed by name too
                 result = self.fn(*nki_args, **nki_kwargs)
