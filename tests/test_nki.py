@@ -1172,3 +1172,40 @@ def test_operand_mask_bitcast_view_alu_abs_and_masked_bn_stats():
     close(r[:, 0].float(), a.mean(1).to(torch.float8_e4m3fn).float(), 0)
     close(r[:, 1].float(), a.var(1, unbiased=False).to(torch.float8_e4m3fn).float(), 0)
     close(r[:, 2:].contiguous().view(torch.float32)[:, 0], a.abs().amax(1), 0)
+
+
+def test_fp8_double_row_matmul_contracts_both_rows_and_needs_neuroncore_v3():
+    """perf_mode double_row: [K, 2, M] x [K, 2, N] fp8 operands, the pair of rows contracted together (2K), in
+    the cycles of one matmul; refused on trn1 (NeuronCore-v2 has no performance modes) and for bf16 operands.
+    nl.static_cast to fp8 hands the kernel an fp8 tensor (NumPy has no fp8 here)."""
+    def kernel(a, b):
+        out = nl.ndarray((a.shape[2], b.shape[2]), dtype=nl.float32, buffer=nl.shared_hbm)
+        res = nl.zeros((a.shape[2], b.shape[2]), dtype=nl.float32, buffer=nl.psum)
+        res[...] += nisa.nc_matmul(nl.load(a), nl.load(b), perf_mode="double_row_gen3")
+        nl.store(out, value=res)
+        return out
+
+    a = nl.static_cast(np.random.rand(128, 2, 64), nl.float8_e4m3)
+    b = nl.static_cast(np.random.rand(128, 2, 96), nl.float8_e4m3)
+    ref = np.concatenate([a[:, 0], a[:, 1]]).T @ np.concatenate([b[:, 0], b[:, 1]])  # the fp8 values, in fp32
+    out = nki.jit(kernel, target="trn2")(a, b)
+    close(torch.from_numpy(np.asarray(out)), torch.from_numpy(np.asarray(ref)).float(), 1e-4)
+    trn2_flops = nki.jit(kernel, target="trn2").estimate(a, b).matmul_flops
+    assert trn2_flops == 2 * 256 * 64 * 96
+    with pytest.raises(ValueError, match="NeuronCore-v2"):
+        nki.jit(kernel, target="trn1")(a, b)
+    with pytest.raises(TypeError, match="fp8 pairs"):
+        nki.jit(kernel, target="trn2")(torch.randn(128, 2, 64).bfloat16(), torch.randn(128, 2, 96).bfloat16())
+
+
+def test_legacy_tensor_tensor_broadcasts_a_column():
+    """The earlier tensor_tensor form broadcasts a [P, 1] operand along the free axis (AWS's double-row matmul
+    sample scales its result block by a per-row column this way)."""
+    @nki.jit
+    def k(a, s):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nisa.tensor_tensor(nl.load(a), nl.load(s), np.multiply))
+        return out
+
+    a, s = torch.randn(128, 32), torch.randn(128, 1)
+    close(k(a, s), a * s, 1e-6)

@@ -74,6 +74,27 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
                         "cast to float32/bfloat16 (int32 for integers) before the kernel")
 
 
+class HostCast(np.ndarray):
+    """A NumPy array standing for one of a dtype NumPy lacks here (bfloat16, float8; AWS's kernels' tests get
+    those from ml_dtypes): float32 values already rounded to `nki_dtype`, which results of NumPy arithmetic on it
+    keep, and which a kernel argument is converted back to."""
+
+    nki_dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, values: np.ndarray, dtype: torch.dtype) -> HostCast:
+        a = values.view(cls)
+        a.nki_dtype = dtype
+        return a
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.nki_dtype = getattr(obj, "nki_dtype", None)
+
+    def to_tensor(self) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(self.view(np.ndarray)))
+        return t.to(self.nki_dtype) if self.nki_dtype is not None else t
+
+
 # ----------------------------------------------------------------------------------------------- buffers
 @dataclass(frozen=True)
 class Buffer:

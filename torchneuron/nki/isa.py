@@ -278,9 +278,25 @@ def _tiles(args: tuple) -> int:
 
 
 # --------------------------------------------------------------------------------------------- TensorE
+class matmul_perf_mode(enum.Enum):  # noqa: N801 (AWS's name)
+    none = "none"
+    double_row = "double_row"
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _double_row(perf_mode: Any) -> bool:
+    """Whether perf_mode asks for the FP8 double-row mode (`matmul_perf_mode.double_row`, or the earlier string
+    names `"double_row"`, `"double_row_gen3"`)."""
+    name = perf_mode.value if isinstance(perf_mode, matmul_perf_mode) else str(perf_mode or "none")
+    return name.startswith("double_row")
+
+
 def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | None = None,
               moving: NkiTensor | None = None, is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
-              is_transpose: bool = False, accumulate: bool | None = None, **_: Any) -> NkiTensor | None:
+              is_transpose: bool = False, accumulate: bool | None = None, perf_mode: Any = None,
+              **_: Any) -> NkiTensor | None:
     """dst[M, N] (PSUM, float32) = stationary[K, M].T @ moving[K, N] on the Tensor engine; K <= 128 partitions,
     M <= 128, N <= 512 (one PSUM bank). Into an initialised PSUM tile not read since the last matmul the product
     accumulates (accumulate=None), as consecutive matmuls into one bank do."""
@@ -301,8 +317,19 @@ def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | 
                             "float16/float32")
     if legacy:  # the compiler moves a PSUM operand (an earlier nc_transpose's result) to SBUF first
         stationary, moving = _to_sbuf(stationary), _to_sbuf(moving)
-    k, m = stationary.shape[0], stationary.free_size
-    k2, n = moving.shape[0], moving.free_size
+    double = _double_row(perf_mode)
+    if double:  # FP8 double-row mode: [K, 2, M] x [K, 2, N], the two rows of each pair contracted together
+        if core.current_run().chip.core_version == "NeuronCore-v2":
+            fail(ValueError, "nc_matmul: perf_mode double_row needs NeuronCore-v3 or newer (trn2, trn3); "
+                             "NeuronCore-v2 has no performance modes")
+        for role, t in (("stationary", stationary), ("moving", moving)):
+            if t.dtype not in _FP8:
+                fail(TypeError, f"nc_matmul: perf_mode double_row multiplies fp8 pairs; {role} is {t.dtype}")
+            if t.ndim != 3 or t.shape[1] != 2:
+                fail(ValueError, f"nc_matmul: perf_mode double_row takes [K, 2, free] operands; {role} is "
+                                 f"{t.shape}")
+    k, m = stationary.shape[0], stationary.free_size // (2 if double else 1)
+    k2, n = moving.shape[0], moving.free_size // (2 if double else 1)
     if k != k2:
         fail(ValueError, f"nc_matmul: stationary and moving must share the partition (contraction) size, got "
                          f"{k} and {k2}")
@@ -322,9 +349,14 @@ def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | 
                                                       and not dst.alloc.mm_read)
     reads = [("stationary", stationary), ("moving", moving)] + ([("dst", dst)] if acc and accumulate else [])
     fp32 = torch.float32 in (stationary.dtype, moving.dtype) and not (is_stationary_onezero or is_moving_onezero)
-    _issue("nc_matmul", "tensor", matmul_cycles(run.chip, n, fp32), reads, [("dst", dst)], flops=2 * k * m * n)
+    _issue("nc_matmul", "tensor", matmul_cycles(run.chip, n, fp32), reads, [("dst", dst)],
+           flops=2 * k * m * n * (2 if double else 1))  # double_row: twice the work in the same cycles
     if run.compute:
-        prod = _rows(stationary).T @ _rows(moving)
+        if double:  # contract K and the row pair: [2K, M].T @ [2K, N]
+            prod = value(stationary).permute(1, 0, 2).reshape(2 * k, m).T @ \
+                value(moving).permute(1, 0, 2).reshape(2 * k, n)
+        else:
+            prod = _rows(stationary).T @ _rows(moving)
         if is_transpose:
             prod = _rows(stationary).T
         if acc:
@@ -495,6 +527,11 @@ def tensor_tensor(*args: Any, dst: NkiTensor | None = None, data1: NkiTensor | N
     op = _arith(op, "tensor_tensor")
     run = core.current_run()
     eng = _engine_name(engine, "gpsimd" if op.name == "power" else "vector")
+    if legacy and data1.shape != data2.shape and data1.ndim == data2.ndim and all(
+            a == b or 1 in (a, b) for a, b in zip(data1.shape, data2.shape, strict=True)):
+        # the earlier form broadcasts size-1 axes (a stride-0 access pattern), as NumPy does
+        common = tuple(max(a, b) for a, b in zip(data1.shape, data2.shape, strict=True))
+        data1, data2 = data1.broadcast_to(common), data2.broadcast_to(common)
     if legacy:
         dst = _new(data1.shape, dtype or _wider(data1.dtype, data2.dtype))
     if data1.buffer is PSUM and data2.buffer is PSUM:

@@ -60,6 +60,8 @@ MODE = _Mode()
 
 
 def _to_host_tensor(a: Any) -> Any:
+    if isinstance(a, core.HostCast):
+        return a.to_tensor()
     return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
 
 

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import core, isa, ops
@@ -163,13 +164,12 @@ def nc(n: int) -> int:
 
 def static_cast(x: Any, dtype: Any) -> Any:
     """A host array cast to `dtype` (NumPy in, NumPy out). bfloat16 / float8 have no NumPy dtype here (no
-    ml_dtypes): the values are rounded to that dtype and kept as float32."""
-    import numpy as np
-
+    ml_dtypes): the result holds the values rounded to that dtype as float32, tagged with the dtype, and a kernel
+    receives it as a tensor of that dtype (`core.HostCast`)."""
     d = core.to_dtype(dtype)
-    t = torch.as_tensor(np.asarray(x))
+    t = torch.tensor(np.asarray(x))  # a copy: the input may be a read-only view
     if d in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
-        return t.to(d).float().numpy()
+        return core.HostCast.of(t.to(d).float().numpy(), d)
     return t.to(d).numpy()
 
 
