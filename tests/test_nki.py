@@ -1209,3 +1209,8 @@ def test_legacy_tensor_tensor_broadcasts_a_column():
 
     a, s = torch.randn(128, 32), torch.randn(128, 1)
     close(k(a, s), a * s, 1e-6)
+
+
+def test_launch_grid_axis_of_zero_programs_is_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        add_kernel[0]

@@ -152,8 +152,7 @@ def _poison(instr: str, role: str, t: NkiTensor, bad: torch.Tensor, writes: list
     p = t.shape[0] if t.shape else 1
     rows = bad.reshape(p, -1)
     for _, w in writes:
-        if instr.split("(")[0] in _CROSS_PARTITION or w.buffer.is_hbm or isinstance(w, core.GatherTile) \
-                or not w.shape or w.shape[0] != p:
+        if instr.split("(")[0] in _CROSS_PARTITION or w.buffer.is_hbm or not w.shape or w.shape[0] != p:
             fail(RuntimeError, f"{instr}: {role} reads {t.buffer.name} that no instruction wrote "
                                f"({int(bad.sum())} of {bad.numel()} elements uninitialised): on hardware this is "
                                "whatever the memory held" + (", and it would reach HBM" if w.buffer.is_hbm else ""))
@@ -166,9 +165,14 @@ def _mark_written(writes: list) -> None:
     for _, t in writes:
         m = core.mask_for(t)
         if isinstance(t, core.GatherTile):
-            idx = t.selected(m)
             if t.alloc.init is not None:
-                _init_view(t.src)[tuple(i.numpy() for i in (t.idx if idx is None else idx))] = True
+                init = _init_view(t.src)
+                idx = t.selected(m)
+                init[tuple(i.numpy() for i in (t.idx if idx is None else idx))] = True
+                for w, bad in _POISONED:
+                    if w is t:
+                        idx = t.selected(bad if m is None else bad & m)
+                        init[tuple(i.numpy() for i in (t.idx if idx is None else idx))] = False
             continue
         v = _init_view(t)
         if v is not None:

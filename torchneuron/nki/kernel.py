@@ -83,8 +83,11 @@ class Kernel:
 
     def __getitem__(self, grid: Any) -> Kernel:
         """`kernel[g0, g1]`: the same kernel launched over an SPMD grid of programs."""
-        grid = tuple(grid) if isinstance(grid, tuple | list) else (grid,)
-        k = type(self)(self.fn, self.target, self.stochastic_rounding, tuple(int(g) for g in grid))
+        grid = tuple(int(g) for g in (grid if isinstance(grid, tuple | list) else (grid,)))
+        if any(g < 1 for g in grid):
+            raise ValueError(f"NKI kernel {self.name!r}: launch grid {list(grid)} has an axis without programs; "
+                             "each axis needs at least 1")
+        k = type(self)(self.fn, self.target, self.stochastic_rounding, grid)
         k._specs, k._profiles = self._specs, self._profiles
         k.parent = self
         return k
