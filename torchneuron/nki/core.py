@@ -184,6 +184,7 @@ class Run:
     generator: torch.Generator = field(default_factory=torch.Generator)
     shared: SharedHbm | None = None  # the launch's shared_hbm tensors (SPMD programs share them)
     act_regs: torch.Tensor | None = None  # the Scalar engine's 128 reduction registers
+    garbage_from: str = ""  # the first instruction that computed on uninitialised memory (for the error)
 
     @property
     def sbuf_partition_bytes(self) -> int:

@@ -151,11 +151,17 @@ def _check_initialised(instr: str, reads: list, writes: list = ()) -> None:
 def _poison(instr: str, role: str, t: NkiTensor, bad: torch.Tensor, writes: list) -> None:
     p = t.shape[0] if t.shape else 1
     rows = bad.reshape(p, -1)
+    run = core.current_run()
     for _, w in writes:
         if instr.split("(")[0] in _CROSS_PARTITION or w.buffer.is_hbm or not w.shape or w.shape[0] != p:
+            origin = f" (values computed from uninitialised memory since {run.garbage_from})" \
+                if run.garbage_from else ""
             fail(RuntimeError, f"{instr}: {role} reads {t.buffer.name} that no instruction wrote "
                                f"({int(bad.sum())} of {bad.numel()} elements uninitialised): on hardware this is "
-                               "whatever the memory held" + (", and it would reach HBM" if w.buffer.is_hbm else ""))
+                               "whatever the memory held" + (", and it would reach HBM" if w.buffer.is_hbm else "")
+                               + origin)
+        if not run.garbage_from:
+            run.garbage_from = core.where().removeprefix(f"NKI kernel {run.kernel_name!r}, ")
         free = math.prod(w.shape[1:])
         e = rows if rows.shape[1] == free else rows.any(1, keepdim=True).expand(p, free)
         _POISONED.append((w, e.reshape(w.shape)))
