@@ -374,7 +374,12 @@ class IndexExpr:
 
 def _reordered(key: tuple) -> bool:
     """Whether nl.arange expressions place the tensor's axes in another order in the tile (`t[i_f, i_p]` with
-    i_p = arange[:, None], i_f = arange[None, :]: a transposed access, gathered element by element)."""
+    i_p = arange[:, None], i_f = arange[None, :]: a transposed access, gathered element by element), or give the
+    tile more axes than they index (`t[i_p]` of a 1-D tensor is a [n, 1] tile): either way the tile's shape is the
+    expressions' broadcast shape."""
+    exprs = [k for k in key if isinstance(k, IndexExpr)]
+    if any(k.values.dim() > len(exprs) for k in exprs):
+        return True
     order = []
     for k in key:
         if isinstance(k, IndexExpr):

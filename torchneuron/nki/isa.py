@@ -198,8 +198,8 @@ def _mark_written(writes: list) -> None:
 _OUTER_MASK: list[torch.Tensor | None] = []
 
 
-def _operand_masks(tiles: list) -> None:
-    masks = [t.pmask for t in tiles if isinstance(t, NkiTensor) and t.pmask is not None]
+def _operand_masks(tiles: list, extra: list = ()) -> None:
+    masks = [t.pmask for t in tiles if isinstance(t, NkiTensor) and t.pmask is not None] + list(extra)
     if masks:
         _OUTER_MASK.append(core.CURRENT.mask)
         for m in masks:
@@ -874,17 +874,36 @@ def dropout(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = N
 
 
 # --------------------------------------------------------------------------------------------- DMA
+class oob_mode(enum.Enum):  # noqa: N801 (AWS's name)
+    """What an indirect DMA does with an index outside the tensor: raise (error) or leave that element alone
+    (skip)."""
+    error = "error"
+    skip = "skip"
+
+
+class dge_mode(enum.Enum):  # noqa: N801
+    """Which descriptor generator a DMA uses (software / hardware); the same transfer here."""
+    unknown = "unknown"
+    none = "none"
+    swdge = "swdge"
+    hwdge = "hwdge"
+
+
 def dma_copy(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None, dst_rmw_op: Any = None,
-             **_: Any) -> None:
+             oob_mode: oob_mode = oob_mode.error, **_: Any) -> None:
     """dst = src (or dst <dst_rmw_op> src) by a DMA engine: HBM <-> SBUF, HBM <-> HBM, SBUF <-> SBUF; never PSUM.
-    The element counts must match; a dtype change is cast as the DMA's data path does."""
+    The element counts must match; a dtype change is cast as the DMA's data path does. With
+    oob_mode=oob_mode.skip, elements whose computed index falls outside the tensor are not transferred."""
     dst, src = (list(args) + [dst, src])[:2] if len(args) >= 2 else (args[0] if args else dst, src)
-    _dma("dma_copy", dst, src, dst_rmw_op)
+    skip = [t.valid for t in (dst, src) if isinstance(t, core.GatherTile) and t.indirect and t.valid is not None] \
+        if oob_mode == type(oob_mode).skip else []
+    _dma("dma_copy", dst, src, as_op(dst_rmw_op) if dst_rmw_op is not None else None, skip)
 
 
-def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, transpose: bool = False) -> None:
+def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, skip: list = (),
+         transpose: bool = False) -> None:
     run = core.current_run()
-    _operand_masks([dst, src])
+    _operand_masks([dst, src], list(skip))
     _check_access("dma", instr, [("src", src)], [("dst", dst)])
     if dst.data.numel() != src.data.numel():
         fail(ValueError, f"{instr}: dst {dst.shape} and src {src.shape} hold different element counts")

@@ -251,7 +251,10 @@ def load(src: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
 
 
 def store(dst: NkiTensor, value: NkiTensor, **_: Any) -> None:
-    """SBUF -> HBM (a DMA); a PSUM value is first copied to SBUF, as the compiler does."""
+    """SBUF -> HBM (a DMA); a PSUM value is first copied to SBUF, as the compiler does; a scalar value fills
+    dst (a memset of an SBUF tile, then the DMA)."""
+    if not isinstance(value, NkiTensor):
+        value = full(dst.shape if dst.ndim > 1 else (1, dst.shape[0]), value, dst.dtype)
     if value.buffer is PSUM:
         value = copy(value)
     isa.dma_copy(dst=dst, src=value)
@@ -289,6 +292,11 @@ def transpose(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
     out = ndarray((x.free_size, x.shape[0]), dtype or torch.float32, PSUM)
     isa.nc_transpose(dst=out, data=x)
     return out
+
+
+def broadcast_to(x: NkiTensor, shape: Any, **_: Any) -> NkiTensor:
+    """`nl.broadcast_to(t, shape)`: t's size-1 axes repeated (a stride-0 view, as `t.broadcast_to`)."""
+    return x.broadcast_to(shape)
 
 
 def where(condition: NkiTensor, x: Any, y: Any, dtype: Any = None, **_: Any) -> NkiTensor:
