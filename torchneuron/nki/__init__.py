@@ -15,7 +15,8 @@ import sys
 from typing import Any
 
 _LAZY = {
-    "jit": ("kernel", "jit"), "baremetal": ("kernel", "jit"), "simulate": ("kernel", "simulate"),
+    "jit": ("kernel", "jit"), "baremetal": ("kernel", "jit"), "trace": ("kernel", "jit"),
+    "simulate": ("kernel", "simulate"),
     "Kernel": ("kernel", "Kernel"), "simulate_kernel": ("kernel", "simulate_kernel"),
     "benchmark": ("kernel", "benchmark"), "profile": ("kernel", "profile"), "tensor": ("core", "NkiTensor"),
     "nki_op": ("torch_op", "nki_op"), "KernelProfile": ("cost", "KernelProfile"),

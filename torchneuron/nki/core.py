@@ -185,6 +185,7 @@ class Run:
     shared: SharedHbm | None = None  # the launch's shared_hbm tensors (SPMD programs share them)
     act_regs: torch.Tensor | None = None  # the Scalar engine's 128 reduction registers
     garbage_from: str = ""  # the first instruction that computed on uninitialised memory (for the error)
+    vec_regs: torch.Tensor | None = None  # the Vector engine's per-partition accumulator registers
 
     @property
     def sbuf_partition_bytes(self) -> int:

@@ -39,6 +39,7 @@ class reduce_cmd(enum.Enum):  # noqa: N801
     reset = 1
     reduce = 2
     reset_reduce = 3
+    load_reduce = 4
 
 
 class nc_version(enum.IntEnum):  # noqa: N801
@@ -130,12 +131,11 @@ _POISONED: list[tuple[NkiTensor, torch.Tensor]] = []
 
 
 def _check_initialised(instr: str, reads: list, writes: list = ()) -> None:
-    """Reading memory no instruction wrote (on hardware: whatever it held) is allowed when the garbage only
-    reaches on-chip outputs of the same partitions: those elements stay uninitialised (kernels compute on a
-    masked load's tail rows and then store under the same mask). It raises when the garbage would cross
-    partitions or reach HBM."""
+    """Reading memory no instruction wrote is what hardware allows (it reads whatever the memory held): the
+    outputs computed from it stay uninitialised (elementwise, per partition, or the whole output when the
+    instruction mixes partitions), and storing such elements to HBM warns and writes NaN there."""
     _POISONED.clear()
-    for role, t in reads:
+    for _, t in reads:
         v = _init_view(t)
         if v is not None:
             m = core.mask_for(t)
@@ -143,28 +143,42 @@ def _check_initialised(instr: str, reads: list, writes: list = ()) -> None:
                 m = t.valid if m is None else m & t.valid
             bad = ~v if m is None else ~v & m.numpy()
             if bool(bad.any()):
-                _poison(instr, role, t, torch.from_numpy(np.ascontiguousarray(bad)), writes)
+                _poison(instr, t, torch.from_numpy(np.ascontiguousarray(bad)), writes)
         if t.buffer is PSUM:
             t.alloc.mm_read = True
 
 
-def _poison(instr: str, role: str, t: NkiTensor, bad: torch.Tensor, writes: list) -> None:
+def _poison(instr: str, t: NkiTensor, bad: torch.Tensor, writes: list) -> None:
     p = t.shape[0] if t.shape else 1
     rows = bad.reshape(p, -1)
     run = core.current_run()
+    if not run.garbage_from:
+        run.garbage_from = core.where().removeprefix(f"NKI kernel {run.kernel_name!r}, ")
     for _, w in writes:
-        if instr.split("(")[0] in _CROSS_PARTITION or w.buffer.is_hbm or not w.shape or w.shape[0] != p:
-            origin = f" (values computed from uninitialised memory since {run.garbage_from})" \
-                if run.garbage_from else ""
-            fail(RuntimeError, f"{instr}: {role} reads {t.buffer.name} that no instruction wrote "
-                               f"({int(bad.sum())} of {bad.numel()} elements uninitialised): on hardware this is "
-                               "whatever the memory held" + (", and it would reach HBM" if w.buffer.is_hbm else "")
-                               + origin)
-        if not run.garbage_from:
-            run.garbage_from = core.where().removeprefix(f"NKI kernel {run.kernel_name!r}, ")
-        free = math.prod(w.shape[1:])
-        e = rows if rows.shape[1] == free else rows.any(1, keepdim=True).expand(p, free)
-        _POISONED.append((w, e.reshape(w.shape)))
+        shape = w.shape or (1,)
+        free = math.prod(shape[1:])
+        if instr.split("(")[0] in _CROSS_PARTITION or shape[0] != p:
+            e = torch.ones(shape, dtype=torch.bool)  # mixed across partitions: every output element
+        else:
+            e = (rows if rows.shape[1] == free else rows.any(1, keepdim=True).expand(p, free)).reshape(shape)
+        _POISONED.append((w, e))
+
+
+def _garbage_to_hbm(t: NkiTensor, bad: torch.Tensor) -> None:
+    """Elements computed from uninitialised memory stored to HBM: NaN there (the hardware stores whatever the
+    memory held), and a warning naming the store and where the garbage was first computed on."""
+    import warnings
+
+    run = core.current_run()
+    if run.compute and t.dtype.is_floating_point:
+        if isinstance(t, core.GatherTile):
+            idx = t.selected(bad)
+            t.src.data[tuple(i for i in (t.idx if idx is None else idx))] = float("nan")
+        else:
+            t.data[bad] = float("nan")
+    warnings.warn(f"{core.where()}: {int(bad.sum())} of {bad.numel()} elements stored to HBM were computed from "
+                  f"uninitialised memory (since {run.garbage_from}); on hardware they are whatever the memory held, "
+                  "here NaN", RuntimeWarning, stacklevel=2)
 
 
 def _mark_written(writes: list) -> None:
@@ -179,8 +193,17 @@ def _mark_written(writes: list) -> None:
                     if w is t:
                         idx = t.selected(bad if m is None else bad & m)
                         init[tuple(i.numpy() for i in (t.idx if idx is None else idx))] = False
+            else:
+                for w, bad in _POISONED:
+                    if w is t and bool((bad := bad if m is None else bad & m).any()):
+                        _garbage_to_hbm(t, bad)
             continue
         v = _init_view(t)
+        for w, bad in _POISONED:
+            if w is t:
+                bad = bad if m is None else bad & m
+                if v is None and bool(bad.any()):
+                    _garbage_to_hbm(t, bad)
         if v is not None:
             v[... if m is None else m.numpy()] = True
             for w, bad in _POISONED:
@@ -848,6 +871,44 @@ def select(*args: Any, dst: NkiTensor | None = None, predicate: NkiTensor | None
     return dst if legacy else None
 
 
+def nc_stream_shuffle(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None,
+                      shuffle_mask: Any = None, **_: Any) -> None:
+    """Move whole partitions within each group of 32 (Vector engine): dst partition g*32+i takes src partition
+    g*32+shuffle_mask[i] (a 32-entry list; 255 leaves dst's partition alone). In place is allowed."""
+    g = _given(args, ["dst", "src", "shuffle_mask"], dst=dst, src=src, shuffle_mask=shuffle_mask)
+    dst, src, mask = g["dst"], g["src"], list(g["shuffle_mask"])
+    if len(mask) != 32:
+        fail(ValueError, f"nc_stream_shuffle: shuffle_mask has 32 entries, got {len(mask)}")
+    if dst.dtype != src.dtype or dst.free_size != src.free_size:
+        fail(ValueError, f"nc_stream_shuffle: dst {dst.shape} {dst.dtype} and src {src.shape} {src.dtype} must "
+                         "share the dtype and the elements per partition")
+    run = core.current_run()
+    _issue("nc_stream_shuffle", "vector", engine_cycles(run.chip, "vector", src.free_size, src.dtype.itemsize),
+           [("src", src)] + ([("dst", dst)] if 255 in mask else []), [("dst", dst)])
+    if run.compute:
+        x = _rows(src).clone()
+        out = _rows(dst).clone() if 255 in mask else torch.empty(dst.shape[0], dst.free_size)
+        for row in range(dst.shape[0]):
+            k = int(mask[row % 32])
+            if k != 255:
+                r = row - row % 32 + k
+                out[row] = x[r if r < x.shape[0] else k]
+        _store(run, dst, out)
+    _mark_written([("dst", dst)])
+
+
+def rand(shape: Any, dtype: Any = torch.float32, **_: Any) -> NkiTensor:
+    """`nl.rand(shape)`: a new SBUF tile of uniform [0, 1) draws (GpSimd engine) from the run's generator (seeded
+    by nl.random_seed), not the hardware's random number generator."""
+    run = core.current_run()
+    dst = _new(tuple(shape), dtype)
+    _issue("rand", "gpsimd", engine_cycles(run.chip, "gpsimd", dst.free_size, 4), [], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, torch.rand(dst.shape, generator=run.generator))
+    _mark_written([("dst", dst)])
+    return dst
+
+
 def dropout(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, prob: Any = None,
             dtype: Any = None, **_: Any) -> NkiTensor | None:
     """dst = data with each element replaced by 0 with probability prob (a scalar or a [P, 1] tile); the kept
@@ -869,6 +930,313 @@ def dropout(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = N
         p = _vector(prob, x.shape[0], "dropout", "prob")
         keep = torch.rand(x.shape, generator=run.generator) >= p
         _store(run, dst, torch.where(keep, x, torch.tensor(0.0)))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+# ------------------------------------------------------------------ Vector engine: accumulators, selection, top-8
+def _given(args: tuple, names: list, **kw: Any) -> dict:
+    """Positional arguments by AWS's parameter order, then the keywords given."""
+    out = dict(zip(names, args, strict=False))
+    out.update({k: v for k, v in kw.items() if v is not None or k not in out})
+    return out
+
+
+def _accumulate(run: core.Run, cmd: Any, op: Op, x: torch.Tensor, init: Any = None) -> torch.Tensor:
+    """The Vector engine's accumulator registers after reducing x ([P, F]) along the free axis with `op`:
+    reset (to op's identity), keep (reduce) or load `init` (load_reduce) first, per reduce_cmd."""
+    p = x.shape[0]
+    ident = torch.full((p, 1), _IDENTITY.get(op.name, 0.0))
+    regs = run.vec_regs if run.vec_regs is not None and run.vec_regs.shape[0] == p else ident
+    if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
+        regs = ident
+    elif cmd == reduce_cmd.load_reduce:
+        regs = _vector(init, p, "accumulate", "imm1")
+        regs = regs if isinstance(regs, torch.Tensor) else torch.full((p, 1), float(regs))
+    if cmd != reduce_cmd.reset:
+        regs = op.fn(regs, op.reduce(x, (1,)).reshape(p, 1)) if op.reduce is not None else regs
+    run.vec_regs = regs
+    return regs
+
+
+def tensor_copy_predicated(*args: Any, dst: NkiTensor | None = None, src: Any = None,
+                           predicate: NkiTensor | None = None, reverse_pred: bool = False,
+                           **_: Any) -> None:
+    """dst = src where predicate (!= 0) else dst unchanged (Vector engine); src a tile or a scalar; src and
+    predicate not both in PSUM."""
+    g = _given(args, ["dst", "src", "predicate", "reverse_pred"], dst=dst, src=src, predicate=predicate)
+    dst, src, predicate, reverse_pred = g["dst"], g["src"], g["predicate"], g.get("reverse_pred", reverse_pred)
+    run = core.current_run()
+    _same_shape(dst, predicate, "tensor_copy_predicated")
+    if isinstance(src, NkiTensor):
+        _same_shape(dst, src, "tensor_copy_predicated")
+        if src.buffer is PSUM and predicate.buffer is PSUM:
+            fail(ValueError, "tensor_copy_predicated: src and predicate cannot both be in PSUM")
+    reads = [("predicate", predicate), ("dst", dst)] + ([("src", src)] if isinstance(src, NkiTensor) else [])
+    _issue("tensor_copy_predicated", "vector", engine_cycles(run.chip, "vector", dst.free_size,
+                                                             dst.dtype.itemsize, inputs=2), reads, [("dst", dst)])
+    if run.compute:
+        take = (_rows(predicate) != 0) ^ bool(reverse_pred)
+        v = _rows(src) if isinstance(src, NkiTensor) else torch.tensor(float(src))
+        _store(run, dst, torch.where(take, v, _rows(dst)))
+    _mark_written([("dst", dst)])
+
+
+def tensor_scalar_cumulative(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None,
+                             op0: Any = None, op1: Any = None, imm0: Any = None, imm1: Any = None,
+                             reduce_cmd: Any = reduce_cmd.reset_reduce, reverse0: bool = False,
+                             **_: Any) -> NkiTensor | None:
+    """A running reduction along the free axis (Vector engine): reg = op1(op0(src[i], imm0), reg), dst[i] = reg;
+    reg starts at op1's identity (reset_reduce), imm1 (load_reduce) or where the last accumulation left it
+    (reduce)."""
+    g = _given(args, ["dst", "src", "op0", "op1", "imm0", "imm1", "reduce_cmd"], dst=dst, src=src, op0=op0,
+               op1=op1, imm0=imm0, imm1=imm1)
+    dst, src, imm0, imm1 = g.get("dst"), g["src"], g.get("imm0"), g.get("imm1")
+    op0, op1 = _arith(g["op0"], "tensor_scalar_cumulative"), _arith(g["op1"], "tensor_scalar_cumulative")
+    cmd = g.get("reduce_cmd", reduce_cmd)
+    if op1.name not in ("add", "subtract", "multiply", "maximum", "minimum", "max", "min"):
+        fail(ValueError, f"tensor_scalar_cumulative: op1 must be add, subtract, multiply, max or min, got {op1!r}")
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new(src.shape, src.dtype)
+    _same_shape(dst, src, "tensor_scalar_cumulative")
+    reads = [("src", src)] + [(r, t) for r, t in (("imm0", imm0), ("imm1", imm1)) if isinstance(t, NkiTensor)]
+    _issue("tensor_scalar_cumulative", "vector",
+           engine_cycles(run.chip, "vector", src.free_size, src.dtype.itemsize), reads, [("dst", dst)])
+    if run.compute:
+        x = _rows(src)
+        p = x.shape[0]
+        y = _binary(op0, x, _vector(imm0, p, "tensor_scalar_cumulative", "imm0"), reverse0)
+        ident = torch.full((p, 1), _IDENTITY.get(op1.name, 0.0))
+        reg = ident if run.vec_regs is None or run.vec_regs.shape[0] != p else run.vec_regs
+        if cmd == type(cmd).reset_reduce or cmd == type(cmd).reset:
+            reg = ident
+        elif cmd == type(cmd).load_reduce:
+            v = _vector(imm1, p, "tensor_scalar_cumulative", "imm1")
+            reg = v if isinstance(v, torch.Tensor) else torch.full((p, 1), float(v))
+        cols = []
+        for i in range(y.shape[1]):
+            reg = op1.fn(y[:, i:i + 1], reg)
+            cols.append(reg)
+        run.vec_regs = reg
+        _store(run, dst, torch.cat(cols, 1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def select_reduce(*args: Any, dst: NkiTensor | None = None, predicate: NkiTensor | None = None,
+                  on_true: NkiTensor | None = None, on_false: Any = None, reduce_res: NkiTensor | None = None,
+                  reduce_cmd: Any = reduce_cmd.idle, reduce_op: Any = None, reverse_pred: bool = False,
+                  **_: Any) -> NkiTensor | None:
+    """dst = on_true where predicate else on_false (a scalar or [P, 1]), and optionally the running max of dst
+    per partition into reduce_res (Vector engine)."""
+    g = _given(args, ["dst", "predicate", "on_true", "on_false", "reduce_res", "reduce_cmd", "reduce_op",
+                      "reverse_pred"], dst=dst, predicate=predicate, on_true=on_true, on_false=on_false,
+               reduce_res=reduce_res)
+    dst, predicate, on_true, on_false, reduce_res = (g.get(k) for k in ("dst", "predicate", "on_true", "on_false",
+                                                                         "reduce_res"))
+    cmd, reverse_pred = g.get("reduce_cmd", reduce_cmd), g.get("reverse_pred", reverse_pred)
+    op = as_op(g.get("reduce_op", reduce_op) or OPS["maximum"])
+    if op.name not in ("maximum", "max"):
+        fail(ValueError, f"select_reduce: reduce_op supports only nl.maximum, got {op!r}")
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new(on_true.shape, on_true.dtype)
+    _same_shape(dst, on_true, "select_reduce")
+    _same_shape(dst, predicate, "select_reduce")
+    if on_true.buffer is PSUM and predicate.buffer is PSUM:
+        fail(ValueError, "select_reduce: on_true and predicate cannot both be in PSUM")
+    reads = [("predicate", predicate), ("on_true", on_true)] + \
+        ([("on_false", on_false)] if isinstance(on_false, NkiTensor) else [])
+    writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
+    _issue("select_reduce", "vector", engine_cycles(run.chip, "vector", dst.free_size, dst.dtype.itemsize,
+                                                    inputs=2), reads, writes)
+    if run.compute:
+        p = dst.shape[0]
+        take = (_rows(predicate) != 0) ^ bool(reverse_pred)
+        f = _vector(on_false, p, "select_reduce", "on_false")
+        out = torch.where(take, _rows(on_true), f if isinstance(f, torch.Tensor) else torch.tensor(float(f)))
+        _store(run, dst, out)
+        if cmd != type(cmd).idle:
+            regs = _accumulate(run, cmd, OPS["max"], value(dst).reshape(p, -1))
+            if reduce_res is not None:
+                _store(run, reduce_res, regs)
+    _mark_written(writes)
+    return dst if legacy else None
+
+
+def range_select(*args: Any, dst: NkiTensor | None = None, on_true_tile: NkiTensor | None = None,
+                 comp_op0: Any = None, comp_op1: Any = None, bound0: NkiTensor | None = None,
+                 bound1: NkiTensor | None = None, reduce_cmd: Any = reduce_cmd.reset_reduce,
+                 reduce_res: NkiTensor | None = None, reduce_op: Any = None, range_start: int = 0,
+                 on_false_value: float = -3.4028234663852886e38, **_: Any) -> NkiTensor | None:
+    """dst = on_true_tile where comp_op0(i, bound0) and comp_op1(i, bound1) for free index i (+ range_start),
+    else on_false_value (FP32_MIN); the per-partition max also goes to the accumulator / reduce_res (Vector
+    engine, NeuronCore-v3 and newer)."""
+    g = _given(args, ["dst", "on_true_tile", "comp_op0", "comp_op1", "bound0", "bound1"], dst=dst,
+               on_true_tile=on_true_tile, comp_op0=comp_op0, comp_op1=comp_op1, bound0=bound0, bound1=bound1)
+    dst, src, b0, b1 = g.get("dst"), g["on_true_tile"], g["bound0"], g["bound1"]
+    c0, c1 = as_op(g["comp_op0"]), as_op(g["comp_op1"])
+    run = core.current_run()
+    if run.chip.core_version == "NeuronCore-v2":
+        fail(ValueError, "range_select needs NeuronCore-v3 or newer (trn2, trn3)")
+    for c in (c0, c1):
+        if not isinstance(c, Op) or c.name not in ("equal", "less", "less_equal", "greater", "greater_equal"):
+            fail(ValueError, f"range_select: comparisons are nl.equal, less, less_equal, greater, greater_equal; "
+                             f"got {c!r}")
+    op = as_op(reduce_op or OPS["maximum"])
+    if op.name not in ("maximum", "max"):
+        fail(ValueError, f"range_select: reduce_op supports only nl.maximum, got {op!r}")
+    legacy = dst is None
+    if legacy:
+        dst = _new(src.shape, src.dtype)
+    _same_shape(dst, src, "range_select")
+    writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
+    _issue("range_select", "vector", engine_cycles(run.chip, "vector", src.free_size, src.dtype.itemsize),
+           [("on_true_tile", src), ("bound0", b0), ("bound1", b1)], writes)
+    if run.compute:
+        x = _rows(src)
+        p = x.shape[0]
+        idx = (range_start + torch.arange(x.shape[1], dtype=torch.float32)).reshape(1, -1)
+        keep = (c0.fn(idx, _vector(b0, p, "range_select", "bound0")) != 0) & \
+            (c1.fn(idx, _vector(b1, p, "range_select", "bound1")) != 0)
+        out = torch.where(keep, x, torch.tensor(float(on_false_value)))
+        _store(run, dst, out)
+        regs = _accumulate(run, reduce_cmd, OPS["max"], out)
+        if reduce_res is not None:
+            _store(run, reduce_res, regs)
+    _mark_written(writes)
+    return dst if legacy else None
+
+
+def max8(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None, dtype: Any = None,
+         **_: Any) -> NkiTensor | None:
+    """dst[P, 8] = the 8 largest values of each partition of src (8..16,384 elements), descending (Vector
+    engine)."""
+    g = _given(args, ["dst", "src"], dst=dst, src=src)
+    dst, src = g.get("dst"), g["src"]
+    if not 8 <= src.free_size <= 16384:
+        fail(ValueError, f"max8: each partition must hold 8 to 16,384 elements, got {src.free_size}")
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new((src.shape[0], 8), dtype or src.dtype)
+    if dst.shape[0] != src.shape[0] or dst.free_size != 8:
+        fail(ValueError, f"max8: dst must be [{src.shape[0]}, 8], got {dst.shape}")
+    _issue("max8", "vector", engine_cycles(run.chip, "vector", src.free_size, src.dtype.itemsize),
+           [("src", src)], [("dst", dst)])
+    if run.compute:
+        x, m = _rows(src).float(), core.mask_for(src)
+        if m is not None:
+            x = torch.where(m.reshape(x.shape), x, torch.tensor(-math.inf))
+        _store(run, dst, x.topk(8, dim=1).values)
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+_NOT_FOUND = {torch.uint16: 0xFFFF, torch.uint32: 0xFFFFFFFF}
+
+
+def nc_find_index8(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None,
+                   vals: NkiTensor | None = None, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst[P, 8] = the index of the first occurrence of each of the 8 vals in data's partition (uint32 by
+    default; all ones when absent). Duplicate vals take successive occurrences, in order (Vector engine)."""
+    g = _given(args, ["dst", "data", "vals"], dst=dst, data=data, vals=vals)
+    dst, data, vals = g.get("dst"), g["data"], g["vals"]
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new((data.shape[0], 8), dtype or torch.uint32)
+    if vals.free_size != 8 or dst.free_size != 8:
+        fail(ValueError, "nc_find_index8: vals and dst hold exactly 8 elements per partition")
+    _issue("nc_find_index8", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize),
+           [("data", data), ("vals", vals)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, _match8(_rows(data), _rows(vals), core.mask_for(data), reverse=False,
+                                 none=_NOT_FOUND.get(dst.dtype, -1))[1])
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def _match8(x: torch.Tensor, vals: torch.Tensor, m: torch.Tensor | None, reverse: bool,
+            none: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(matched positions [P, F] bool, index of each val [P, 8]): each val takes the first data position equal
+    to it not taken yet, the vals visited in order (reverse: from the last)."""
+    x = x.float()
+    ok = torch.ones_like(x, dtype=torch.bool) if m is None else m.reshape(x.shape).clone()
+    taken = torch.zeros_like(ok)
+    idx = torch.full(vals.shape, float(none))
+    order = range(vals.shape[1] - 1, -1, -1) if reverse else range(vals.shape[1])
+    for j in order:
+        hit = (x == vals[:, j:j + 1].float()) & ok & ~taken
+        found = hit.any(1)
+        first = hit.float().argmax(1)
+        idx[found, j] = first[found].float()
+        taken[found, first[found]] = True
+    return taken, idx
+
+
+def nc_match_replace8(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None,
+                      vals: NkiTensor | None = None, imm: float = 0.0, dst_idx: NkiTensor | None = None,
+                      **_: Any) -> NkiTensor | None:
+    """dst = data with the first occurrence of each of the 8 vals replaced by imm; their indices into dst_idx
+    when given (duplicate vals are matched from the last one, so the first position lands in the highest
+    slot). Vector engine."""
+    g = _given(args, ["dst", "data", "vals", "imm", "dst_idx"], dst=dst, data=data, vals=vals, dst_idx=dst_idx)
+    dst, data, vals, dst_idx = g.get("dst"), g["data"], g["vals"], g.get("dst_idx")
+    imm = g.get("imm", imm)
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new(data.shape, data.dtype)
+    _same_shape(dst, data, "nc_match_replace8")
+    if vals.free_size != 8:
+        fail(ValueError, f"nc_match_replace8: vals holds 8 elements per partition, got {vals.free_size}")
+    writes = [("dst", dst)] + ([("dst_idx", dst_idx)] if dst_idx is not None else [])
+    _issue("nc_match_replace8", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize),
+           [("data", data), ("vals", vals)], writes)
+    if run.compute:
+        x = _rows(data)
+        taken, idx = _match8(x, _rows(vals), core.mask_for(data), reverse=True,
+                             none=_NOT_FOUND.get(dst_idx.dtype, -1) if dst_idx is not None else -1)
+        _store(run, dst, torch.where(taken, torch.tensor(float(imm)), x))
+        if dst_idx is not None:
+            _store(run, dst_idx, idx)
+    _mark_written(writes)
+    return dst if legacy else None
+
+
+def sequence_bounds(*args: Any, dst: NkiTensor | None = None, segment_ids: NkiTensor | None = None,
+                    **_: Any) -> NkiTensor | None:
+    """dst[1, 2, n]: for each element of segment_ids[1, n], the start and (exclusive) end index of its segment
+    (a run of equal ids); id 0 is padding and gets (n, -1). GpSimd engine."""
+    g = _given(args, ["dst", "segment_ids"], dst=dst, segment_ids=segment_ids)
+    dst, seg = g.get("dst"), g["segment_ids"]
+    if seg.shape[0] != 1:
+        fail(ValueError, f"sequence_bounds: segment_ids has one partition, got {seg.shape[0]}")
+    run = core.current_run()
+    legacy = dst is None
+    n = seg.free_size
+    if legacy:
+        dst = _new((1, 2, n), seg.dtype)
+    if dst.free_size != 2 * n:
+        fail(ValueError, f"sequence_bounds: dst must be [1, 2, {n}], got {dst.shape}")
+    _issue("sequence_bounds", "gpsimd", engine_cycles(run.chip, "gpsimd", n, 4), [("segment_ids", seg)],
+           [("dst", dst)])
+    if run.compute:
+        ids = _rows(seg).reshape(-1)
+        start, end = torch.full((n,), float(n)), torch.full((n,), -1.0)
+        i = 0
+        while i < n:
+            j = i
+            while j + 1 < n and ids[j + 1] == ids[i]:
+                j += 1
+            if ids[i] != 0:
+                start[i:j + 1], end[i:j + 1] = float(i), float(j + 1)  # the end is exclusive
+            i = j + 1
+        _store(run, dst, torch.stack([start, end]).reshape(1, 2, n))
     _mark_written([("dst", dst)])
     return dst if legacy else None
 

@@ -193,6 +193,9 @@ def random_seed(seed: Any, **_: Any) -> None:
     run.generator.manual_seed(int(seed))
 
 
+rand = isa.rand
+
+
 def dropout(x: NkiTensor, rate: Any, dtype: Any = None, **_: Any) -> NkiTensor:
     """x with each element zeroed with probability rate (nisa.dropout)."""
     return isa.dropout(x, rate, dtype=dtype)
