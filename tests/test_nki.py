@@ -1295,3 +1295,21 @@ def test_top8_find_and_replace_and_sequence_bounds():
     close(rep[0], torch.tensor([1, 2, -1, 4, -1, -1, -1, -1, -1, -1, -1.0]), 0)
     assert bounds[0].tolist() == [[9, 1, 1, 3, 3, 3, 9, 7, 7], [-1, 3, 3, 6, 6, 6, -1, 9, 9]]
     close(sh, rows[[g + (i - 1) % 32 for g in (0, 32) for i in range(32)]], 0)
+
+
+def test_local_gather_takes_each_cores_flattened_indices():
+    """Each GpSimd core's 16 partitions share the indices of its 16-partition slice of `index`, flattened
+    partition first; every partition reads num_elem_per_idx contiguous elements at each (ISA reference's NumPy)."""
+    @nki.jit
+    def k(src, index):
+        out = nl.ndarray((32, 6 * 2), dtype=src.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nisa.local_gather(nl.load(src), nl.load(index), 2, 6))
+        return out
+
+    src = torch.randn(32, 40)
+    index = (torch.randint(0, 19, (32, 3)) * 2).to(torch.uint16)
+    ref = torch.empty(32, 6, 2)
+    for c in range(2):
+        flat = index[16 * c:16 * c + 16].T.reshape(-1)[:6].long()
+        ref[16 * c:16 * c + 16] = src[16 * c:16 * c + 16][:, flat[:, None] + torch.arange(2)]
+    close(k(src, index), ref.reshape(32, 12), 0)

@@ -897,6 +897,52 @@ def nc_stream_shuffle(*args: Any, dst: NkiTensor | None = None, src: NkiTensor |
     _mark_written([("dst", dst)])
 
 
+def local_gather(*args: Any, dst: NkiTensor | None = None, src_buffer: NkiTensor | None = None,
+                 index: NkiTensor | None = None, num_elem_per_idx: int = 1, num_valid_indices: int | None = None,
+                 **_: Any) -> NkiTensor | None:
+    """Gather within each GpSimd core's 16 partitions: the core flattens its 16 partitions of `index` (partition
+    first), keeps num_valid_indices of them, and every partition p of the group takes, for each index i,
+    src_buffer[p] flattened, elements i .. i + num_elem_per_idx - 1. index is uint16; partitions a multiple of 16."""
+    legacy = dst is None and (len(args) < 3 or not isinstance(args[2], NkiTensor))
+    g = _given(args, ["src_buffer", "index", "num_elem_per_idx", "num_valid_indices"] if legacy else
+               ["dst", "src_buffer", "index", "num_elem_per_idx", "num_valid_indices"],
+               dst=dst, src_buffer=src_buffer, index=index)
+    dst, src, index = g.get("dst"), g["src_buffer"], g["index"]
+    per, valid = int(g.get("num_elem_per_idx", num_elem_per_idx)), g.get("num_valid_indices", num_valid_indices)
+    p = src.shape[0]
+    if index.shape[0] != p or p % 16:
+        fail(ValueError, f"local_gather: src_buffer and index need the same partition count, a multiple of 16; got "
+                         f"{p} and {index.shape[0]}")
+    if index.dtype != torch.uint16:
+        fail(TypeError, f"local_gather: index must be uint16, got {index.dtype}")
+    if per not in (1, 2, 4, 8, 16, 32):
+        fail(ValueError, f"local_gather: num_elem_per_idx must be 1, 2, 4, 8, 16 or 32, got {per}")
+    n = int(valid) if valid else 16 * index.free_size
+    if n > min(4096, 16 * index.free_size):
+        fail(ValueError, f"local_gather: {n} indices per core; at most {min(4096, 16 * index.free_size)}")
+    run = core.current_run()
+    if legacy:
+        dst = _new((p, n * per), src.dtype)
+    if dst.shape[0] != p or dst.free_size != n * per:
+        fail(ValueError, f"local_gather: dst must hold [{p}, {n * per}] elements, got {dst.shape}")
+    _issue("local_gather", "gpsimd", engine_cycles(run.chip, "gpsimd", n * per, src.dtype.itemsize),
+           [("src_buffer", src), ("index", index)], [("dst", dst)])
+    if run.compute:
+        x, ix = _rows(src), _rows(index).long()
+        out = torch.empty(p, n * per, dtype=x.dtype)
+        for c in range(p // 16):
+            rows = slice(16 * c, 16 * c + 16)
+            flat = ix[rows].T.reshape(-1)[:n]  # partition first
+            cols = (flat[:, None] + torch.arange(per)).reshape(-1)
+            if int(cols.max()) >= x.shape[1]:
+                fail(IndexError, f"local_gather: index {int(flat.max())} reads past the {x.shape[1]} elements of "
+                                 "a partition")
+            out[rows] = x[rows][:, cols]
+        _store(run, dst, out)
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
 def rand(shape: Any, dtype: Any = torch.float32, **_: Any) -> NkiTensor:
     """`nl.rand(shape)`: a new SBUF tile of uniform [0, 1) draws (GpSimd engine) from the run's generator (seeded
     by nl.random_seed), not the hardware's random number generator."""
