@@ -1313,3 +1313,20 @@ def test_local_gather_takes_each_cores_flattened_indices():
         flat = index[16 * c:16 * c + 16].T.reshape(-1)[:6].long()
         ref[16 * c:16 * c + 16] = src[16 * c:16 * c + 16][:, flat[:, None] + torch.arange(2)]
     close(k(src, index), ref.reshape(32, 12), 0)
+
+
+def test_tensor_passed_by_keyword_on_neuron_runs_at_the_call_and_queued():
+    """AWS's kernels take tensors by name (flash_attn_bwd's sinks=): on `neuron` they go through the same host
+    views as positional ones, on the first (immediate) call and the later queued ones (this hung on the stream
+    before: the queued interpreter read the device tensor through device ops from the stream's own worker)."""
+    @nki.jit
+    def k(a, b=None):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.add(nl.load(a), nl.load(b)))
+        return out
+
+    a, b = torch.randn(128, 8), torch.randn(128, 8)
+    for _ in range(2):
+        r = k(a.to("neuron"), b=b.to("neuron"))
+        assert r.device.type == "neuron"
+        close(r, a + b, 0)

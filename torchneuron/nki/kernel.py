@@ -100,7 +100,7 @@ class Kernel:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        if any(isinstance(a, torch.Tensor) and a.device.type == "neuron" for a in args):
+        if any(isinstance(a, torch.Tensor) and a.device.type == "neuron" for a in (*args, *kwargs.values())):
             return self._device_call(args, kwargs)
         return self.run(args, kwargs, compute=not MODE.shapes_only)
 
@@ -170,17 +170,25 @@ class Kernel:
     def _device_run(self, args: tuple, kwargs: dict) -> tuple[list, bool, tuple]:
         from .. import _C
 
-        device = next(a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "neuron")
-        dev_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # tensors passed by name go through the same host views as positional ones
+        names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        flat = list(args) + [kwargs[k] for k in names]
+        device = next(a.device for a in flat if isinstance(a, torch.Tensor) and a.device.type == "neuron")
+        dev_idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         for i in dev_idx:
-            if args[i].device != device:
-                raise RuntimeError(f"NKI kernel {self.name}: expected all tensors on {device}, argument {i} is on "
-                                   f"{args[i].device}")
+            if flat[i].device != device:
+                what = f"argument {i}" if i < len(args) else f"argument {names[i - len(args)]!r}"
+                raise RuntimeError(f"NKI kernel {self.name}: expected all tensors on {device}, {what} is on "
+                                   f"{flat[i].device}")
         key = (self.grid, *_signature(args, kwargs))
+
+        def split(host: list) -> tuple[tuple, dict]:
+            return tuple(host[:len(args)]), {**kwargs, **dict(zip(names, host[len(args):], strict=True))}
+
         if key not in self._specs or _C._launch_blocking():
-            host = list(args)
+            host = list(flat)
             _C._host_args(host, dev_idx)  # after the stream's queued work
-            outs = self.run(tuple(host), kwargs)
+            outs = self.run(*split(host))
             self._specs[key], self._profiles[key] = _spec(outs), self.last_profile
             results = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in _flat(outs)]
             views = list(results)
@@ -190,12 +198,14 @@ class Kernel:
             return results, self._specs[key][0], key
         seq, specs = self._specs[key]
         results = [torch.empty(s, dtype=d, device=device) for s, d in specs]
-        host, views = list(args), list(results)
-        keep = [args[i] for i in dev_idx]
+        host, views = list(flat), list(results)
+        keep = [flat[i] for i in dev_idx]
         _C._host_args(host, dev_idx, wait=False)
         _C._host_args(views, list(range(len(views))), wait=False)
+        host_args, host_kwargs = split(host)
         _C._queue_kernel(device.index, f"nki:{self.name}",
-                         functools.partial(self._replay, tuple(host), kwargs, views, keep, results), 1, keep, results)
+                         functools.partial(self._replay, host_args, host_kwargs, views, keep, results), 1, keep,
+                         results)
         self.last_profile = self._profiles[key]
         if self.parent is not None:
             self.parent.last_profile = self.last_profile
