@@ -7,6 +7,7 @@ import importlib
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -648,7 +649,9 @@ def test_rule_uninitialised_sbuf():
         nl.store(out, nl.exp(t))
         return out
 
-    _raises(RuntimeError, "512 of 1024 elements uninitialised", k, torch.zeros(128, 8))
+    with pytest.warns(RuntimeWarning, match="512 of 1024 elements stored to HBM were computed from uninitialised"):
+        out = k(torch.zeros(128, 8))
+    assert out[:, :4].eq(1).all() and out[:, 4:].isnan().all()  # the columns memset wrote, and garbage
 
 
 # ----------------------------------------------------------------------------------------------- numerics
@@ -923,9 +926,407 @@ def test_porting_report_lists_nki_kernels():
     assert "softmax_kernel:" in porting_report.render_text(r)
 
 
-def test_masks_are_refused_not_ignored():
+# ----------------------------------------------------------------------------------------------- legacy masks
+@nki.jit
+def row_scale_kernel(a):
+    """Each row times its sum, in 128-row tiles; the last tile runs past the end of `a` and is masked (the
+    earlier API's form: arange indices, mask= on every instruction that touches the tail)."""
+    out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+    ip, jf = nl.arange(128)[:, None], nl.arange(a.shape[1])[None, :]
+    for t in nl.affine_range((a.shape[0] + 127) // 128):
+        inside = t * 128 + ip < a.shape[0]
+        x = nl.load(a[t * 128 + ip, jf], mask=inside)
+        s = nl.sum(x, axis=1, mask=inside)
+        nl.store(out[t * 128 + ip, jf], value=nl.multiply(x, s, mask=inside), mask=inside)
+    return out
+
+
+def test_mask_limits_instructions_to_the_rows_inside_the_tensor():
+    a = torch.randn(200, 8)  # 1 full tile + 72 rows
+    close(row_scale_kernel(a), a * a.sum(1, keepdim=True), 1e-5)
+
+
+def test_unmasked_tile_past_the_end_of_a_tensor_is_refused():
+    @nki.jit
+    def k(a):
+        ip, jf = nl.arange(128)[:, None], nl.arange(a.shape[1])[None, :]
+        return nl.load(a[64 + ip, jf])
+
+    msg = _raises(IndexError, "outside its", k, torch.zeros(160, 4))
+    assert "64 elements" not in msg and "128 elements" in msg  # 32 rows x 4 past the end
+
+
+def test_mask_false_drops_the_instruction_and_writes_nothing():
+    """A Python-bool mask (a tile-position test, as attention kernels compute them) that is False: the
+    instruction leaves its destination alone and costs nothing; True: it runs."""
+    @nki.jit
+    def k(a, flag):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        x = nl.load(a)
+        y = nl.full(a.shape, 7.0, dtype=a.dtype)
+        y[...] = nl.exp(x, mask=flag)
+        nl.store(out, value=y)
+        return out
+
+    a = torch.randn(128, 16)
+    close(k(a, False), torch.full_like(a, 7.0), 0)
+    scalar_off = k.last_profile.instructions.get("scalar", 0)
+    close(k(a, True), a.exp(), 1e-6)
+    assert scalar_off == 0 and k.last_profile.instructions["scalar"] == 1
+
+
+def test_mask_must_be_a_compile_time_predicate_not_a_tile():
+    @nki.jit
+    def k(a):
+        x = nl.load(a)
+        return nl.exp(x, mask=x)
+
+    _raises(TypeError, "compile-time predicate", k, torch.zeros(128, 4))
+
+
+def test_arange_indices_in_swapped_order_address_the_transpose():
+    """`out[i_f, i_p]` with i_p a column and i_f a row of arange indices: the tile's partition axis runs along
+    the tensor's second axis (a transposed store, as AWS's attention kernels write their [d, seq] results)."""
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((a.shape[1], a.shape[0]), dtype=a.dtype, buffer=nl.shared_hbm)
+        ip, jf = nl.arange(a.shape[0])[:, None], nl.arange(a.shape[1])[None, :]
+        nl.store(out[jf, ip], value=nl.load(a[ip, jf]))
+        return out
+
+    a = torch.randn(64, 32)
+    close(k(a), a.T, 0)
+
+
+def test_loop_reduce_accumulates_into_its_destination():
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((128, a.shape[2]), dtype=a.dtype, buffer=nl.shared_hbm)
+        acc = nl.zeros((128, a.shape[2]), dtype=nl.float32)
+        for i in nl.affine_range(a.shape[0]):
+            acc[...] = nl.loop_reduce(nl.load(a[i]), op=np.add, loop_indices=[i])
+        nl.store(out, value=acc)
+        return out
+
+    a = torch.randn(3, 128, 16)
+    close(k(a), a.sum(0), 1e-5)
+
+
+def test_int_index_of_a_tiles_last_free_axis_keeps_a_size_one_axis():
+    """`t[:, i]` of an on-chip [P, n] tensor is a [P, 1] tile (NKI's tiles stay [partition, free]); a NumPy
+    reducer (`np.max`) is accepted as the op, as the earlier API's kernels pass it."""
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((128, 1), dtype=a.dtype, buffer=nl.shared_hbm)
+        cols = nl.ndarray((128, a.shape[0]), dtype=nl.float32)
+        for i in nl.affine_range(a.shape[0]):
+            cols[:, i] = nisa.tensor_reduce(np.max, nl.load(a[i]), axis=(1,))
+        assert cols[:, 0].shape == (128, 1)
+        nl.store(out, value=nisa.tensor_reduce(np.add, cols, axis=(1,)))
+        return out
+
+    a = torch.randn(3, 128, 16)
+    close(k(a), a.amax(2).sum(0)[:, None], 1e-5)
+
+
+def test_one_partition_operand_is_broadcast_to_every_partition():
+    @nki.jit
+    def k(a, b):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.add(nl.load(a), nl.load(b)))
+        return out
+
+    a, b = torch.randn(128, 8), torch.randn(1, 8)
+    close(k(a, b), a + b, 1e-6)
+
+
+def test_in_place_add_on_an_indexed_tile_issues_no_extra_copy():
+    """`t[i] += x` is Python's `t[i] = t[i].__iadd__(x)`: the store-back is the same place and no instruction."""
+    @nki.jit
+    def k(a):
+        out = nl.ndarray((128, a.shape[1]), dtype=a.dtype, buffer=nl.shared_hbm)
+        acc = nl.zeros((2, nl.par_dim(128), a.shape[1]), dtype=nl.float32)
+        acc[1] += nl.load(a)
+        nl.store(out, value=acc[1])
+        return out
+
+    a = torch.randn(128, 8)
+    close(k(a), a, 0)
+    # two memsets (one per block), the add, its copy into acc[1]; no copy of acc[1] onto itself
+    assert k.last_profile.instructions["vector"] == 4
+
+
+def test_legacy_matmul_and_select_take_psum_operands_through_the_compilers_routes():
+    """The earlier API places tiles itself: an nc_transpose result (PSUM) used as a matmul operand is first copied
+    to SBUF, and affine_select on a PSUM tile runs on the Vector engine (GpSimd cannot reach PSUM). The current
+    form names its tiles and stays refused (test_rule_engine_buffers)."""
+    @nki.jit
+    def k(a, b):
+        out = nl.ndarray((a.shape[0], b.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm)
+        at = nisa.nc_transpose(nl.load(a))  # a.T: [K, M], in PSUM
+        prod = nisa.nc_matmul(at, nl.load(b))  # stationary [K, M], moving [K, N]: a @ b
+        ip, jf = nl.mgrid[0:a.shape[0], 0:b.shape[1]]
+        nl.store(out, value=nisa.affine_select(ip >= jf, prod, -1.0))
+        return out
+
+    a, b = torch.randn(32, 64), torch.randn(64, 48)  # a: [M, K]
+    ref = torch.where(torch.arange(32)[:, None] >= torch.arange(48)[None, :], a @ b, torch.tensor(-1.0))
+    close(k(a, b), ref, 1e-4)
+    engines = {e.engine for e in k.last_profile.timeline if e.name.startswith("affine_select")}
+    assert engines == {"vector"}
+
+
+def test_benchmark_reports_the_modelled_latency_and_simulate_kernel_returns_arrays():
+    bench = nki.benchmark(warmup=5, iters=10)(softmax_kernel)
+    x = torch.randn(128, 96)
+    assert bench(x) is None
+    softmax_kernel(x)
+    p = bench.benchmark_result.nc_latency
+    assert p.get_latency_percentile(50) == p.get_latency_percentile(99) == \
+        pytest.approx(softmax_kernel.last_profile.latency_s * 1e6)
+    out = nki.simulate_kernel(nki.baremetal(softmax_kernel), x.numpy())
+    close(torch.from_numpy(out), torch.softmax(x, -1), 1e-5)
+
+
+def test_garbage_from_a_masked_load_may_be_computed_on_but_not_stored():
+    """A masked load leaves the tail rows uninitialised; computing on them (on hardware: on whatever SBUF held)
+    keeps those rows uninitialised, a store under the same mask is fine, an unmasked store warns and writes NaN
+    there, naming where the garbage was first computed on."""
+    @nki.jit
+    def k(a, masked_store):
+        out = nl.ndarray((128, a.shape[1]), dtype=a.dtype, buffer=nl.shared_hbm)
+        ip, jf = nl.arange(128)[:, None], nl.arange(a.shape[1])[None, :]
+        x = nl.load(a[ip, jf], mask=ip < a.shape[0])
+        y = nl.exp(x)  # unmasked: rows a.shape[0].. are garbage in, garbage out
+        nl.store(out[ip, jf], value=y, mask=(ip < a.shape[0]) if masked_store else None)
+        return out
+
+    a = torch.randn(100, 8)
+    close(k(a, True)[:100], a.exp(), 1e-6)
+    with pytest.warns(RuntimeWarning, match="since test_nki.py:.*nl.exp") as w:
+        out = k(a, False)
+    assert HERE in str(w[0].message) and out[100:].isnan().all()
+    close(out[:100], a.exp(), 1e-6)
+
+
+def test_dma_through_a_tile_of_computed_indices_gathers_rows():
+    """An indirect DMA: `t[idx_tile, i_f]` with idx_tile an int32 SBUF tile the kernel computed (here
+    idx = floor(p / 2), through an integer tile divided by an int: NumPy's promotion makes it float first);
+    the rows past the end are masked off. An engine cannot read through computed indices."""
+    @nki.jit
+    def k(a, n_out):
+        out = nl.ndarray((n_out, a.shape[1]), dtype=a.dtype, buffer=nl.shared_hbm)
+        ip, jf = nl.arange(128)[:, None], nl.arange(a.shape[1])[None, :]
+        pos = nisa.iota(ip, dtype=nl.int32)
+        src = nl.floor(pos / 2, dtype=nl.int32)
+        x = nl.load(a[src, jf], mask=ip < n_out)
+        nl.store(out[ip, jf], value=x, mask=ip < n_out)
+        return out
+
+    a = torch.randn(50, 8)
+    close(k(a, 99), a[torch.arange(99) // 2], 0)
+
+    @nki.jit
+    def engine_reads_indirect(a):
+        ip = nl.arange(4)[:, None]
+        idx = nisa.iota(ip, dtype=nl.int32)
+        return nl.exp(nl.load(a)[idx, nl.arange(4)[None, :]])
+
+    _raises(ValueError, "only DMA", engine_reads_indirect, torch.zeros(4, 4))
+
+
+def test_nl_operators_broadcast_size_one_free_axes_like_numpy():
+    """nl.equal / nl.where of a [P, a, 1] and a [P, a, b] tile, and an iota of an expression missing the
+    partition axis ([1, 1, b]), broadcast as NumPy does (stride-0 access patterns)."""
     @nki.jit
     def k(x):
-        return nl.load(x, mask=nl.arange(128)[:, None] < 64)
+        out = nl.ndarray(x.shape, dtype=nl.float32, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        m = nl.max(t, axis=[2], keepdims=True)
+        g = nl.mgrid[0:1, 0:1, 0:x.shape[2]]
+        lin = nisa.iota(g.y, dtype=nl.float32)
+        first_max = nl.where(nl.equal(m, t, dtype=nl.float32), lin, -1.0, dtype=nl.float32)
+        nl.store(out, value=first_max)
+        return out
 
-    _raises(NotImplementedError, "mask= is not implemented", k, torch.zeros(128, 4))
+    x = torch.randn(128, 3, 5)
+    ref = torch.where(x == x.amax(2, keepdim=True), torch.arange(5.0), torch.tensor(-1.0))
+    close(k(x), ref, 0)
+
+
+def test_operand_mask_bitcast_view_alu_abs_and_masked_bn_stats():
+    """Forms of AWS's rmsnorm-quant and layernorm kernels: `tile[predicate]` masks the instruction that uses the
+    tile; `t.view(nl.float8_e4m3)` reads a float32 tile's bytes as 4 fp8 each; tensor_scalar_reduce with op0
+    nl.abs (|x|) and reduce nl.max; bn_stats over a masked tail (only the mask's elements count)."""
+    @nki.jit
+    def k(a):
+        n = a.shape[1]
+        ip, jf = nl.mgrid[0:128, 0:512]
+        out = nl.ndarray((128, 2 + 4), dtype=nl.float8_e4m3, buffer=nl.shared_hbm)
+        x = nl.load(a[ip, jf][jf < n])  # a [128, 512] tile of the [128, n] tensor, its tail masked off
+        stats = nisa.bn_stats(x, mask=jf < n)
+        mv = nisa.bn_aggr(stats)
+        absmax = nl.ndarray((128, 1), dtype=nl.float32)
+        nisa.tensor_scalar_reduce(data=x, op0=nl.abs, operand0=0.0, reduce_op=nl.max, reduce_res=absmax,
+                                  mask=jf < n)
+        nl.store(out[:, 0:2], value=nl.copy(mv, dtype=nl.float8_e4m3))
+        nl.store(out[:, 2:6], value=absmax.view(nl.float8_e4m3))
+        return out
+
+    a = torch.randn(128, 300)
+    r = k(a)
+    close(r[:, 0].float(), a.mean(1).to(torch.float8_e4m3fn).float(), 0)
+    close(r[:, 1].float(), a.var(1, unbiased=False).to(torch.float8_e4m3fn).float(), 0)
+    close(r[:, 2:].contiguous().view(torch.float32)[:, 0], a.abs().amax(1), 0)
+
+
+def test_fp8_double_row_matmul_contracts_both_rows_and_needs_neuroncore_v3():
+    """perf_mode double_row: [K, 2, M] x [K, 2, N] fp8 operands, the pair of rows contracted together (2K), in
+    the cycles of one matmul; refused on trn1 (NeuronCore-v2 has no performance modes) and for bf16 operands.
+    nl.static_cast to fp8 hands the kernel an fp8 tensor (NumPy has no fp8 here)."""
+    def kernel(a, b):
+        out = nl.ndarray((a.shape[2], b.shape[2]), dtype=nl.float32, buffer=nl.shared_hbm)
+        res = nl.zeros((a.shape[2], b.shape[2]), dtype=nl.float32, buffer=nl.psum)
+        res[...] += nisa.nc_matmul(nl.load(a), nl.load(b), perf_mode="double_row_gen3")
+        nl.store(out, value=res)
+        return out
+
+    a = nl.static_cast(np.random.rand(128, 2, 64), nl.float8_e4m3)
+    b = nl.static_cast(np.random.rand(128, 2, 96), nl.float8_e4m3)
+    ref = np.concatenate([a[:, 0], a[:, 1]]).T @ np.concatenate([b[:, 0], b[:, 1]])  # the fp8 values, in fp32
+    out = nki.jit(kernel, target="trn2")(a, b)
+    close(torch.from_numpy(np.asarray(out)), torch.from_numpy(np.asarray(ref)).float(), 1e-4)
+    trn2_flops = nki.jit(kernel, target="trn2").estimate(a, b).matmul_flops
+    assert trn2_flops == 2 * 256 * 64 * 96
+    with pytest.raises(ValueError, match="NeuronCore-v2"):
+        nki.jit(kernel, target="trn1")(a, b)
+    with pytest.raises(TypeError, match="fp8 pairs"):
+        nki.jit(kernel, target="trn2")(torch.randn(128, 2, 64).bfloat16(), torch.randn(128, 2, 96).bfloat16())
+
+
+def test_legacy_tensor_tensor_broadcasts_a_column():
+    """The earlier tensor_tensor form broadcasts a [P, 1] operand along the free axis (AWS's double-row matmul
+    sample scales its result block by a per-row column this way)."""
+    @nki.jit
+    def k(a, s):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nisa.tensor_tensor(nl.load(a), nl.load(s), np.multiply))
+        return out
+
+    a, s = torch.randn(128, 32), torch.randn(128, 1)
+    close(k(a, s), a * s, 1e-6)
+
+
+def test_launch_grid_axis_of_zero_programs_is_refused():
+    with pytest.raises(ValueError, match="at least 1"):
+        add_kernel[0]
+
+
+def test_vector_accumulator_and_selection_instructions_follow_awss_pseudo_code():
+    """tensor_scalar_cumulative (a running op1 of op0(x, imm0), from imm1 with load_reduce), select_reduce (its
+    row max), range_select (free index in [b0, b1)), tensor_copy_predicated, each against the NumPy the NKI ISA
+    reference gives for it."""
+    @nki.jit(target="trn2")
+    def k(x, pred, b0, b1):
+        out = nl.ndarray((4, 128, x.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm)
+        red = nl.ndarray((128, 2), dtype=nl.float32, buffer=nl.shared_hbm)
+        t, p = nl.load(x), nl.load(pred)
+        cum = nl.ndarray(t.shape, dtype=nl.float32)
+        nisa.tensor_scalar_cumulative(dst=cum, src=t, op0=nl.multiply, op1=nl.add, imm0=2.0, imm1=10.0,
+                                      reduce_cmd=nisa.reduce_cmd.load_reduce)
+        sel, smax = nl.ndarray(t.shape, dtype=nl.float32), nl.ndarray((128, 1), dtype=nl.float32)
+        nisa.select_reduce(dst=sel, predicate=p, on_true=t, on_false=-5.0, reduce_res=smax,
+                           reduce_cmd=nisa.reduce_cmd.reset_reduce)
+        rng, rmax = nl.ndarray(t.shape, dtype=nl.float32), nl.ndarray((128, 1), dtype=nl.float32)
+        nisa.range_select(dst=rng, on_true_tile=t, comp_op0=nl.greater_equal, comp_op1=nl.less,
+                          bound0=nl.load(b0), bound1=nl.load(b1), reduce_res=rmax, on_false_value=-1e30)
+        cp = nl.zeros(t.shape, dtype=nl.float32)
+        nisa.tensor_copy_predicated(dst=cp, src=t, predicate=p)
+        for i, r in enumerate((cum, sel, rng, cp)):
+            nl.store(out[i], value=r)
+        nl.store(red[:, 0:1], value=smax)
+        nl.store(red[:, 1:2], value=rmax)
+        return out, red
+
+    x = torch.randn(128, 16)
+    pred = (torch.rand(128, 16) > 0.5).to(torch.uint8)
+    b0, b1 = torch.randint(0, 8, (128, 1)).float(), torch.randint(8, 16, (128, 1)).float()
+    out, red = k(x, pred, b0, b1)
+    close(out[0], 10 + torch.cumsum(2 * x, 1), 1e-5)
+    sel = torch.where(pred.bool(), x, torch.tensor(-5.0))
+    close(out[1], sel, 0)
+    i = torch.arange(16.0)
+    rng = torch.where((i >= b0) & (i < b1), x, torch.tensor(-1e30))
+    close(out[2], rng, 0)
+    close(out[3], torch.where(pred.bool(), x, torch.tensor(0.0)), 0)
+    close(red, torch.cat([sel.amax(1, keepdim=True), rng.amax(1, keepdim=True)], 1), 0)
+    with pytest.raises(ValueError, match="NeuronCore-v3"):
+        nki.jit(k.fn, target="trn1")(x, pred, b0, b1)
+
+
+def test_top8_find_and_replace_and_sequence_bounds():
+    """max8 / nc_find_index8 / nc_match_replace8 on values with duplicates (nc_match_replace8 pairs duplicate
+    vals from the last slot, nc_find_index8 from the first: AWS's documented example), sequence_bounds on the
+    ISA reference's example, nc_stream_shuffle rotating each 32-partition group."""
+    @nki.jit
+    def k(data, seg, vals, rows):
+        d, v = nl.load(data), nl.load(vals)
+        top = nisa.max8(src=d)
+        idx = nisa.nc_find_index8(data=d, vals=v)
+        ridx = nl.ndarray((d.shape[0], 8), dtype=nl.uint32)
+        rep = nisa.nc_match_replace8(data=d, vals=v, imm=-1.0, dst_idx=ridx)
+        bounds = nisa.sequence_bounds(segment_ids=nl.load(seg))
+        sh = nl.ndarray(rows.shape, dtype=rows.dtype)
+        nisa.nc_stream_shuffle(src=nl.load(rows), dst=sh, shuffle_mask=[(i - 1) % 32 for i in range(32)])
+        return tuple(nl_out(t) for t in (top, idx, ridx, rep, bounds, sh))
+
+    def nl_out(t):
+        o = nl.ndarray(t.shape, dtype=t.dtype, buffer=nl.shared_hbm)
+        nl.store(o, value=t)
+        return o
+
+    data = torch.tensor([[1, 2, 3, 4, 8, 8, 8, 8, 8, 8, 8]], dtype=torch.float32).repeat(32, 1)
+    vals = torch.tensor([[3, 8, 8, 8, 8, 8, 8, 8]], dtype=torch.float32).repeat(32, 1)
+    seg = torch.tensor([[0, 1, 1, 2, 2, 2, 0, 3, 3]], dtype=torch.float32)
+    rows = torch.randn(64, 5)
+    top, idx, ridx, rep, bounds, sh = k(data, seg, vals, rows)
+    close(top, torch.tensor([[8.0] * 7 + [4.0]]).repeat(32, 1), 0)
+    assert idx[0].tolist() == [2, 4, 5, 6, 7, 8, 9, 10] and ridx[0].tolist() == [2, 10, 9, 8, 7, 6, 5, 4]
+    close(rep[0], torch.tensor([1, 2, -1, 4, -1, -1, -1, -1, -1, -1, -1.0]), 0)
+    assert bounds[0].tolist() == [[9, 1, 1, 3, 3, 3, 9, 7, 7], [-1, 3, 3, 6, 6, 6, -1, 9, 9]]
+    close(sh, rows[[g + (i - 1) % 32 for g in (0, 32) for i in range(32)]], 0)
+
+
+def test_local_gather_takes_each_cores_flattened_indices():
+    """Each GpSimd core's 16 partitions share the indices of its 16-partition slice of `index`, flattened
+    partition first; every partition reads num_elem_per_idx contiguous elements at each (ISA reference's NumPy)."""
+    @nki.jit
+    def k(src, index):
+        out = nl.ndarray((32, 6 * 2), dtype=src.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nisa.local_gather(nl.load(src), nl.load(index), 2, 6))
+        return out
+
+    src = torch.randn(32, 40)
+    index = (torch.randint(0, 19, (32, 3)) * 2).to(torch.uint16)
+    ref = torch.empty(32, 6, 2)
+    for c in range(2):
+        flat = index[16 * c:16 * c + 16].T.reshape(-1)[:6].long()
+        ref[16 * c:16 * c + 16] = src[16 * c:16 * c + 16][:, flat[:, None] + torch.arange(2)]
+    close(k(src, index), ref.reshape(32, 12), 0)
+
+
+def test_tensor_passed_by_keyword_on_neuron_runs_at_the_call_and_queued():
+    """AWS's kernels take tensors by name (flash_attn_bwd's sinks=): on `neuron` they go through the same host
+    views as positional ones, on the first (immediate) call and the later queued ones (this hung on the stream
+    before: the queued interpreter read the device tensor through device ops from the stream's own worker)."""
+    @nki.jit
+    def k(a, b=None):
+        out = nl.ndarray(a.shape, dtype=a.dtype, buffer=nl.shared_hbm)
+        nl.store(out, value=nl.add(nl.load(a), nl.load(b)))
+        return out
+
+    a, b = torch.randn(128, 8), torch.randn(128, 8)
+    for _ in range(2):
+        r = k(a.to("neuron"), b=b.to("neuron"))
+        assert r.device.type == "neuron"
+        close(r, a + b, 0)

@@ -15,8 +15,10 @@ import sys
 from typing import Any
 
 _LAZY = {
-    "jit": ("kernel", "jit"), "baremetal": ("kernel", "jit"), "simulate": ("kernel", "simulate"),
-    "Kernel": ("kernel", "Kernel"),
+    "jit": ("kernel", "jit"), "baremetal": ("kernel", "jit"), "trace": ("kernel", "jit"),
+    "simulate": ("kernel", "simulate"),
+    "Kernel": ("kernel", "Kernel"), "simulate_kernel": ("kernel", "simulate_kernel"),
+    "benchmark": ("kernel", "benchmark"), "profile": ("kernel", "profile"), "tensor": ("core", "NkiTensor"),
     "nki_op": ("torch_op", "nki_op"), "KernelProfile": ("cost", "KernelProfile"),
 }
 _SUBMODULES = ("language", "isa", "core", "cost", "kernel", "ops", "torch_op", "typing", "validation", "compiler")

@@ -35,3 +35,8 @@ class _Allocator:
 
 
 sbuf, psum = _Allocator(SBUF), _Allocator(PSUM)
+
+
+def multi_buffer(n: int) -> None:
+    """`directives=ncc.multi_buffer(n)` of a loop: how many buffers the compiler rotates; no effect here."""
+    return None

@@ -7,12 +7,14 @@ memory no instruction wrote is an error, as on hardware it would be garbage. Cap
 `hardware/chips.py`."""
 from __future__ import annotations
 
+import copy
 import linecache
 import math
 import os
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,27 @@ def check_dtype(dtype: torch.dtype, what: str) -> None:
                         "cast to float32/bfloat16 (int32 for integers) before the kernel")
 
 
+class HostCast(np.ndarray):
+    """A NumPy array standing for one of a dtype NumPy lacks here (bfloat16, float8; AWS's kernels' tests get
+    those from ml_dtypes): float32 values already rounded to `nki_dtype`, which results of NumPy arithmetic on it
+    keep, and which a kernel argument is converted back to."""
+
+    nki_dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, values: np.ndarray, dtype: torch.dtype) -> HostCast:
+        a = values.view(cls)
+        a.nki_dtype = dtype
+        return a
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.nki_dtype = getattr(obj, "nki_dtype", None)
+
+    def to_tensor(self) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(self.view(np.ndarray)))
+        return t.to(self.nki_dtype) if self.nki_dtype is not None else t
+
+
 # ----------------------------------------------------------------------------------------------- buffers
 @dataclass(frozen=True)
 class Buffer:
@@ -105,9 +128,11 @@ class ParDim:
 
 # ----------------------------------------------------------------------------------------------- errors
 class KernelFrame(threading.local):
-    """The kernel call running on this thread (kernels queued on a stream run on its worker thread)."""
+    """The kernel call running on this thread (kernels queued on a stream run on its worker thread), and the
+    `mask=` of the instruction being issued (a bool tensor broadcastable to its tiles; None: no mask)."""
 
     run: Run | None = None
+    mask: torch.Tensor | None = None
 
 
 CURRENT = KernelFrame()
@@ -159,6 +184,8 @@ class Run:
     generator: torch.Generator = field(default_factory=torch.Generator)
     shared: SharedHbm | None = None  # the launch's shared_hbm tensors (SPMD programs share them)
     act_regs: torch.Tensor | None = None  # the Scalar engine's 128 reduction registers
+    garbage_from: str = ""  # the first instruction that computed on uninitialised memory (for the error)
+    vec_regs: torch.Tensor | None = None  # the Vector engine's per-partition accumulator registers
 
     @property
     def sbuf_partition_bytes(self) -> int:
@@ -194,7 +221,7 @@ class Allocation:
     """The memory behind one `nl.ndarray`: a torch tensor; on-chip memory is charged to the run while alive."""
 
     __slots__ = ("base", "buffer", "init", "run", "charge", "psum_charge", "written", "matmul_result", "mm_read",
-                 "__weakref__")
+                 "mask", "__weakref__")
 
     def __init__(self, base: torch.Tensor, buffer: Buffer, run: Run | None, charge: int = 0, psum_charge: int = 0,
                  initialised: bool = False):
@@ -204,6 +231,7 @@ class Allocation:
         self.written = False  # by an instruction (the timeline tracks reads only of memory that is ever written)
         self.matmul_result = False  # a PSUM tile returned by the legacy nc_matmul form (`psum += ...`)
         self.mm_read = True  # read since the last matmul wrote it: the next matmul starts a new accumulation
+        self.mask: torch.Tensor | None = None  # the mask= of the legacy call that returned this tile
 
     def __del__(self) -> None:
         run = getattr(self, "run", None)  # unset if __init__ did not finish
@@ -287,8 +315,9 @@ class IndexExpr:
 
     __array_priority__ = 100
 
-    def __init__(self, values: torch.Tensor):
+    def __init__(self, values: torch.Tensor, predicate: bool = False):
         self.values = values
+        self.predicate = predicate  # a comparison (a mask), not indices
 
     def __getitem__(self, key: Any) -> IndexExpr:
         return IndexExpr(self.values[key])
@@ -304,14 +333,28 @@ class IndexExpr:
     def __rsub__(self, o): return IndexExpr(o - self.values)
 
     def _cmp(self, other: Any, fn: Any) -> IndexExpr:
-        return IndexExpr(fn(self.values, other.values if isinstance(other, IndexExpr) else other).long())
+        return IndexExpr(fn(self.values, other.values if isinstance(other, IndexExpr) else other).long(), True)
 
     def __ge__(self, o): return self._cmp(o, torch.ge)
     def __gt__(self, o): return self._cmp(o, torch.gt)
     def __le__(self, o): return self._cmp(o, torch.le)
     def __lt__(self, o): return self._cmp(o, torch.lt)
+    def __eq__(self, o): return self._cmp(o, torch.eq)  # type: ignore[override]
+    def __ne__(self, o): return self._cmp(o, torch.ne)  # type: ignore[override]
+    __hash__ = None  # type: ignore[assignment]
     def __floordiv__(self, o): return self._bin(o, torch.floor_divide)
     def __mod__(self, o): return self._bin(o, torch.remainder)
+    # predicates (comparisons give 0/1) combine into masks
+    def __and__(self, o): return self._cmp(o, lambda a, b: (a * b) != 0)
+    __rand__ = __and__
+    def __or__(self, o): return self._cmp(o, lambda a, b: (a + b) > 0)
+    __ror__ = __or__
+    def __invert__(self): return IndexExpr(1 - self.values, True)
+
+    def within(self, size: int) -> bool:
+        """Whether every index lies in [0, size)."""
+        v = self.values
+        return v.numel() == 0 or (int(v.min()) >= 0 and int(v.max()) < size)
 
     def is_affine(self) -> bool:
         """Whether the indices are one increasing run along a single axis (then a slice gives a view)."""
@@ -330,6 +373,23 @@ class IndexExpr:
         return slice(int(v[0]), int(v[-1]) + 1, step)
 
 
+def _reordered(key: tuple) -> bool:
+    """Whether nl.arange expressions place the tensor's axes in another order in the tile (`t[i_f, i_p]` with
+    i_p = arange[:, None], i_f = arange[None, :]: a transposed access, gathered element by element), or give the
+    tile more axes than they index (`t[i_p]` of a 1-D tensor is a [n, 1] tile): either way the tile's shape is the
+    expressions' broadcast shape."""
+    exprs = [k for k in key if isinstance(k, IndexExpr)]
+    if any(k.values.dim() > len(exprs) for k in exprs):
+        return True
+    order = []
+    for k in key:
+        if isinstance(k, IndexExpr):
+            axes = [i for i, n in enumerate(k.values.shape) if n > 1]
+            if len(axes) == 1:
+                order.append(axes[0])
+    return any(a >= b for a, b in zip(order, order[1:], strict=False))
+
+
 @dataclass(frozen=True)
 class DynSlice:
     """`nl.ds(start, size)`."""
@@ -342,10 +402,11 @@ class DynSlice:
 class NkiTensor:
     """A tensor or tile of an NKI kernel: a view of its allocation's torch tensor."""
 
-    __slots__ = ("alloc", "data", "dims", "fixed", "pdim")
+    __slots__ = ("alloc", "data", "dims", "fixed", "pdim", "pmask")
 
     def __init__(self, alloc: Allocation, data: torch.Tensor, dims: tuple, pdim: int, fixed: tuple = ()):
         self.alloc, self.data, self.dims, self.pdim, self.fixed = alloc, data, dims, pdim, fixed
+        self.pmask: torch.Tensor | None = None  # `tile[predicate]`: the instruction using it is masked
 
     # ---- metadata
     @property
@@ -396,6 +457,11 @@ class NkiTensor:
 
     # ---- indexing
     def __getitem__(self, key: Any) -> NkiTensor:
+        if isinstance(key, IndexExpr) and key.predicate:  # `tile[mask]`: the tile, its instruction masked
+            t = NkiTensor(self.alloc, self.data, self.dims, self.pdim, self.fixed) if type(self) is NkiTensor \
+                else copy.copy(self)
+            t.pmask = key.values.bool() if self.pmask is None else self.pmask & key.values.bool()
+            return t
         if not isinstance(key, tuple):
             key = (key,)
         if any(k is Ellipsis for k in key):
@@ -403,9 +469,11 @@ class NkiTensor:
             key = key[:i] + (slice(None),) * (self.ndim - len(key) + 1) + key[i + 1:]
         if len(key) > self.ndim:
             fail(IndexError, f"too many indices ({len(key)}) for a tensor of shape {self.shape}")
-        if any(isinstance(k, IndexExpr) and not k.is_affine() for k in key):
+        if any(isinstance(k, NkiTensor) or (isinstance(k, IndexExpr) and (not k.is_affine() or not k.within(n)))
+               for k, n in zip(key, self.shape, strict=False)) or _reordered(key):
             return GatherTile(self, key)
         key = key + (slice(None),) * (self.ndim - len(key))
+        key = self._keep_free_axis(key)
         torch_key, dims, fixed, pdim = [], [], list(self.fixed), self.pdim
         for axis, (k, size) in enumerate(zip(key, self.shape, strict=True)):
             dim = self.dims[axis] if self.dims is not None else None
@@ -447,15 +515,40 @@ class NkiTensor:
         data = self.data[tuple(torch_key)]
         return NkiTensor(self.alloc, data, tuple(dims) if self.dims is not None else None, pdim, tuple(fixed))
 
+    def _keep_free_axis(self, key: tuple) -> tuple:
+        """An on-chip tile keeps a free axis: when ints index every free axis (`t[:, i]`), the last one stays as
+        a size-1 axis ([P, 1], as NKI's tiles are), so the tile is still [partition, free]."""
+        free = range(self.pdim + 1, self.ndim)
+        if not self.buffer.on_chip or not free or not all(
+                isinstance(key[a], int) or (hasattr(key[a], "__index__") and not isinstance(key[a], slice))
+                for a in free):
+            return key
+        last = free[-1]
+        i = int(key[last])
+        j = i + self.shape[last] if i < 0 else i
+        return key[:last] + (slice(j, j + 1),) + key[last + 1:] if 0 <= j < self.shape[last] else key
+
     def __setitem__(self, key: Any, value: Any) -> None:
         dst = self[key]
-        if isinstance(value, NkiTensor):
-            if value.buffer.is_hbm or dst.buffer.is_hbm:
-                _issue("dma_copy")(dst=dst, src=value)
+        if isinstance(value, NkiTensor) and value.alloc is dst.alloc and value.box() == dst.box() \
+                and type(value) is type(dst) is NkiTensor and value.data.stride() == dst.data.stride():
+            return  # `t[i] += x`: Python stores the in-place result back into the place it was computed in
+        if isinstance(value, LoopReduce):  # nl.loop_reduce: dst = dst <op> x
+            outer = CURRENT.mask
+            CURRENT.mask = value.mask
+            try:
+                _issue("tensor_tensor")(dst=dst, data1=dst, data2=value.x, op=value.op)
+            finally:
+                CURRENT.mask = outer
+            return
+        with _value_mask(value):
+            if isinstance(value, NkiTensor):
+                if value.buffer.is_hbm or dst.buffer.is_hbm:
+                    _issue("dma_copy")(dst=dst, src=value)
+                else:
+                    _issue("tensor_copy")(dst=dst, src=value)
             else:
-                _issue("tensor_copy")(dst=dst, src=value)
-        else:
-            _issue("memset")(dst=dst, value=value)
+                _issue("memset")(dst=dst, value=value)
 
     def broadcast_to(self, shape: Any) -> NkiTensor:
         """A view repeating this tile's size-1 axes (e.g. one partition read by all 128: stride 0)."""
@@ -466,7 +559,8 @@ class NkiTensor:
             (d, start, step if size == n else 0, n) for (d, start, step, size), n in zip(self.dims, shape, strict=True))
         return NkiTensor(self.alloc, self.data.expand(shape), dims, self.pdim, self.fixed)
 
-    def reshape(self, *shape: Any) -> NkiTensor:
+    def reshape(self, *shape: Any, **kw: Any) -> NkiTensor:
+        shape = shape or (kw.pop("shape"),)  # t.reshape(shape=(...)), as kernels also write it
         if len(shape) == 1 and isinstance(shape[0], tuple | list):
             shape = tuple(shape[0])
         if not self.data.is_contiguous():
@@ -475,7 +569,26 @@ class NkiTensor:
             fail(ValueError, f"cannot reshape {self.shape} into {tuple(shape)}")
         return NkiTensor(self.alloc, self.data.view(*shape), None, 0 if self.buffer.is_hbm else self.pdim)
 
-    view = reshape
+    def view(self, *shape: Any, **kw: Any) -> NkiTensor:
+        """`t.view(dtype)`: the same bytes read as another dtype (the last axis scales by the size ratio);
+        `t.view(shape)`: a reshape."""
+        if len(shape) == 1 and not isinstance(shape[0], tuple | list | int):
+            return self._bitcast(to_dtype(shape[0]))
+        return self.reshape(*shape, **kw)
+
+    def _bitcast(self, dtype: torch.dtype) -> NkiTensor:
+        if self.data.stride()[-1] != 1:
+            fail(ValueError, f"view as {_dn(dtype)} needs a tile contiguous along its last axis")
+        data = self.data.view(dtype)
+        alloc = Allocation(data, self.buffer, None, initialised=True)
+        if self.alloc.init is not None:  # what was written, in units of the new dtype
+            flat = self.alloc.init.reshape(-1)[self.data.storage_offset():]
+            init = np.lib.stride_tricks.as_strided(flat, tuple(self.data.shape), tuple(self.data.stride()))
+            ratio = self.dtype.itemsize // dtype.itemsize
+            init = np.repeat(init, ratio, axis=-1) if ratio >= 1 else \
+                init.reshape(*init.shape[:-1], -1, dtype.itemsize // self.dtype.itemsize).all(-1)
+            alloc.init = np.ascontiguousarray(init)
+        return NkiTensor(alloc, data, tuple((d, 0, 1, n) for d, n in enumerate(data.shape)), self.pdim)
 
     # ---- operators (nl functions)
     def _op(self, name: str, other: Any, reverse: bool = False) -> NkiTensor:
@@ -496,33 +609,74 @@ class NkiTensor:
         """`psum += matmul(...)` accumulates (the Tensor engine's accumulate); elsewhere an in-place add."""
         if isinstance(other, NkiTensor) and self.buffer is PSUM and other.buffer is PSUM \
                 and getattr(other.alloc, "matmul_result", False):
-            _issue("accumulate_psum")(self, other)
+            with _value_mask(other):
+                _issue("accumulate_psum")(self, other)
         else:
             res = self + other
             _issue("tensor_copy")(dst=self, src=res)
         return self
 
 
+@dataclass(frozen=True)
+class LoopReduce:
+    """What `nl.loop_reduce(x, op, loop_indices)` returns: assigned to a tile, it combines x into it
+    (`dst = dst <op> x`), accumulating across the loop's iterations."""
+
+    x: NkiTensor
+    op: Any
+    mask: torch.Tensor | None
+
+
+@contextmanager
+def _value_mask(value: Any) -> Any:
+    """While a masked call's result is assigned to its destination, the same mask applies."""
+    m = value.alloc.mask if isinstance(value, NkiTensor) else None
+    outer = CURRENT.mask
+    if m is not None:
+        CURRENT.mask = m if outer is None else outer & m
+    try:
+        yield
+    finally:
+        CURRENT.mask = outer
+
+
 class GatherTile(NkiTensor):
     """A tile addressed by general nl.arange expressions (legacy indexing, e.g. `t[i_p, i_f2 * n + i_f1]`): its
-    elements are gathered from `src` when read and scattered back when written."""
+    elements are gathered from `src` when read and scattered back when written. Indices outside the tensor are
+    allowed here (`valid` marks the ones inside): the instruction that uses the tile must mask them off
+    (`mask=`), as AWS's compiler requires for a tile that runs past the end of a tensor."""
 
-    __slots__ = ("src", "idx")
+    __slots__ = ("src", "idx", "valid", "indirect")
 
     def __init__(self, src: NkiTensor, key: tuple):
-        idx = []
-        for axis, (k, size) in enumerate(zip(key, src.shape, strict=True)):
+        idx, valid, self.indirect = [], None, False
+        for k in key:
             if isinstance(k, IndexExpr):
-                v = k.values
+                idx.append(k.values)
+            elif isinstance(k, NkiTensor):  # indices computed by the kernel (an indirect DMA)
+                if k.buffer is not SBUF or k.dtype.is_floating_point:
+                    fail(TypeError, f"an index tile must be an integer SBUF tile, got {k!r}")
+                run = CURRENT.run
+                idx.append(k.data.long() if run is None or run.compute else torch.zeros(k.shape, dtype=torch.long))
+                self.indirect = True
             elif isinstance(k, int):
-                v = torch.tensor(k)
+                idx.append(torch.tensor(k))
             else:
                 fail(IndexError, "mix general nl.arange expressions only with other nl.arange expressions or ints")
-            if v.numel() and (int(v.min()) < 0 or int(v.max()) >= size):
-                fail(IndexError, f"index expression reaches {int(v.min())}..{int(v.max())}, out of bounds for axis "
-                                 f"{axis} of size {size} (tensor shape {src.shape}, {src.buffer!r})")
-            idx.append(v)
+        for axis, size in enumerate(src.shape):
+            if axis >= len(idx):
+                fail(IndexError, f"index every axis of the {src.shape} tensor when indexing with general nl.arange "
+                                 "expressions")
+            v = idx[axis]
+            inside = (v >= 0) & (v < size)
+            if not bool(inside.all()):
+                if isinstance(key[axis], int):
+                    fail(IndexError, f"index {key[axis]} is out of bounds for axis {axis} of size {size} "
+                                     f"(tensor shape {src.shape}, {src.buffer!r})")
+                idx[axis] = v.clamp(0, size - 1)
+                valid = inside if valid is None else valid & inside
         self.src, self.idx = src, tuple(torch.broadcast_tensors(*idx))
+        self.valid = None if valid is None else valid.expand(self.idx[0].shape)
         super().__init__(src.alloc, src.data[self.idx], None, 0)
 
     @property
@@ -533,24 +687,82 @@ class GatherTile(NkiTensor):
     def data(self, value: torch.Tensor) -> None:
         pass
 
-    def write(self, value: torch.Tensor) -> None:
-        self.src.data.index_put_(self.idx, value.reshape(self.idx[0].shape))
+    def selected(self, sel: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
+        """The source positions of the selected elements inside the tensor (None: all of them)."""
+        keep = self.valid if sel is None else (sel if self.valid is None else sel & self.valid)
+        return None if keep is None else tuple(i[keep] for i in self.idx)
+
+    def write(self, value: torch.Tensor, sel: torch.Tensor | None = None) -> None:
+        value = value.reshape(self.idx[0].shape)
+        keep = self.valid if sel is None else (sel if self.valid is None else sel & self.valid)
+        if keep is None:
+            self.src.data.index_put_(self.idx, value)
+        else:
+            self.src.data.index_put_(tuple(i[keep] for i in self.idx), value[keep])
 
 
-def refuse_masks(namespace: dict) -> None:
-    """Wrap the public functions of a module so that a legacy `mask=` argument raises instead of being ignored
-    (masks are not implemented: a kernel would compute outside its intended region)."""
+def mask_for(t: NkiTensor) -> torch.Tensor | None:
+    """The current instruction's `mask=` as a bool tensor of `t`'s shape (None: no mask). A mask over the
+    instruction's [P, F...] iteration space applies elementwise to a tile of that shape; to a tile of the same
+    partitions and another free size (a [P, 1] operand or reduction result) it applies per partition."""
+    m = CURRENT.mask
+    if m is None:
+        return None
+    shape = t.shape
+    if m.dim() == 0 or (m.dim() == len(shape) and all(a in (1, b) for a, b in zip(m.shape, shape, strict=True))):
+        return m.expand(shape)
+    p, free = (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+    if m.shape[0] not in (1, p):
+        return None  # a different iteration space (a matmul's stationary operand): the whole tile
+    m2 = m.reshape(m.shape[0], -1)
+    if m2.shape[1] not in (1, free):
+        m2 = m2.any(1, keepdim=True)
+    return m2.expand(p, free).reshape(shape)
+
+
+def masked_off() -> bool:
+    """Whether the instruction being issued is masked off entirely (`mask=False`): the compiler drops it."""
+    m = CURRENT.mask
+    return m is not None and not bool(m.any())
+
+
+def _mask_tensor(mask: Any) -> torch.Tensor:
+    if isinstance(mask, IndexExpr):
+        return mask.values.bool()
+    if isinstance(mask, NkiTensor):
+        fail(TypeError, "mask= is a compile-time predicate of nl.arange expressions (or a Python bool), not a "
+                        "tile: select on tile values with nl.where / nisa.select")
+    if isinstance(mask, bool | np.bool_ | int):
+        return torch.tensor(bool(mask))
+    fail(TypeError, f"mask= must be an nl.arange predicate or a bool, got {type(mask).__name__}")
+    raise AssertionError  # fail raised
+
+
+def accept_masks(namespace: dict) -> None:
+    """Wrap the public functions of a module to take the legacy `mask=` argument: while the function runs the
+    instructions it issues compute, read and write only the mask's elements (CURRENT.mask). A tile returned by a
+    masked call keeps its mask, so `dst[...] = instr(..., mask=m)` writes only those elements of dst (the compiler
+    makes dst the instruction's destination)."""
     import functools
     import types
 
     def wrap(fn: Any) -> Any:
         @functools.wraps(fn)
-        def checked(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("mask") is not None:
-                fail(NotImplementedError, f"{fn.__name__}: mask= is not implemented here: slice the tiles to the "
-                                          "region instead")
-            return fn(*args, **kwargs)
-        return checked
+        def masked(*args: Any, **kwargs: Any) -> Any:
+            mask = kwargs.pop("mask", None)
+            if mask is None:
+                return fn(*args, **kwargs)
+            outer = CURRENT.mask
+            m = _mask_tensor(mask)
+            CURRENT.mask = m if outer is None else outer & m
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                CURRENT.mask = outer
+            if isinstance(result, NkiTensor):
+                result.alloc.mask = m
+            return result
+        return masked
 
     for name, obj in list(namespace.items()):
         if isinstance(obj, types.FunctionType) and not name.startswith("_") and obj.__module__ == namespace["__name__"]:

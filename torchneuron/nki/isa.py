@@ -39,6 +39,7 @@ class reduce_cmd(enum.Enum):  # noqa: N801
     reset = 1
     reduce = 2
     reset_reduce = 3
+    load_reduce = 4
 
 
 class nc_version(enum.IntEnum):  # noqa: N801
@@ -101,6 +102,15 @@ def _check_access(eng: str, instr: str, reads: list, writes: list) -> None:
                              f"{', '.join(sorted(allowed))}")
         if eng != "dma" and t.buffer.on_chip:
             _check_tile(t, instr, role)
+        if isinstance(t, core.GatherTile) and t.indirect and eng != "dma":
+            fail(ValueError, f"{instr}: {role} is addressed by a tile of indices; only DMA reads and writes through "
+                             "computed indices (load it with nl.load / nisa.dma_copy first)")
+        if isinstance(t, core.GatherTile) and t.valid is not None:
+            m = core.mask_for(t)
+            outside = ~t.valid if m is None else ~t.valid & m
+            if bool(outside.any()):
+                fail(IndexError, f"{instr}: {role} reaches {int(outside.sum())} elements outside its {t.src.shape} "
+                                 f"tensor ({t.buffer.name}) that the instruction's mask= does not exclude")
 
 
 def _init_view(t: NkiTensor) -> np.ndarray | None:
@@ -113,35 +123,120 @@ def _init_view(t: NkiTensor) -> np.ndarray | None:
     return np.lib.stride_tricks.as_strided(flat, tuple(t.data.shape), tuple(t.data.stride()))
 
 
-def _check_initialised(instr: str, reads: list) -> None:
-    for role, t in reads:
+# Instructions whose outputs mix partitions: an uninitialised input element reaches every output element.
+_CROSS_PARTITION = ("nc_matmul", "nc_transpose", "dma_transpose", "tensor_partition_reduce")
+# The current instruction's outputs computed from uninitialised inputs: (write tile, its elements) for
+# _mark_written, which leaves them uninitialised.
+_POISONED: list[tuple[NkiTensor, torch.Tensor]] = []
+
+
+def _check_initialised(instr: str, reads: list, writes: list = ()) -> None:
+    """Reading memory no instruction wrote is what hardware allows (it reads whatever the memory held): the
+    outputs computed from it stay uninitialised (elementwise, per partition, or the whole output when the
+    instruction mixes partitions), and storing such elements to HBM warns and writes NaN there."""
+    _POISONED.clear()
+    for _, t in reads:
         v = _init_view(t)
-        if v is not None and not bool(v.all()):
-            fail(RuntimeError, f"{instr}: {role} reads {t.buffer.name} that no instruction wrote "
-                               f"({int((~v).sum())} of {v.size} elements uninitialised): on hardware this is "
-                               "whatever the memory held")
+        if v is not None:
+            m = core.mask_for(t)
+            if isinstance(t, core.GatherTile) and t.valid is not None:
+                m = t.valid if m is None else m & t.valid
+            bad = ~v if m is None else ~v & m.numpy()
+            if bool(bad.any()):
+                _poison(instr, t, torch.from_numpy(np.ascontiguousarray(bad)), writes)
         if t.buffer is PSUM:
             t.alloc.mm_read = True
 
 
+def _poison(instr: str, t: NkiTensor, bad: torch.Tensor, writes: list) -> None:
+    p = t.shape[0] if t.shape else 1
+    rows = bad.reshape(p, -1)
+    run = core.current_run()
+    if not run.garbage_from:
+        run.garbage_from = core.where().removeprefix(f"NKI kernel {run.kernel_name!r}, ")
+    for _, w in writes:
+        shape = w.shape or (1,)
+        free = math.prod(shape[1:])
+        if instr.split("(")[0] in _CROSS_PARTITION or shape[0] != p:
+            e = torch.ones(shape, dtype=torch.bool)  # mixed across partitions: every output element
+        else:
+            e = (rows if rows.shape[1] == free else rows.any(1, keepdim=True).expand(p, free)).reshape(shape)
+        _POISONED.append((w, e))
+
+
+def _garbage_to_hbm(t: NkiTensor, bad: torch.Tensor) -> None:
+    """Elements computed from uninitialised memory stored to HBM: NaN there (the hardware stores whatever the
+    memory held), and a warning naming the store and where the garbage was first computed on."""
+    import warnings
+
+    run = core.current_run()
+    if run.compute and t.dtype.is_floating_point:
+        if isinstance(t, core.GatherTile):
+            idx = t.selected(bad)
+            t.src.data[tuple(i for i in (t.idx if idx is None else idx))] = float("nan")
+        else:
+            t.data[bad] = float("nan")
+    warnings.warn(f"{core.where()}: {int(bad.sum())} of {bad.numel()} elements stored to HBM were computed from "
+                  f"uninitialised memory (since {run.garbage_from}); on hardware they are whatever the memory held, "
+                  "here NaN", RuntimeWarning, stacklevel=2)
+
+
 def _mark_written(writes: list) -> None:
     for _, t in writes:
-        if isinstance(t, core.GatherTile) and t.alloc.init is not None:
-            _init_view(t.src)[tuple(i.numpy() for i in t.idx)] = True
+        m = core.mask_for(t)
+        if isinstance(t, core.GatherTile):
+            if t.alloc.init is not None:
+                init = _init_view(t.src)
+                idx = t.selected(m)
+                init[tuple(i.numpy() for i in (t.idx if idx is None else idx))] = True
+                for w, bad in _POISONED:
+                    if w is t:
+                        idx = t.selected(bad if m is None else bad & m)
+                        init[tuple(i.numpy() for i in (t.idx if idx is None else idx))] = False
+            else:
+                for w, bad in _POISONED:
+                    if w is t and bool((bad := bad if m is None else bad & m).any()):
+                        _garbage_to_hbm(t, bad)
             continue
         v = _init_view(t)
+        for w, bad in _POISONED:
+            if w is t:
+                bad = bad if m is None else bad & m
+                if v is None and bool(bad.any()):
+                    _garbage_to_hbm(t, bad)
         if v is not None:
-            v[...] = True
+            v[... if m is None else m.numpy()] = True
+            for w, bad in _POISONED:
+                if w is t:
+                    v[(bad if m is None else bad & m).numpy()] = False
         if t.buffer is PSUM:
             t.alloc.mm_read = False
+    _POISONED.clear()
+    if _OUTER_MASK:
+        core.CURRENT.mask = _OUTER_MASK.pop()
+
+
+# CURRENT.mask before operand masks (`tile[predicate]`) of the instruction being issued took effect; restored
+# by _mark_written, the last step of every instruction.
+_OUTER_MASK: list[torch.Tensor | None] = []
+
+
+def _operand_masks(tiles: list, extra: list = ()) -> None:
+    masks = [t.pmask for t in tiles if isinstance(t, NkiTensor) and t.pmask is not None] + list(extra)
+    if masks:
+        _OUTER_MASK.append(core.CURRENT.mask)
+        for m in masks:
+            core.CURRENT.mask = m if core.CURRENT.mask is None else core.CURRENT.mask & m
 
 
 def _issue(instr: str, eng: str, cycles: float, reads: list, writes: list, flops: int = 0) -> core.Run:
     run = core.current_run()
+    _operand_masks([t for _, t in reads + writes])
     _check_access(eng, instr, reads, writes)
-    _check_initialised(instr, reads)
-    line = core._user_frame()[1]
-    run.timeline.compute(instr, eng, cycles, [t for _, t in reads], [t for _, t in writes], line, flops)
+    _check_initialised(instr, reads, writes)
+    if not core.masked_off():  # mask=False: the compiler drops the instruction
+        line = core._user_frame()[1]
+        run.timeline.compute(instr, eng, cycles, [t for _, t in reads], [t for _, t in writes], line, flops)
     return run
 
 
@@ -150,6 +245,8 @@ def value(t: Any) -> torch.Tensor:
     """An operand as the engines see it: float32 (integers stay integers for bit operations)."""
     if isinstance(t, NkiTensor):
         d = t.data
+        if d.dtype in (torch.uint16, torch.uint32):  # torch computes little on these: widen (values unchanged)
+            return d.long()
         return d if not d.is_floating_point() and d.dtype != torch.bool else d.float()
     return torch.tensor(t, dtype=torch.float32)
 
@@ -196,10 +293,13 @@ def _store(run: core.Run, dst: NkiTensor, v: torch.Tensor) -> None:
         return
     v = v.reshape(dst.shape) if v.numel() == dst.data.numel() else v.expand(dst.shape)
     v = round_to(v, dst.dtype, run.stochastic_rounding, run.generator)
+    m = core.mask_for(dst)
     if isinstance(dst, core.GatherTile):
-        dst.write(v)
-    else:
+        dst.write(v, m)
+    elif m is None:
         dst.data.copy_(v)
+    else:  # only the mask's elements are written
+        dst.data.copy_(torch.where(m, v, dst.data))
 
 
 def _new(shape: tuple, dtype: Any, buffer: Any = SBUF) -> NkiTensor:
@@ -211,9 +311,25 @@ def _tiles(args: tuple) -> int:
 
 
 # --------------------------------------------------------------------------------------------- TensorE
+class matmul_perf_mode(enum.Enum):  # noqa: N801 (AWS's name)
+    none = "none"
+    double_row = "double_row"
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _double_row(perf_mode: Any) -> bool:
+    """Whether perf_mode asks for the FP8 double-row mode (`matmul_perf_mode.double_row`, or the earlier string
+    names `"double_row"`, `"double_row_gen3"`)."""
+    name = perf_mode.value if isinstance(perf_mode, matmul_perf_mode) else str(perf_mode or "none")
+    return name.startswith("double_row")
+
+
 def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | None = None,
               moving: NkiTensor | None = None, is_stationary_onezero: bool = False, is_moving_onezero: bool = False,
-              is_transpose: bool = False, accumulate: bool | None = None, **_: Any) -> NkiTensor | None:
+              is_transpose: bool = False, accumulate: bool | None = None, perf_mode: Any = None,
+              **_: Any) -> NkiTensor | None:
     """dst[M, N] (PSUM, float32) = stationary[K, M].T @ moving[K, N] on the Tensor engine; K <= 128 partitions,
     M <= 128, N <= 512 (one PSUM bank). Into an initialised PSUM tile not read since the last matmul the product
     accumulates (accumulate=None), as consecutive matmuls into one bank do."""
@@ -232,8 +348,21 @@ def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | 
         if t.dtype not in MATMUL_DTYPES:
             fail(TypeError, f"nc_matmul: {role} has dtype {t.dtype}; the Tensor engine multiplies float8/bfloat16/"
                             "float16/float32")
-    k, m = stationary.shape[0], stationary.free_size
-    k2, n = moving.shape[0], moving.free_size
+    if legacy:  # the compiler moves a PSUM operand (an earlier nc_transpose's result) to SBUF first
+        stationary, moving = _to_sbuf(stationary), _to_sbuf(moving)
+    double = _double_row(perf_mode)
+    if double:  # FP8 double-row mode: [K, 2, M] x [K, 2, N], the two rows of each pair contracted together
+        if core.current_run().chip.core_version == "NeuronCore-v2":
+            fail(ValueError, "nc_matmul: perf_mode double_row needs NeuronCore-v3 or newer (trn2, trn3); "
+                             "NeuronCore-v2 has no performance modes")
+        for role, t in (("stationary", stationary), ("moving", moving)):
+            if t.dtype not in _FP8:
+                fail(TypeError, f"nc_matmul: perf_mode double_row multiplies fp8 pairs; {role} is {t.dtype}")
+            if t.ndim != 3 or t.shape[1] != 2:
+                fail(ValueError, f"nc_matmul: perf_mode double_row takes [K, 2, free] operands; {role} is "
+                                 f"{t.shape}")
+    k, m = stationary.shape[0], stationary.free_size // (2 if double else 1)
+    k2, n = moving.shape[0], moving.free_size // (2 if double else 1)
     if k != k2:
         fail(ValueError, f"nc_matmul: stationary and moving must share the partition (contraction) size, got "
                          f"{k} and {k2}")
@@ -253,9 +382,14 @@ def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | 
                                                       and not dst.alloc.mm_read)
     reads = [("stationary", stationary), ("moving", moving)] + ([("dst", dst)] if acc and accumulate else [])
     fp32 = torch.float32 in (stationary.dtype, moving.dtype) and not (is_stationary_onezero or is_moving_onezero)
-    _issue("nc_matmul", "tensor", matmul_cycles(run.chip, n, fp32), reads, [("dst", dst)], flops=2 * k * m * n)
+    _issue("nc_matmul", "tensor", matmul_cycles(run.chip, n, fp32), reads, [("dst", dst)],
+           flops=2 * k * m * n * (2 if double else 1))  # double_row: twice the work in the same cycles
     if run.compute:
-        prod = _rows(stationary).T @ _rows(moving)
+        if double:  # contract K and the row pair: [2K, M].T @ [2K, N]
+            prod = value(stationary).permute(1, 0, 2).reshape(2 * k, m).T @ \
+                value(moving).permute(1, 0, 2).reshape(2 * k, n)
+        else:
+            prod = _rows(stationary).T @ _rows(moving)
         if is_transpose:
             prod = _rows(stationary).T
         if acc:
@@ -263,6 +397,16 @@ def nc_matmul(*args: Any, dst: NkiTensor | None = None, stationary: NkiTensor | 
         _store(run, dst, prod)
     _mark_written([("dst", dst)])
     return dst if legacy else None
+
+
+def _to_sbuf(t: NkiTensor) -> NkiTensor:
+    """A PSUM tile copied to SBUF on the Vector engine (what the compiler inserts before an engine that cannot
+    read PSUM, in the earlier API where it places the tiles); other tiles as they are."""
+    if t.buffer is not PSUM:
+        return t
+    out = _new(t.shape, t.dtype)
+    tensor_copy(dst=out, src=t)
+    return out
 
 
 def accumulate_psum(dst: NkiTensor, src: NkiTensor) -> None:
@@ -322,7 +466,7 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
                reduce_cmd: reduce_cmd = reduce_cmd.idle, dtype: Any = None, **_: Any) -> NkiTensor | None:
     """dst = op(data * scale + bias) on the Scalar engine; scale a scalar or a [P, 1] tile, bias a [P, 1] tile.
     With reduce_res (reduce_op nl.add) the free-axis sum of the result is also written ([P, 1])."""
-    legacy = dst is None and (not args or isinstance(args[0], Op))
+    legacy = dst is None and (not args or isinstance(as_op(args[0]), Op))
     if legacy:
         op, data = (list(args) + [op, data])[:2] if len(args) >= 2 else (args[0] if args else op, data)
     else:
@@ -340,7 +484,7 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
                          "sizes")
     reads = [("data", data)] + [(r, t) for r, t in (("bias", bias), ("scale", scale)) if isinstance(t, NkiTensor)]
     writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
-    if reduce_op is not None and getattr(reduce_op, "name", None) not in ("add", "sum"):
+    if reduce_op is not None and getattr(as_op(reduce_op), "name", None) not in ("add", "sum"):
         fail(ValueError, "activation: the Scalar engine's reduction registers only sum (reduce_op=nl.add)")
     cycles = engine_cycles(run.chip, "scalar", data.free_size, data.dtype.itemsize)
     cycles += run.chip.mm_min_cycles if reduce_res is not None else 0
@@ -359,7 +503,9 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
             if regs is None or cmd in (type(cmd).reset, type(cmd).reset_reduce):
                 regs = torch.zeros(p, 1)
             if cmd != type(cmd).reset:
-                regs = regs + value(dst).reshape(p, -1).sum(1, keepdim=True)
+                y, m = value(dst), core.mask_for(dst)
+                y = y if m is None else torch.where(m, y, torch.tensor(0.0))
+                regs = regs + y.reshape(p, -1).sum(1, keepdim=True)
             run.act_regs = regs
             if reduce_res is not None:
                 _store(run, reduce_res, regs)
@@ -378,9 +524,21 @@ def activation_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, 
 # --------------------------------------------------------------------------------------------- Vector engine
 def _arith(op: Any, instr: str) -> Op:
     op = as_op(op)
+    if isinstance(op, Op) and op.name == "abs":  # the ALU's abs: |data|, the operand (0.0 by convention) unused
+        return _ABS
     if not isinstance(op, Op) or op.kind == "act":
         fail(ValueError, f"{instr}: op must be a binary operator (nl.add, nl.multiply, nl.maximum, ...), got {op!r}")
     return op
+
+
+_ABS = Op("abs", "arith", lambda a, b: a.abs())
+
+
+def reset() -> None:
+    """Forget the operand-mask state a failed instruction may have left (a new kernel call starts clean)."""
+    _OUTER_MASK.clear()
+    _POISONED.clear()
+    core.CURRENT.mask = None
 
 
 def _same_shape(dst: NkiTensor, data: NkiTensor, instr: str) -> None:
@@ -402,6 +560,11 @@ def tensor_tensor(*args: Any, dst: NkiTensor | None = None, data1: NkiTensor | N
     op = _arith(op, "tensor_tensor")
     run = core.current_run()
     eng = _engine_name(engine, "gpsimd" if op.name == "power" else "vector")
+    if legacy and data1.shape != data2.shape and data1.ndim == data2.ndim and all(
+            a == b or 1 in (a, b) for a, b in zip(data1.shape, data2.shape, strict=True)):
+        # the earlier form broadcasts size-1 axes (a stride-0 access pattern), as NumPy does
+        common = tuple(max(a, b) for a, b in zip(data1.shape, data2.shape, strict=True))
+        data1, data2 = data1.broadcast_to(common), data2.broadcast_to(common)
     if legacy:
         dst = _new(data1.shape, dtype or _wider(data1.dtype, data2.dtype))
     if data1.buffer is PSUM and data2.buffer is PSUM:
@@ -493,11 +656,16 @@ def scalar_tensor_tensor(*args: Any, dst: NkiTensor | None = None, data: NkiTens
     return dst if legacy else None
 
 
+# what a masked-off element contributes to a reduction
+_IDENTITY = {"add": 0.0, "sum": 0.0, "mean": 0.0, "multiply": 1.0, "prod": 1.0, "max": -math.inf,
+             "maximum": -math.inf, "min": math.inf, "minimum": math.inf}
+
+
 def tensor_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: NkiTensor | None = None,
                   axis: Any = None, negate: bool = False, keepdims: bool = False, dtype: Any = None,
                   **_: Any) -> NkiTensor | None:
     """dst = op-reduction of data over free axes (never the partition axis 0) on the Vector engine."""
-    legacy = dst is None and (not args or isinstance(args[0], Op))
+    legacy = dst is None and (not args or isinstance(as_op(args[0]), Op))
     names = ["op", "data", "axis", "negate", "keepdims"] if legacy else ["dst", "op", "data", "axis", "negate",
                                                                           "keepdims"]
     given = dict(zip(names, args, strict=False))
@@ -520,7 +688,10 @@ def tensor_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, data
     cycles = engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize)
     _issue(f"tensor_reduce({op.name})", "vector", cycles, [("data", data)], [("dst", dst)])
     if run.compute:
-        r = op.reduce(value(data), axes)
+        x, m = value(data), core.mask_for(data)
+        if m is not None:  # masked-off elements do not take part
+            x = torch.where(m, x, torch.tensor(_IDENTITY.get(op.name, 0.0)))
+        r = op.reduce(x, axes)
         _store(run, dst, -r if negate else r)
     _mark_written([("dst", dst)])
     return dst if legacy else None
@@ -614,7 +785,7 @@ def iota(*args: Any, dst: NkiTensor | None = None, pattern: Any = None, offset: 
         expr = args[0]
         dt = args[1] if len(args) > 1 else dtype
         v = expr.values
-        v = v.reshape(v.shape[0], -1) if v.dim() > 1 else v.reshape(1, -1)
+        v = v if v.dim() > 1 else v.reshape(1, -1)  # the expression's shape (a row for a 1-D arange)
         dst = _new(tuple(v.shape), dt)
         run = core.current_run()
         _issue("iota", "gpsimd", engine_cycles(run.chip, "gpsimd", dst.free_size, 4), [], [("dst", dst)])
@@ -660,7 +831,11 @@ def affine_select(*args: Any, dst: NkiTensor | None = None, pattern: Any = None,
                       torch.tensor(0.0)).bool()
         legacy = False
     _same_shape(dst, on_true_tile, "affine_select")
-    _issue("affine_select", "gpsimd", engine_cycles(run.chip, "gpsimd", dst.free_size, dst.dtype.itemsize),
+    # GpSimd cannot reach PSUM. In the earlier form the compiler picks the engine and moves the instruction to
+    # the Vector engine when an operand is in PSUM (AWS's reference flash attention selects on a PSUM tile this
+    # way); the current form names its tiles and is refused.
+    eng = "vector" if legacy and PSUM in (on_true_tile.buffer, dst.buffer) else "gpsimd"
+    _issue("affine_select", eng, engine_cycles(run.chip, eng, dst.free_size, dst.dtype.itemsize),
            [("on_true_tile", on_true_tile)], [("dst", dst)])
     if run.compute:
         _store(run, dst, torch.where(mask, _rows(on_true_tile), torch.tensor(float(on_false_value))))
@@ -696,17 +871,453 @@ def select(*args: Any, dst: NkiTensor | None = None, predicate: NkiTensor | None
     return dst if legacy else None
 
 
-# --------------------------------------------------------------------------------------------- DMA
-def dma_copy(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None, dst_rmw_op: Any = None,
-             **_: Any) -> None:
-    """dst = src (or dst <dst_rmw_op> src) by a DMA engine: HBM <-> SBUF, HBM <-> HBM, SBUF <-> SBUF; never PSUM.
-    The element counts must match; a dtype change is cast as the DMA's data path does."""
-    dst, src = (list(args) + [dst, src])[:2] if len(args) >= 2 else (args[0] if args else dst, src)
-    _dma("dma_copy", dst, src, dst_rmw_op)
-
-
-def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, transpose: bool = False) -> None:
+def nc_stream_shuffle(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None,
+                      shuffle_mask: Any = None, **_: Any) -> None:
+    """Move whole partitions within each group of 32 (Vector engine): dst partition g*32+i takes src partition
+    g*32+shuffle_mask[i] (a 32-entry list; 255 leaves dst's partition alone). In place is allowed."""
+    g = _given(args, ["dst", "src", "shuffle_mask"], dst=dst, src=src, shuffle_mask=shuffle_mask)
+    dst, src, mask = g["dst"], g["src"], list(g["shuffle_mask"])
+    if len(mask) != 32:
+        fail(ValueError, f"nc_stream_shuffle: shuffle_mask has 32 entries, got {len(mask)}")
+    if dst.dtype != src.dtype or dst.free_size != src.free_size:
+        fail(ValueError, f"nc_stream_shuffle: dst {dst.shape} {dst.dtype} and src {src.shape} {src.dtype} must "
+                         "share the dtype and the elements per partition")
     run = core.current_run()
+    _issue("nc_stream_shuffle", "vector", engine_cycles(run.chip, "vector", src.free_size, src.dtype.itemsize),
+           [("src", src)] + ([("dst", dst)] if 255 in mask else []), [("dst", dst)])
+    if run.compute:
+        x = _rows(src).clone()
+        out = _rows(dst).clone() if 255 in mask else torch.empty(dst.shape[0], dst.free_size)
+        for row in range(dst.shape[0]):
+            k = int(mask[row % 32])
+            if k != 255:
+                r = row - row % 32 + k
+                out[row] = x[r if r < x.shape[0] else k]
+        _store(run, dst, out)
+    _mark_written([("dst", dst)])
+
+
+def local_gather(*args: Any, dst: NkiTensor | None = None, src_buffer: NkiTensor | None = None,
+                 index: NkiTensor | None = None, num_elem_per_idx: int = 1, num_valid_indices: int | None = None,
+                 **_: Any) -> NkiTensor | None:
+    """Gather within each GpSimd core's 16 partitions: the core flattens its 16 partitions of `index` (partition
+    first), keeps num_valid_indices of them, and every partition p of the group takes, for each index i,
+    src_buffer[p] flattened, elements i .. i + num_elem_per_idx - 1. index is uint16; partitions a multiple of 16."""
+    legacy = dst is None and (len(args) < 3 or not isinstance(args[2], NkiTensor))
+    g = _given(args, ["src_buffer", "index", "num_elem_per_idx", "num_valid_indices"] if legacy else
+               ["dst", "src_buffer", "index", "num_elem_per_idx", "num_valid_indices"],
+               dst=dst, src_buffer=src_buffer, index=index)
+    dst, src, index = g.get("dst"), g["src_buffer"], g["index"]
+    per, valid = int(g.get("num_elem_per_idx", num_elem_per_idx)), g.get("num_valid_indices", num_valid_indices)
+    p = src.shape[0]
+    if index.shape[0] != p or p % 16:
+        fail(ValueError, f"local_gather: src_buffer and index need the same partition count, a multiple of 16; got "
+                         f"{p} and {index.shape[0]}")
+    if index.dtype != torch.uint16:
+        fail(TypeError, f"local_gather: index must be uint16, got {index.dtype}")
+    if per not in (1, 2, 4, 8, 16, 32):
+        fail(ValueError, f"local_gather: num_elem_per_idx must be 1, 2, 4, 8, 16 or 32, got {per}")
+    n = int(valid) if valid else 16 * index.free_size
+    if n > min(4096, 16 * index.free_size):
+        fail(ValueError, f"local_gather: {n} indices per core; at most {min(4096, 16 * index.free_size)}")
+    run = core.current_run()
+    if legacy:
+        dst = _new((p, n * per), src.dtype)
+    if dst.shape[0] != p or dst.free_size != n * per:
+        fail(ValueError, f"local_gather: dst must hold [{p}, {n * per}] elements, got {dst.shape}")
+    _issue("local_gather", "gpsimd", engine_cycles(run.chip, "gpsimd", n * per, src.dtype.itemsize),
+           [("src_buffer", src), ("index", index)], [("dst", dst)])
+    if run.compute:
+        x, ix = _rows(src), _rows(index).long()
+        out = torch.empty(p, n * per, dtype=x.dtype)
+        for c in range(p // 16):
+            rows = slice(16 * c, 16 * c + 16)
+            flat = ix[rows].T.reshape(-1)[:n]  # partition first
+            cols = (flat[:, None] + torch.arange(per)).reshape(-1)
+            if int(cols.max()) >= x.shape[1]:
+                fail(IndexError, f"local_gather: index {int(flat.max())} reads past the {x.shape[1]} elements of "
+                                 "a partition")
+            out[rows] = x[rows][:, cols]
+        _store(run, dst, out)
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def rand(shape: Any, dtype: Any = torch.float32, **_: Any) -> NkiTensor:
+    """`nl.rand(shape)`: a new SBUF tile of uniform [0, 1) draws (GpSimd engine) from the run's generator (seeded
+    by nl.random_seed), not the hardware's random number generator."""
+    run = core.current_run()
+    dst = _new(tuple(shape), dtype)
+    _issue("rand", "gpsimd", engine_cycles(run.chip, "gpsimd", dst.free_size, 4), [], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, torch.rand(dst.shape, generator=run.generator))
+    _mark_written([("dst", dst)])
+    return dst
+
+
+def dropout(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None, prob: Any = None,
+            dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst = data with each element replaced by 0 with probability prob (a scalar or a [P, 1] tile); the kept
+    ones are not rescaled. Vector engine; the draws come from the run's generator (`nl.random_seed`), not the
+    hardware's random number generator."""
+    legacy = dst is None and _tiles(args) < 2
+    names = ["data", "prob"] if legacy else ["dst", "data", "prob"]
+    given = dict(zip(names, args, strict=False))
+    dst, data, prob = given.get("dst", dst), given.get("data", data), given.get("prob", prob)
+    run = core.current_run()
+    if legacy:
+        dst = _new(data.shape, dtype or data.dtype)
+    _same_shape(dst, data, "dropout")
+    reads = [("data", data)] + ([("prob", prob)] if isinstance(prob, NkiTensor) else [])
+    _issue("dropout", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize), reads,
+           [("dst", dst)])
+    if run.compute:
+        x = _rows(data)
+        p = _vector(prob, x.shape[0], "dropout", "prob")
+        keep = torch.rand(x.shape, generator=run.generator) >= p
+        _store(run, dst, torch.where(keep, x, torch.tensor(0.0)))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+# ------------------------------------------------------------------ Vector engine: accumulators, selection, top-8
+def _given(args: tuple, names: list, **kw: Any) -> dict:
+    """Positional arguments by AWS's parameter order, then the keywords given."""
+    out = dict(zip(names, args, strict=False))
+    out.update({k: v for k, v in kw.items() if v is not None or k not in out})
+    return out
+
+
+def _accumulate(run: core.Run, cmd: Any, op: Op, x: torch.Tensor, init: Any = None) -> torch.Tensor:
+    """The Vector engine's accumulator registers after reducing x ([P, F]) along the free axis with `op`:
+    reset (to op's identity), keep (reduce) or load `init` (load_reduce) first, per reduce_cmd."""
+    p = x.shape[0]
+    ident = torch.full((p, 1), _IDENTITY.get(op.name, 0.0))
+    regs = run.vec_regs if run.vec_regs is not None and run.vec_regs.shape[0] == p else ident
+    if cmd in (reduce_cmd.reset, reduce_cmd.reset_reduce):
+        regs = ident
+    elif cmd == reduce_cmd.load_reduce:
+        regs = _vector(init, p, "accumulate", "imm1")
+        regs = regs if isinstance(regs, torch.Tensor) else torch.full((p, 1), float(regs))
+    if cmd != reduce_cmd.reset:
+        regs = op.fn(regs, op.reduce(x, (1,)).reshape(p, 1)) if op.reduce is not None else regs
+    run.vec_regs = regs
+    return regs
+
+
+def tensor_copy_predicated(*args: Any, dst: NkiTensor | None = None, src: Any = None,
+                           predicate: NkiTensor | None = None, reverse_pred: bool = False,
+                           **_: Any) -> None:
+    """dst = src where predicate (!= 0) else dst unchanged (Vector engine); src a tile or a scalar; src and
+    predicate not both in PSUM."""
+    g = _given(args, ["dst", "src", "predicate", "reverse_pred"], dst=dst, src=src, predicate=predicate)
+    dst, src, predicate, reverse_pred = g["dst"], g["src"], g["predicate"], g.get("reverse_pred", reverse_pred)
+    run = core.current_run()
+    _same_shape(dst, predicate, "tensor_copy_predicated")
+    if isinstance(src, NkiTensor):
+        _same_shape(dst, src, "tensor_copy_predicated")
+        if src.buffer is PSUM and predicate.buffer is PSUM:
+            fail(ValueError, "tensor_copy_predicated: src and predicate cannot both be in PSUM")
+    reads = [("predicate", predicate), ("dst", dst)] + ([("src", src)] if isinstance(src, NkiTensor) else [])
+    _issue("tensor_copy_predicated", "vector", engine_cycles(run.chip, "vector", dst.free_size,
+                                                             dst.dtype.itemsize, inputs=2), reads, [("dst", dst)])
+    if run.compute:
+        take = (_rows(predicate) != 0) ^ bool(reverse_pred)
+        v = _rows(src) if isinstance(src, NkiTensor) else torch.tensor(float(src))
+        _store(run, dst, torch.where(take, v, _rows(dst)))
+    _mark_written([("dst", dst)])
+
+
+def tensor_scalar_cumulative(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None,
+                             op0: Any = None, op1: Any = None, imm0: Any = None, imm1: Any = None,
+                             reduce_cmd: Any = reduce_cmd.reset_reduce, reverse0: bool = False,
+                             **_: Any) -> NkiTensor | None:
+    """A running reduction along the free axis (Vector engine): reg = op1(op0(src[i], imm0), reg), dst[i] = reg;
+    reg starts at op1's identity (reset_reduce), imm1 (load_reduce) or where the last accumulation left it
+    (reduce)."""
+    g = _given(args, ["dst", "src", "op0", "op1", "imm0", "imm1", "reduce_cmd"], dst=dst, src=src, op0=op0,
+               op1=op1, imm0=imm0, imm1=imm1)
+    dst, src, imm0, imm1 = g.get("dst"), g["src"], g.get("imm0"), g.get("imm1")
+    op0, op1 = _arith(g["op0"], "tensor_scalar_cumulative"), _arith(g["op1"], "tensor_scalar_cumulative")
+    cmd = g.get("reduce_cmd", reduce_cmd)
+    if op1.name not in ("add", "subtract", "multiply", "maximum", "minimum", "max", "min"):
+        fail(ValueError, f"tensor_scalar_cumulative: op1 must be add, subtract, multiply, max or min, got {op1!r}")
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new(src.shape, src.dtype)
+    _same_shape(dst, src, "tensor_scalar_cumulative")
+    reads = [("src", src)] + [(r, t) for r, t in (("imm0", imm0), ("imm1", imm1)) if isinstance(t, NkiTensor)]
+    _issue("tensor_scalar_cumulative", "vector",
+           engine_cycles(run.chip, "vector", src.free_size, src.dtype.itemsize), reads, [("dst", dst)])
+    if run.compute:
+        x = _rows(src)
+        p = x.shape[0]
+        y = _binary(op0, x, _vector(imm0, p, "tensor_scalar_cumulative", "imm0"), reverse0)
+        ident = torch.full((p, 1), _IDENTITY.get(op1.name, 0.0))
+        reg = ident if run.vec_regs is None or run.vec_regs.shape[0] != p else run.vec_regs
+        if cmd == type(cmd).reset_reduce or cmd == type(cmd).reset:
+            reg = ident
+        elif cmd == type(cmd).load_reduce:
+            v = _vector(imm1, p, "tensor_scalar_cumulative", "imm1")
+            reg = v if isinstance(v, torch.Tensor) else torch.full((p, 1), float(v))
+        cols = []
+        for i in range(y.shape[1]):
+            reg = op1.fn(y[:, i:i + 1], reg)
+            cols.append(reg)
+        run.vec_regs = reg
+        _store(run, dst, torch.cat(cols, 1))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def select_reduce(*args: Any, dst: NkiTensor | None = None, predicate: NkiTensor | None = None,
+                  on_true: NkiTensor | None = None, on_false: Any = None, reduce_res: NkiTensor | None = None,
+                  reduce_cmd: Any = reduce_cmd.idle, reduce_op: Any = None, reverse_pred: bool = False,
+                  **_: Any) -> NkiTensor | None:
+    """dst = on_true where predicate else on_false (a scalar or [P, 1]), and optionally the running max of dst
+    per partition into reduce_res (Vector engine)."""
+    g = _given(args, ["dst", "predicate", "on_true", "on_false", "reduce_res", "reduce_cmd", "reduce_op",
+                      "reverse_pred"], dst=dst, predicate=predicate, on_true=on_true, on_false=on_false,
+               reduce_res=reduce_res)
+    dst, predicate, on_true, on_false, reduce_res = (g.get(k) for k in ("dst", "predicate", "on_true", "on_false",
+                                                                         "reduce_res"))
+    cmd, reverse_pred = g.get("reduce_cmd", reduce_cmd), g.get("reverse_pred", reverse_pred)
+    op = as_op(g.get("reduce_op", reduce_op) or OPS["maximum"])
+    if op.name not in ("maximum", "max"):
+        fail(ValueError, f"select_reduce: reduce_op supports only nl.maximum, got {op!r}")
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new(on_true.shape, on_true.dtype)
+    _same_shape(dst, on_true, "select_reduce")
+    _same_shape(dst, predicate, "select_reduce")
+    if on_true.buffer is PSUM and predicate.buffer is PSUM:
+        fail(ValueError, "select_reduce: on_true and predicate cannot both be in PSUM")
+    reads = [("predicate", predicate), ("on_true", on_true)] + \
+        ([("on_false", on_false)] if isinstance(on_false, NkiTensor) else [])
+    writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
+    _issue("select_reduce", "vector", engine_cycles(run.chip, "vector", dst.free_size, dst.dtype.itemsize,
+                                                    inputs=2), reads, writes)
+    if run.compute:
+        p = dst.shape[0]
+        take = (_rows(predicate) != 0) ^ bool(reverse_pred)
+        f = _vector(on_false, p, "select_reduce", "on_false")
+        out = torch.where(take, _rows(on_true), f if isinstance(f, torch.Tensor) else torch.tensor(float(f)))
+        _store(run, dst, out)
+        if cmd != type(cmd).idle:
+            regs = _accumulate(run, cmd, OPS["max"], value(dst).reshape(p, -1))
+            if reduce_res is not None:
+                _store(run, reduce_res, regs)
+    _mark_written(writes)
+    return dst if legacy else None
+
+
+def range_select(*args: Any, dst: NkiTensor | None = None, on_true_tile: NkiTensor | None = None,
+                 comp_op0: Any = None, comp_op1: Any = None, bound0: NkiTensor | None = None,
+                 bound1: NkiTensor | None = None, reduce_cmd: Any = reduce_cmd.reset_reduce,
+                 reduce_res: NkiTensor | None = None, reduce_op: Any = None, range_start: int = 0,
+                 on_false_value: float = -3.4028234663852886e38, **_: Any) -> NkiTensor | None:
+    """dst = on_true_tile where comp_op0(i, bound0) and comp_op1(i, bound1) for free index i (+ range_start),
+    else on_false_value (FP32_MIN); the per-partition max also goes to the accumulator / reduce_res (Vector
+    engine, NeuronCore-v3 and newer)."""
+    g = _given(args, ["dst", "on_true_tile", "comp_op0", "comp_op1", "bound0", "bound1"], dst=dst,
+               on_true_tile=on_true_tile, comp_op0=comp_op0, comp_op1=comp_op1, bound0=bound0, bound1=bound1)
+    dst, src, b0, b1 = g.get("dst"), g["on_true_tile"], g["bound0"], g["bound1"]
+    c0, c1 = as_op(g["comp_op0"]), as_op(g["comp_op1"])
+    run = core.current_run()
+    if run.chip.core_version == "NeuronCore-v2":
+        fail(ValueError, "range_select needs NeuronCore-v3 or newer (trn2, trn3)")
+    for c in (c0, c1):
+        if not isinstance(c, Op) or c.name not in ("equal", "less", "less_equal", "greater", "greater_equal"):
+            fail(ValueError, f"range_select: comparisons are nl.equal, less, less_equal, greater, greater_equal; "
+                             f"got {c!r}")
+    op = as_op(reduce_op or OPS["maximum"])
+    if op.name not in ("maximum", "max"):
+        fail(ValueError, f"range_select: reduce_op supports only nl.maximum, got {op!r}")
+    legacy = dst is None
+    if legacy:
+        dst = _new(src.shape, src.dtype)
+    _same_shape(dst, src, "range_select")
+    writes = [("dst", dst)] + ([("reduce_res", reduce_res)] if reduce_res is not None else [])
+    _issue("range_select", "vector", engine_cycles(run.chip, "vector", src.free_size, src.dtype.itemsize),
+           [("on_true_tile", src), ("bound0", b0), ("bound1", b1)], writes)
+    if run.compute:
+        x = _rows(src)
+        p = x.shape[0]
+        idx = (range_start + torch.arange(x.shape[1], dtype=torch.float32)).reshape(1, -1)
+        keep = (c0.fn(idx, _vector(b0, p, "range_select", "bound0")) != 0) & \
+            (c1.fn(idx, _vector(b1, p, "range_select", "bound1")) != 0)
+        out = torch.where(keep, x, torch.tensor(float(on_false_value)))
+        _store(run, dst, out)
+        regs = _accumulate(run, reduce_cmd, OPS["max"], out)
+        if reduce_res is not None:
+            _store(run, reduce_res, regs)
+    _mark_written(writes)
+    return dst if legacy else None
+
+
+def max8(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None, dtype: Any = None,
+         **_: Any) -> NkiTensor | None:
+    """dst[P, 8] = the 8 largest values of each partition of src (8..16,384 elements), descending (Vector
+    engine)."""
+    g = _given(args, ["dst", "src"], dst=dst, src=src)
+    dst, src = g.get("dst"), g["src"]
+    if not 8 <= src.free_size <= 16384:
+        fail(ValueError, f"max8: each partition must hold 8 to 16,384 elements, got {src.free_size}")
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new((src.shape[0], 8), dtype or src.dtype)
+    if dst.shape[0] != src.shape[0] or dst.free_size != 8:
+        fail(ValueError, f"max8: dst must be [{src.shape[0]}, 8], got {dst.shape}")
+    _issue("max8", "vector", engine_cycles(run.chip, "vector", src.free_size, src.dtype.itemsize),
+           [("src", src)], [("dst", dst)])
+    if run.compute:
+        x, m = _rows(src).float(), core.mask_for(src)
+        if m is not None:
+            x = torch.where(m.reshape(x.shape), x, torch.tensor(-math.inf))
+        _store(run, dst, x.topk(8, dim=1).values)
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+_NOT_FOUND = {torch.uint16: 0xFFFF, torch.uint32: 0xFFFFFFFF}
+
+
+def nc_find_index8(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None,
+                   vals: NkiTensor | None = None, dtype: Any = None, **_: Any) -> NkiTensor | None:
+    """dst[P, 8] = the index of the first occurrence of each of the 8 vals in data's partition (uint32 by
+    default; all ones when absent). Duplicate vals take successive occurrences, in order (Vector engine)."""
+    g = _given(args, ["dst", "data", "vals"], dst=dst, data=data, vals=vals)
+    dst, data, vals = g.get("dst"), g["data"], g["vals"]
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new((data.shape[0], 8), dtype or torch.uint32)
+    if vals.free_size != 8 or dst.free_size != 8:
+        fail(ValueError, "nc_find_index8: vals and dst hold exactly 8 elements per partition")
+    _issue("nc_find_index8", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize),
+           [("data", data), ("vals", vals)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, _match8(_rows(data), _rows(vals), core.mask_for(data), reverse=False,
+                                 none=_NOT_FOUND.get(dst.dtype, -1))[1])
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+def _match8(x: torch.Tensor, vals: torch.Tensor, m: torch.Tensor | None, reverse: bool,
+            none: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(matched positions [P, F] bool, index of each val [P, 8]): each val takes the first data position equal
+    to it not taken yet, the vals visited in order (reverse: from the last)."""
+    x = x.float()
+    ok = torch.ones_like(x, dtype=torch.bool) if m is None else m.reshape(x.shape).clone()
+    taken = torch.zeros_like(ok)
+    idx = torch.full(vals.shape, float(none))
+    order = range(vals.shape[1] - 1, -1, -1) if reverse else range(vals.shape[1])
+    for j in order:
+        hit = (x == vals[:, j:j + 1].float()) & ok & ~taken
+        found = hit.any(1)
+        first = hit.float().argmax(1)
+        idx[found, j] = first[found].float()
+        taken[found, first[found]] = True
+    return taken, idx
+
+
+def nc_match_replace8(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = None,
+                      vals: NkiTensor | None = None, imm: float = 0.0, dst_idx: NkiTensor | None = None,
+                      **_: Any) -> NkiTensor | None:
+    """dst = data with the first occurrence of each of the 8 vals replaced by imm; their indices into dst_idx
+    when given (duplicate vals are matched from the last one, so the first position lands in the highest
+    slot). Vector engine."""
+    g = _given(args, ["dst", "data", "vals", "imm", "dst_idx"], dst=dst, data=data, vals=vals, dst_idx=dst_idx)
+    dst, data, vals, dst_idx = g.get("dst"), g["data"], g["vals"], g.get("dst_idx")
+    imm = g.get("imm", imm)
+    run = core.current_run()
+    legacy = dst is None
+    if legacy:
+        dst = _new(data.shape, data.dtype)
+    _same_shape(dst, data, "nc_match_replace8")
+    if vals.free_size != 8:
+        fail(ValueError, f"nc_match_replace8: vals holds 8 elements per partition, got {vals.free_size}")
+    writes = [("dst", dst)] + ([("dst_idx", dst_idx)] if dst_idx is not None else [])
+    _issue("nc_match_replace8", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize),
+           [("data", data), ("vals", vals)], writes)
+    if run.compute:
+        x = _rows(data)
+        taken, idx = _match8(x, _rows(vals), core.mask_for(data), reverse=True,
+                             none=_NOT_FOUND.get(dst_idx.dtype, -1) if dst_idx is not None else -1)
+        _store(run, dst, torch.where(taken, torch.tensor(float(imm)), x))
+        if dst_idx is not None:
+            _store(run, dst_idx, idx)
+    _mark_written(writes)
+    return dst if legacy else None
+
+
+def sequence_bounds(*args: Any, dst: NkiTensor | None = None, segment_ids: NkiTensor | None = None,
+                    **_: Any) -> NkiTensor | None:
+    """dst[1, 2, n]: for each element of segment_ids[1, n], the start and (exclusive) end index of its segment
+    (a run of equal ids); id 0 is padding and gets (n, -1). GpSimd engine."""
+    g = _given(args, ["dst", "segment_ids"], dst=dst, segment_ids=segment_ids)
+    dst, seg = g.get("dst"), g["segment_ids"]
+    if seg.shape[0] != 1:
+        fail(ValueError, f"sequence_bounds: segment_ids has one partition, got {seg.shape[0]}")
+    run = core.current_run()
+    legacy = dst is None
+    n = seg.free_size
+    if legacy:
+        dst = _new((1, 2, n), seg.dtype)
+    if dst.free_size != 2 * n:
+        fail(ValueError, f"sequence_bounds: dst must be [1, 2, {n}], got {dst.shape}")
+    _issue("sequence_bounds", "gpsimd", engine_cycles(run.chip, "gpsimd", n, 4), [("segment_ids", seg)],
+           [("dst", dst)])
+    if run.compute:
+        ids = _rows(seg).reshape(-1)
+        start, end = torch.full((n,), float(n)), torch.full((n,), -1.0)
+        i = 0
+        while i < n:
+            j = i
+            while j + 1 < n and ids[j + 1] == ids[i]:
+                j += 1
+            if ids[i] != 0:
+                start[i:j + 1], end[i:j + 1] = float(i), float(j + 1)  # the end is exclusive
+            i = j + 1
+        _store(run, dst, torch.stack([start, end]).reshape(1, 2, n))
+    _mark_written([("dst", dst)])
+    return dst if legacy else None
+
+
+# --------------------------------------------------------------------------------------------- DMA
+class oob_mode(enum.Enum):  # noqa: N801 (AWS's name)
+    """What an indirect DMA does with an index outside the tensor: raise (error) or leave that element alone
+    (skip)."""
+    error = "error"
+    skip = "skip"
+
+
+class dge_mode(enum.Enum):  # noqa: N801
+    """Which descriptor generator a DMA uses (software / hardware); the same transfer here."""
+    unknown = "unknown"
+    none = "none"
+    swdge = "swdge"
+    hwdge = "hwdge"
+
+
+def dma_copy(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = None, dst_rmw_op: Any = None,
+             oob_mode: oob_mode = oob_mode.error, **_: Any) -> None:
+    """dst = src (or dst <dst_rmw_op> src) by a DMA engine: HBM <-> SBUF, HBM <-> HBM, SBUF <-> SBUF; never PSUM.
+    The element counts must match; a dtype change is cast as the DMA's data path does. With
+    oob_mode=oob_mode.skip, elements whose computed index falls outside the tensor are not transferred."""
+    dst, src = (list(args) + [dst, src])[:2] if len(args) >= 2 else (args[0] if args else dst, src)
+    skip = [t.valid for t in (dst, src) if isinstance(t, core.GatherTile) and t.indirect and t.valid is not None] \
+        if oob_mode == type(oob_mode).skip else []
+    _dma("dma_copy", dst, src, as_op(dst_rmw_op) if dst_rmw_op is not None else None, skip)
+
+
+def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, skip: list = (),
+         transpose: bool = False) -> None:
+    run = core.current_run()
+    _operand_masks([dst, src], list(skip))
     _check_access("dma", instr, [("src", src)], [("dst", dst)])
     if dst.data.numel() != src.data.numel():
         fail(ValueError, f"{instr}: dst {dst.shape} and src {src.shape} hold different element counts")
@@ -714,14 +1325,15 @@ def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, transpose:
         for role, t in (("src", src), ("dst", dst)):
             if t.buffer.on_chip and t.pdim != 0:
                 fail(ValueError, f"{instr}: {role} still has block axes before its partition axis: index them")
-    _check_initialised(instr, [("src", src)])
+    _check_initialised(instr, [("src", src)], [("dst", dst)])
     reads = [src] + ([dst] if rmw is not None else [])
     line = core._user_frame()[1]
     nbytes = src.data.numel() * src.dtype.itemsize
     eff = 1.0
     if transpose:
         eff = 0.9 if src.buffer.is_hbm else 0.5  # DMA transpose: ~90% of DMA throughput from HBM, ~50% SBUF->SBUF
-    run.timeline.dma(instr, nbytes, min(row_bytes(src), row_bytes(dst)), reads, [dst], line, eff)
+    if not core.masked_off():
+        run.timeline.dma(instr, nbytes, min(row_bytes(src), row_bytes(dst)), reads, [dst], line, eff)
     if run.compute:
         v = value(src)
         if transpose:
@@ -756,7 +1368,7 @@ def tensor_scalar_reduce(*args: Any, dst: NkiTensor | None = None, data: NkiTens
     given = dict(zip(names, args, strict=False))
     dst, data, op0, operand0 = (given.get(k, v) for k, v in
                                 (("dst", dst), ("data", data), ("op0", op0), ("operand0", operand0)))
-    reduce_op, reduce_res = given.get("reduce_op", reduce_op), given.get("reduce_res", reduce_res)
+    reduce_op, reduce_res = as_op(given.get("reduce_op", reduce_op)), given.get("reduce_res", reduce_res)
     reverse0 = given.get("reverse0", reverse0)
     legacy = dst is None
     run = core.current_run()
@@ -798,10 +1410,12 @@ def bn_stats(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = 
     _issue("bn_stats", "vector", engine_cycles(run.chip, "vector", data.free_size, data.dtype.itemsize),
            [("data", data)], [("dst", dst)])
     if run.compute:
-        x = _rows(data)
-        n = torch.full((x.shape[0], 1), float(x.shape[1]))
-        mean = x.mean(1, keepdim=True)
-        m2 = ((x - mean) ** 2).sum(1, keepdim=True)
+        x, m = _rows(data), core.mask_for(data)
+        w = torch.ones_like(x) if m is None else m.reshape(x.shape).float()  # masked-off elements do not count
+        x = torch.where(w > 0, x, torch.tensor(0.0))
+        n = w.sum(1, keepdim=True)
+        mean = x.sum(1, keepdim=True) / n.clamp(min=1)
+        m2 = (w * (x - mean) ** 2).sum(1, keepdim=True)
         _store(run, dst, torch.cat([n, mean, m2, torch.zeros(x.shape[0], 3)], 1))
     _mark_written([("dst", dst)])
     return dst if legacy else None
@@ -838,10 +1452,10 @@ def bn_aggr(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | None = N
 def tensor_partition_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None,
                             data: NkiTensor | None = None, dtype: Any = None, **_: Any) -> NkiTensor | None:
     """dst[1, F] = op-reduction of data[P, F] across its partitions, on the GpSimd engine."""
-    legacy = dst is None and (not args or isinstance(args[0], Op))
+    legacy = dst is None and (not args or isinstance(as_op(args[0]), Op))
     names = ["op", "data"] if legacy else ["dst", "op", "data"]
     given = dict(zip(names, args, strict=False))
-    dst, op, data = given.get("dst", dst), given.get("op", op), given.get("data", data)
+    dst, op, data = given.get("dst", dst), as_op(given.get("op", op)), given.get("data", data)
     if not isinstance(op, Op) or op.reduce is None:
         fail(ValueError, f"tensor_partition_reduce: op must reduce (nl.add, nl.max, ...), got {op!r}")
     run = core.current_run()
@@ -892,5 +1506,6 @@ def tensor_tensor_scan(*args: Any, dst: NkiTensor | None = None, data0: NkiTenso
     return dst if legacy else None
 
 
-core.refuse_masks(globals())
-core.provide(dma_copy=dma_copy, tensor_copy=tensor_copy, memset=memset, accumulate_psum=accumulate_psum)
+core.accept_masks(globals())
+core.provide(dma_copy=dma_copy, tensor_copy=tensor_copy, memset=memset, accumulate_psum=accumulate_psum,
+             tensor_tensor=tensor_tensor)

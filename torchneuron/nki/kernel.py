@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import core
+from . import core, isa
 from . import language as _language  # noqa: F401  (hands core and ops their instructions before a kernel runs)
 from .core import NkiTensor
 from .cost import KernelProfile, Timeline
@@ -60,6 +60,8 @@ MODE = _Mode()
 
 
 def _to_host_tensor(a: Any) -> Any:
+    if isinstance(a, core.HostCast):
+        return a.to_tensor()
     return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
 
 
@@ -81,19 +83,24 @@ class Kernel:
 
     def __getitem__(self, grid: Any) -> Kernel:
         """`kernel[g0, g1]`: the same kernel launched over an SPMD grid of programs."""
-        grid = tuple(grid) if isinstance(grid, tuple | list) else (grid,)
-        k = Kernel(self.fn, self.target, self.stochastic_rounding, tuple(int(g) for g in grid))
+        grid = tuple(int(g) for g in (grid if isinstance(grid, tuple | list) else (grid,)))
+        if any(g < 1 for g in grid):
+            raise ValueError(f"NKI kernel {self.name!r}: launch grid {list(grid)} has an axis without programs; "
+                             "each axis needs at least 1")
+        k = type(self)(self.fn, self.target, self.stochastic_rounding, grid)
         k._specs, k._profiles = self._specs, self._profiles
         k.parent = self
         return k
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if core.CURRENT.run is not None:  # a kernel called from a kernel (`@nki.jit(mode="trace")` helpers): inline
+            return self.fn(*args, **kwargs)
         if torch.compiler.is_compiling():  # traced by Dynamo: run it as an opaque call (a graph break)
             return _opaque()(self, args, kwargs)
         return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        if any(isinstance(a, torch.Tensor) and a.device.type == "neuron" for a in args):
+        if any(isinstance(a, torch.Tensor) and a.device.type == "neuron" for a in (*args, *kwargs.values())):
             return self._device_call(args, kwargs)
         return self.run(args, kwargs, compute=not MODE.shapes_only)
 
@@ -101,7 +108,8 @@ class Kernel:
     def run(self, args: tuple, kwargs: dict, compute: bool = True, target: str | None = None) -> Any:
         """Interpret the kernel on host tensors (CPU torch tensors or NumPy arrays)."""
         chip = core.chip_named(target or self.target or _default_chip())
-        numpy_in = any(isinstance(a, np.ndarray) for a in args)
+        # NumPy arrays out for NumPy arrays in, or when no tensor came in at all (AWS's simulator is NumPy's)
+        numpy_in = any(isinstance(a, np.ndarray) for a in args) or not any(isinstance(a, torch.Tensor) for a in args)
         timeline = Timeline(chip, self.name)
         outer = core.CURRENT.run
         grid = self.grid or (1,)
@@ -114,9 +122,11 @@ class Kernel:
                                shared=shared)
                 shared.next = 0
                 core.CURRENT.run = run
+                isa.reset()  # no mask left over from a failed call
                 nki_args = [self._argument(a, i) for i, a in enumerate(args)]
-                result = self.fn(*nki_args, **kwargs)
-                del nki_args
+                nki_kwargs = {k: self._argument(v, k) for k, v in kwargs.items()}  # tensors passed by name too
+                result = self.fn(*nki_args, **nki_kwargs)
+                del nki_args, nki_kwargs
         finally:
             core.CURRENT.run = outer
         profile = timeline.profile()
@@ -125,7 +135,7 @@ class Kernel:
             self.parent.last_profile = profile
         return _outputs(result, numpy_in)
 
-    def _argument(self, a: Any, i: int) -> Any:
+    def _argument(self, a: Any, i: int | str) -> Any:
         a = _to_host_tensor(a)
         if not isinstance(a, torch.Tensor):
             return a
@@ -160,17 +170,25 @@ class Kernel:
     def _device_run(self, args: tuple, kwargs: dict) -> tuple[list, bool, tuple]:
         from .. import _C
 
-        device = next(a.device for a in args if isinstance(a, torch.Tensor) and a.device.type == "neuron")
-        dev_idx = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        # tensors passed by name go through the same host views as positional ones
+        names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        flat = list(args) + [kwargs[k] for k in names]
+        device = next(a.device for a in flat if isinstance(a, torch.Tensor) and a.device.type == "neuron")
+        dev_idx = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         for i in dev_idx:
-            if args[i].device != device:
-                raise RuntimeError(f"NKI kernel {self.name}: expected all tensors on {device}, argument {i} is on "
-                                   f"{args[i].device}")
+            if flat[i].device != device:
+                what = f"argument {i}" if i < len(args) else f"argument {names[i - len(args)]!r}"
+                raise RuntimeError(f"NKI kernel {self.name}: expected all tensors on {device}, {what} is on "
+                                   f"{flat[i].device}")
         key = (self.grid, *_signature(args, kwargs))
+
+        def split(host: list) -> tuple[tuple, dict]:
+            return tuple(host[:len(args)]), {**kwargs, **dict(zip(names, host[len(args):], strict=True))}
+
         if key not in self._specs or _C._launch_blocking():
-            host = list(args)
+            host = list(flat)
             _C._host_args(host, dev_idx)  # after the stream's queued work
-            outs = self.run(tuple(host), kwargs)
+            outs = self.run(*split(host))
             self._specs[key], self._profiles[key] = _spec(outs), self.last_profile
             results = [torch.empty(o.shape, dtype=o.dtype, device=device) for o in _flat(outs)]
             views = list(results)
@@ -180,12 +198,14 @@ class Kernel:
             return results, self._specs[key][0], key
         seq, specs = self._specs[key]
         results = [torch.empty(s, dtype=d, device=device) for s, d in specs]
-        host, views = list(args), list(results)
-        keep = [args[i] for i in dev_idx]
+        host, views = list(flat), list(results)
+        keep = [flat[i] for i in dev_idx]
         _C._host_args(host, dev_idx, wait=False)
         _C._host_args(views, list(range(len(views))), wait=False)
+        host_args, host_kwargs = split(host)
         _C._queue_kernel(device.index, f"nki:{self.name}",
-                         functools.partial(self._replay, tuple(host), kwargs, views, keep, results), 1, keep, results)
+                         functools.partial(self._replay, host_args, host_kwargs, views, keep, results), 1, keep,
+                         results)
         self.last_profile = self._profiles[key]
         if self.parent is not None:
             self.parent.last_profile = self.last_profile
@@ -255,6 +275,7 @@ def jit(fn: Callable[..., Any] | None = None, *, target: str | None = None, plat
     default: the configured instance's); stochastic_rounding: round float32 results into bf16/fp16/fp8
     stochastically instead of to nearest even."""
     def wrap(f: Callable[..., Any]) -> Kernel:
+        f = f.fn if isinstance(f, Kernel) else f  # nki.baremetal(an @nki.jit kernel)
         return Kernel(f, target or platform_target, stochastic_rounding)
     return wrap(fn) if fn is not None else wrap
 
@@ -263,3 +284,63 @@ def simulate(kernel: Any) -> Callable[..., Any]:
     """`nki.simulate(kernel)(*arrays)`: run a kernel on host arrays (NumPy or CPU tensors)."""
     k = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
     return lambda *args, **kwargs: k.run(args, kwargs)
+
+
+def simulate_kernel(kernel: Any, *args: Any, **kwargs: Any) -> Any:
+    """`nki.simulate_kernel(kernel[grid], *arrays)`: the earlier API's simulator call; the results as arrays."""
+    k = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
+    return k.run(args, kwargs)
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """`benchmark_result.nc_latency`: the modelled latency in microseconds. The timeline is deterministic, so
+    every percentile is the same number (on hardware they spread over the benchmark's iterations)."""
+
+    latency_us: float
+
+    def get_latency_percentile(self, percentile: float) -> float:
+        return self.latency_us
+
+
+@dataclass(frozen=True)
+class BenchmarkResult:
+    nc_latency: LatencyStats
+
+
+class Benchmark(Kernel):
+    """A kernel decorated by `nki.benchmark`: a call prices it (the modelled timeline, values not computed) and
+    leaves `benchmark_result.nc_latency`; it returns nothing, as AWS's benchmark runs the compiled kernel for its
+    latency only."""
+
+    benchmark_result: BenchmarkResult | None = None
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        host = tuple(a.cpu() if isinstance(a, torch.Tensor) else a for a in args)
+        self.run(host, kwargs, compute=False)
+        result = BenchmarkResult(LatencyStats(self.last_profile.latency_s * 1e6))
+        self.benchmark_result = result
+        if self.parent is not None:
+            self.parent.benchmark_result = result
+        return None
+
+
+def benchmark(kernel: Any = None, *, warmup: int = 0, iters: int = 1, target: str | None = None,
+              platform_target: str | None = None, **_: Any) -> Any:
+    """`nki.benchmark(warmup=, iters=, save_neff_name=...)`: a kernel whose calls report its modelled latency
+    (`benchmark_result.nc_latency.get_latency_percentile(p)`, microseconds) instead of computing values; the
+    NEFF/trace file arguments are accepted and ignored."""
+    def wrap(f: Any) -> Benchmark:
+        f = f.fn if isinstance(f, Kernel) else f
+        return Benchmark(f, target or platform_target)
+    return wrap(kernel) if kernel is not None else wrap
+
+
+def profile(kernel: Any = None, *, target: str | None = None, platform_target: str | None = None,
+            **_: Any) -> Any:
+    """`nki.profile(working_directory=..., save_trace_name=...)`: runs the kernel; its modelled timeline is
+    `kernel.last_profile` (`chrome_trace()` for a trace viewer). No NEFF/NTFF files are written."""
+    def wrap(f: Any) -> Kernel:
+        f = f.fn if isinstance(f, Kernel) else f
+        return Kernel(f, target or platform_target)
+    return wrap(kernel) if kernel is not None else wrap

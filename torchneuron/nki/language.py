@@ -4,10 +4,13 @@ the NKI compiler does (math on the Scalar engine's activation, binary ops on the
 by DMA)."""
 from __future__ import annotations
 
+import builtins
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import core, isa, ops
@@ -148,6 +151,56 @@ def shared_constant(value: Any, dtype: Any = None, **_: Any) -> NkiTensor:
     return core.allocate(tuple(t.shape), dtype, HBM, data=t.to(dtype).clone())
 
 
+def spmd_dim(*sizes: int) -> int:
+    """`kernel[nl.spmd_dim(n, nl.nc(2)), ...]`: a grid axis of n x 2 programs spread over logical cores (here
+    they run one after another on the modelled core, like every SPMD program)."""
+    return math.prod(int(s) for s in sizes)
+
+
+def nc(n: int) -> int:
+    """`nl.nc(n)`: n NeuronCores, a factor of an `nl.spmd_dim` grid axis."""
+    return int(n)
+
+
+def static_cast(x: Any, dtype: Any) -> Any:
+    """A host array cast to `dtype` (NumPy in, NumPy out). bfloat16 / float8 have no NumPy dtype here (no
+    ml_dtypes): the result holds the values rounded to that dtype as float32, tagged with the dtype, and a kernel
+    receives it as a tensor of that dtype (`core.HostCast`)."""
+    d = core.to_dtype(dtype)
+    t = torch.tensor(np.asarray(x))  # a copy: the input may be a read-only view
+    if d in (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2):
+        return core.HostCast.of(t.to(d).float().numpy(), d)
+    return t.to(d).numpy()
+
+
+finfo = torch.finfo  # nl.finfo(dtype).min / .max
+fp32 = torch.finfo(torch.float32)  # nl.fp32.min: the most negative float32 (the -inf stand-in of kernels)
+Tensor = NkiTensor  # the type of tiles (annotations)
+
+
+def loop_reduce(x: NkiTensor, op: Any, loop_indices: Any = (), dtype: Any = None, **_: Any) -> core.LoopReduce:
+    """`dst[...] = nl.loop_reduce(x, op=np.add, loop_indices=[i])`: dst accumulates x over the loop on i (a
+    Vector-engine tensor_tensor per iteration; dst must be initialised before the loop)."""
+    return core.LoopReduce(x, ops.as_op(op), core.CURRENT.mask)
+
+
+def random_seed(seed: Any, **_: Any) -> None:
+    """Seed the draws of `nl.dropout` (an int, or a [1, 1] tile's value)."""
+    run = core.current_run()
+    if isinstance(seed, NkiTensor):
+        isa._check_initialised("random_seed", [("seed", seed)])
+        seed = int(seed.data.flatten()[0].item()) if run.compute else 0
+    run.generator.manual_seed(int(seed))
+
+
+rand = isa.rand
+
+
+def dropout(x: NkiTensor, rate: Any, dtype: Any = None, **_: Any) -> NkiTensor:
+    """x with each element zeroed with probability rate (nisa.dropout)."""
+    return isa.dropout(x, rate, dtype=dtype)
+
+
 def affine_range(*args: int, **_: Any) -> range:
     """A loop whose iterations are independent (the compiler may pipeline them; the timeline orders them only
     by their data dependencies)."""
@@ -194,14 +247,17 @@ def device_print(prefix: str, t: NkiTensor) -> None:
 
 # ------------------------------------------------------------------------------------------ memory
 def load(src: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
-    """HBM -> a new SBUF tile (a DMA)."""
-    dst = ndarray(src.shape, dtype or src.dtype, SBUF)
+    """HBM -> a new SBUF tile (a DMA); a single element loads as a [1, 1] tile."""
+    dst = ndarray(src.shape or (1, 1), dtype or src.dtype, SBUF)
     isa.dma_copy(dst=dst, src=src)
     return dst
 
 
 def store(dst: NkiTensor, value: NkiTensor, **_: Any) -> None:
-    """SBUF -> HBM (a DMA); a PSUM value is first copied to SBUF, as the compiler does."""
+    """SBUF -> HBM (a DMA); a PSUM value is first copied to SBUF, as the compiler does; a scalar value fills
+    dst (a memset of an SBUF tile, then the DMA)."""
+    if not isinstance(value, NkiTensor):
+        value = full(dst.shape if dst.ndim > 1 else (1, dst.shape[0]), value, dst.dtype)
     if value.buffer is PSUM:
         value = copy(value)
     isa.dma_copy(dst=dst, src=value)
@@ -228,6 +284,7 @@ def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False, **_: Any) -> N
     x = copy(x) if x.buffer is PSUM else x  # the compiler moves PSUM operands to SBUF for nl-level calls
     y = copy(y) if y.buffer is PSUM else y
     out = ndarray((x.free_size, y.free_size), torch.float32, PSUM)
+    out.alloc.matmul_result = True  # `psum += nl.matmul(...)` accumulates, as the legacy nc_matmul form does
     isa.nc_matmul(dst=out, stationary=x, moving=y)
     return out
 
@@ -240,7 +297,16 @@ def transpose(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
     return out
 
 
+def broadcast_to(x: NkiTensor, shape: Any, **_: Any) -> NkiTensor:
+    """`nl.broadcast_to(t, shape)`: t's size-1 axes repeated (a stride-0 view, as `t.broadcast_to`)."""
+    return x.broadcast_to(shape)
+
+
 def where(condition: NkiTensor, x: Any, y: Any, dtype: Any = None, **_: Any) -> NkiTensor:
+    tiles = [t for t in (condition, x, y) if isinstance(t, NkiTensor)]
+    if len({t.ndim for t in tiles}) == 1 and len({t.shape for t in tiles}) > 1:  # NumPy's broadcasting
+        common = tuple(builtins.max(n) for n in zip(*(t.shape for t in tiles), strict=True))
+        condition, x, y = (t.broadcast_to(common) if isinstance(t, NkiTensor) else t for t in (condition, x, y))
     like = x if isinstance(x, NkiTensor) else condition
     dst = ndarray(like.shape, dtype or like.dtype, SBUF)
     if not isinstance(x, NkiTensor):
@@ -257,8 +323,6 @@ def _is_vector(t: Any, p: int) -> bool:
 def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: bool = False, **_: Any) -> Any:
     """`nl.<op>(...)` on tiles: activations on the Scalar engine, binary ops on the Vector engine (tensor_scalar
     when one side is a scalar or a [P, 1] column), reductions with tensor_reduce."""
-    if _.get("mask") is not None:
-        fail(NotImplementedError, f"nl.{op.name}: mask= is not implemented here: slice the tiles to the region instead")
     if op.kind == "act":
         (x,) = args[:1]
         if op.name == "reciprocal":
@@ -276,8 +340,17 @@ def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: 
     a, b = args[:2]
     if not isinstance(a, NkiTensor) and not isinstance(b, NkiTensor):
         return op.fn(torch.tensor(a), torch.tensor(b)).item()
+    if dtype is None and op.kind == "arith":
+        dtype = _promoted(a, b, op)
     if not isinstance(a, NkiTensor):
         return isa.tensor_scalar(b, op, a, True, dtype=dtype)
+    if isinstance(b, NkiTensor) and a.shape != b.shape and a.ndim == b.ndim and _broadcastable(a.shape, b.shape) \
+            and not (_is_vector(a, a.shape[0]) or _is_vector(b, b.shape[0])) or \
+            isinstance(b, NkiTensor) and a.shape[0] != b.shape[0] and 1 in (a.shape[0], b.shape[0]):
+        # NumPy's broadcasting: size-1 axes read repeatedly (stride-0 access patterns; a one-partition tile read
+        # by every partition)
+        common = tuple(builtins.max(x, y) for x, y in zip(a.shape, b.shape, strict=True))
+        a, b = a.broadcast_to(common), b.broadcast_to(common)
     p = a.shape[0]
     if not isinstance(b, NkiTensor) or (_is_vector(b, p) and a.free_size > 1):
         return isa.tensor_scalar(a, op, b, dtype=dtype)
@@ -291,6 +364,21 @@ def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: 
     return isa.tensor_tensor(a, b, op, dtype=dtype)
 
 
+def _broadcastable(x: tuple, y: tuple) -> bool:
+    return all(m == n or 1 in (m, n) for m, n in zip(x, y, strict=True))
+
+
+def _promoted(a: Any, b: Any, op: Op) -> torch.dtype | None:
+    """The result dtype of integer operands where NumPy's promotion makes it float: a division, or a Python
+    float operand (`idx_tile / 7`, `idx_tile * 0.5`); None otherwise (the tiles' own)."""
+    tiles = [t for t in (a, b) if isinstance(t, NkiTensor)]
+    if any(t.dtype.is_floating_point for t in tiles):
+        return None
+    if op.name == "divide" or any(isinstance(x, float) for x in (a, b)):
+        return torch.float32
+    return None
+
+
 def softmax(x: NkiTensor, axis: int = -1, dtype: Any = None, **_: Any) -> NkiTensor:
     """softmax over the free axis: max (Vector), exp(x - max) with its row sum (Scalar), scale by 1/sum."""
     m = isa.tensor_reduce(OPS["max"], x, axis, negate=True, keepdims=True, dtype=torch.float32)
@@ -301,5 +389,5 @@ def softmax(x: NkiTensor, axis: int = -1, dtype: Any = None, **_: Any) -> NkiTen
     return isa.tensor_scalar(e, OPS["multiply"], r, dtype=dtype or x.dtype)
 
 
-core.refuse_masks(globals())
+core.accept_masks(globals())
 ops.provide(apply_op)

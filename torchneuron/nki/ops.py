@@ -60,6 +60,7 @@ BINARY = {
     "max": ("arith", torch.maximum, lambda x, d: x.amax(d)),
     "min": ("arith", torch.minimum, lambda x, d: x.amin(d)),
     "power": ("arith", torch.pow, None),
+    "mod": ("arith", torch.remainder, None),
     "equal": ("cmp", lambda a, b: (a == b).float(), None),
     "not_equal": ("cmp", lambda a, b: (a != b).float(), None),
     "greater": ("cmp", lambda a, b: (a > b).float(), None),
@@ -122,4 +123,12 @@ def as_op(op: Any) -> Any:
     if isinstance(op, Op):
         return op
     name = getattr(op, "__name__", None)
-    return OPS.get(name, op) if type(op).__name__ == "ufunc" else op
+    if type(op).__name__ == "ufunc" or getattr(op, "__module__", None) == "numpy":  # np.add, np.max, np.mod
+        name = _NUMPY_NAMES.get(name, name)
+        return OPS.get(name, op)
+    return op
+
+
+# NumPy's names that differ from NKI's
+_NUMPY_NAMES = {"amax": "max", "amin": "min", "remainder": "mod", "true_divide": "divide", "sum": "add",
+                "prod": "multiply", "negative": "negative"}
