@@ -105,3 +105,65 @@ def test_a_unary_list_op_queued_writes_its_new_tensors_in_place(op):
     for d, c in zip(out, fn(cpu), strict=True):  # (sqrt of the negatives: NaN on both)
         assert d.device.type == "neuron" and d.stride() == c.stride()
         torch.testing.assert_close(d.cpu(), c, rtol=0, atol=0, equal_nan=True)
+
+
+def _many(seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """40 tensors (more than the 16 a call's tensor maps scan before they hash: csrc/runtime.h SmallMap) that alias:
+    three views of one base, and one tensor listed twice."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.rand(6, 5, generator=g) + 0.5
+    ts = [torch.rand(3 + i % 4, generator=g) + 0.5 for i in range(37)]
+    ts[2], ts[20], ts[33] = base[0], base[3], base[:, 1]  # views of one storage, far apart in the list
+    return base, ts + [ts[7], base[5], ts[11]]  # ts[7] and ts[11] again, and a fourth view
+
+
+@pytest.mark.parametrize("mode", ["idle", "queued"])
+def test_list_ops_over_many_aliasing_tensors_match_the_cpu(mode):
+    """A list op over dozens of tensors (an HF model's optimizer step) takes the same aliasing decisions as over a few:
+    one CPU tensor per device tensor listed twice, one CPU storage per device storage for views, results that are
+    views or fresh memory as on the CPU, on the host path and queued behind work (the signature's and the result
+    layout's alias numbering)."""
+    cpu_base, cpu = _many(0)
+    _, cpu_b = _many(1)
+    dev_base = cpu_base.to("neuron")
+    dev = [dev_base[0], dev_base[3], dev_base[:, 1], dev_base[5]]
+    dev_map = {id(t): d for t, d in zip((cpu[2], cpu[20], cpu[33], cpu[38]), dev, strict=True)}
+    devs = [dev_map.get(id(t)) for t in cpu]
+    plain = {}
+    for i, t in enumerate(cpu):
+        if devs[i] is None:
+            devs[i] = plain.setdefault(id(t), t.to("neuron"))
+    dev_b = [t.to("neuron") for t in cpu_b]
+    w = torch.randn(512, 512, device="neuron") / 23
+    for _ in range(3):  # the third call of the signature is queued when the stream is busy
+        if mode == "queued":
+            busy = w
+            for _ in range(3):
+                busy = torch.tanh(busy @ w)
+        got = torch._foreach_mul(devs, dev_b)
+        torch._foreach_add_(devs, dev_b, alpha=0.5)
+        ref = torch._foreach_mul(cpu, cpu_b)
+        torch._foreach_add_(cpu, cpu_b, alpha=0.5)
+        for d, c in zip(got, ref, strict=True):
+            torch.testing.assert_close(d.cpu(), c, rtol=0, atol=0)
+    torch.testing.assert_close(dev_base.cpu(), cpu_base, rtol=0, atol=0)  # views and repeats written as on the CPU
+    for d, c in zip(devs, cpu, strict=True):
+        torch.testing.assert_close(d.cpu(), c, rtol=0, atol=0)
+
+
+def test_fused_adamw_over_many_parameters_matches_the_cpu():
+    """`AdamW(fused=True)` (HF Trainer's default optimizer) over 40 parameters: the fused kernel's in-place writes of
+    every list land in each parameter's and state's own device memory."""
+    torch.manual_seed(0)
+    params = [torch.randn(2 + i % 5, 3) for i in range(40)]
+    runs = {}
+    for device in ("cpu", "neuron"):
+        ps = [p.clone().to(device).requires_grad_() for p in params]
+        opt = torch.optim.AdamW(ps, lr=0.05, fused=True)
+        for i in range(3):
+            for j, p in enumerate(ps):
+                p.grad = torch.full_like(p, 0.01 * (i + 1) * (j + 1))
+            opt.step()
+        runs[device] = [p.detach().cpu() for p in ps] + [opt.state[p]["exp_avg_sq"].cpu() for p in ps]
+    for n, c in zip(runs["neuron"], runs["cpu"], strict=True):
+        torch.testing.assert_close(n, c, rtol=0, atol=0)

@@ -33,10 +33,9 @@ at::Tensor host_alias(const at::Tensor& t, const c10::Storage& host_storage) {
 
 at::Tensor HostAliases::operator()(const at::Tensor& t) {
   const auto* dev = t.storage().unsafeGetStorageImpl();
-  for (auto& [d, host] : storages)
-    if (d == dev) return host_alias(t, host);
+  if (const c10::Storage* host = storages.find(dev)) return host_alias(t, *host);
   at::Tensor a = host_alias(t);
-  storages.emplace_back(dev, a.storage());
+  storages.add(dev, a.storage());
   return a;
 }
 

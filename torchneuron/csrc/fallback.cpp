@@ -91,13 +91,13 @@ at::Tensor to_host(Call& c, const at::Tensor& t, bool round_values) {
   if (!is_neuron(t)) return round_values && is_fp64(t) && t.numel() > 0 ? round_host_value(c, t) : t;
   // The same device tensor passed twice (an input that is also `out=`) is the same CPU tensor twice, as on the
   // CPU: ATen's overlap checks treat one TensorImpl as full overlap even when it holds no elements.
-  for (auto& [alias, dev] : c.alias_to_tensor.items)
-    if (dev.unsafeGetTensorImpl() == t.unsafeGetTensorImpl())
-      return at::Tensor(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(const_cast<c10::TensorImpl*>(alias)));
+  if (const c10::TensorImpl** alias = c.tensor_to_alias.find(t.unsafeGetTensorImpl()))
+    return at::Tensor(c10::intrusive_ptr<c10::TensorImpl>::reclaim_copy(const_cast<c10::TensorImpl*>(*alias)));
   at::Tensor a = c.host(t);
   if (!c.alias_to_device.find(a.storage().unsafeGetStorageImpl()))
     c.alias_to_device.add(a.storage().unsafeGetStorageImpl(), t.storage());
   c.alias_to_tensor.add(a.unsafeGetTensorImpl(), t);
+  c.tensor_to_alias.add(t.unsafeGetTensorImpl(), a.unsafeGetTensorImpl());
   return a;
 }
 

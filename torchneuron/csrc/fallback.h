@@ -50,18 +50,6 @@ c10::IValue map_tensors(const c10::IValue& v, F&& f) {
 
 inline bool is_neuron(const at::Tensor& t) { return t.defined() && t.device().type() == kNeuron; }
 
-// A few entries per op call: a linear scan over inline storage beats hashing and allocates nothing.
-template <class K, class V>
-struct SmallMap {
-  c10::SmallVector<std::pair<K, V>, 6> items;
-  V* find(K k) {
-    for (auto& [key, v] : items)
-      if (key == k) return &v;
-    return nullptr;
-  }
-  V& add(K k, V v) { return items.emplace_back(k, std::move(v)).second; }
-};
-
 // Everything a call learns while preparing the CPU arguments, used to map the results back.
 struct Call {
   c10::DeviceIndex device = -1;
@@ -70,6 +58,7 @@ struct Call {
   HostAliases host;      // one CPU storage per device storage, so ATen's overlap checks see the real memory
   SmallMap<const c10::StorageImpl*, c10::Storage> alias_to_device;  // CPU alias storage -> device storage
   SmallMap<const c10::TensorImpl*, at::Tensor> alias_to_tensor;     // CPU alias tensor -> device tensor
+  SmallMap<const c10::TensorImpl*, const c10::TensorImpl*> tensor_to_alias;  // and back
 };
 
 // ---- Result layouts: what an op returned the first time it ran with an argument signature ----

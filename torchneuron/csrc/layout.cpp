@@ -46,6 +46,7 @@ LayoutCache& layouts_of(OpEntry& e) {
 
 bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<int64_t>& key, FlatArgs& flat) {
   key.reserve(64);
+  SmallMap<const c10::StorageImpl*, int> first;  // the first flat tensor over each storage
   auto tensor = [&](const at::Tensor& t) -> bool {
     if (!t.defined()) return key.push_back(-1), true;
     if (!is_neuron(t)) {
@@ -55,11 +56,10 @@ bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<
     }
     int alias = -1;
     const auto* st = t.storage().unsafeGetStorageImpl();
-    for (size_t j = 0; j < flat.size(); ++j)
-      if (flat[j].storage().unsafeGetStorageImpl() == st) {
-        alias = static_cast<int>(j) * 2 + (flat[j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl());
-        break;
-      }
+    if (const int* j = first.find(st))
+      alias = *j * 2 + (flat[*j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl());
+    else
+      first.add(st, static_cast<int>(flat.size()));
     key.insert(key.end(), {static_cast<int64_t>(t.scalar_type()), t.dim(), t.storage_offset(), alias,
                            t.is_conj() * 2 + t.is_neg(), t.requires_grad()});
     key.insert(key.end(), t.sizes().begin(), t.sizes().end());
@@ -150,7 +150,10 @@ std::vector<Shape> shapes_of(const FlatArgs& flat) {
 std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                                                   const FlatArgs& flat, const std::vector<Shape>& before) {
   auto L = std::make_shared<ResultLayout>();
-  SmallMap<const c10::StorageImpl*, int> groups;
+  SmallMap<const c10::StorageImpl*, int> groups, first;  // fresh storages' groups; the first argument over each
+  for (size_t j = 0; j < flat.size(); ++j)
+    if (flat[j].defined() && !first.find(flat[j].storage().unsafeGetStorageImpl()))
+      first.add(flat[j].storage().unsafeGetStorageImpl(), static_cast<int>(j));
   auto add = [&](const at::Tensor& t) -> bool {
     ResultSlot s;
     if (!t.defined()) return L->slots.push_back(std::move(s)), true;
@@ -164,12 +167,9 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
     L->max_numel = std::max<int64_t>(L->max_numel, t.numel());
     L->int64 |= t.scalar_type() == at::kLong;
     const auto* st = t.storage().unsafeGetStorageImpl();
-    for (size_t j = 0; j < flat.size() && s.kind == ResultSlot::none; ++j) {
-      if (flat[j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl())
-        s.kind = ResultSlot::arg, s.source = static_cast<int>(j);
-      else if (flat[j].storage().unsafeGetStorageImpl() == st)
-        s.kind = ResultSlot::view, s.source = static_cast<int>(j);
-    }
+    if (const int* j = first.find(st))  // the first argument over its storage: that argument, or a view of it
+      s.kind = flat[*j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl() ? ResultSlot::arg : ResultSlot::view,
+      s.source = *j;
     if (s.kind == ResultSlot::none) {
       s.kind = ResultSlot::fresh;
       if (int* g = groups.find(st)) {

@@ -18,6 +18,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "fusion.h"
@@ -292,9 +294,37 @@ int route_to_cpu_kernels(const std::vector<std::string>& device_checked, const s
 // in this op call, so that all aliases of one device storage share one CPU storage: ATen's overlap checks
 // (has_internal_overlap, assert_no_partial_overlap, is_alias_of) compare storages.
 at::Tensor host_alias(const at::Tensor& device_tensor, const c10::Storage& host_storage = {});
+// The tensors of one op call keyed by pointer: a linear scan over inline storage while there are a few (most calls;
+// it allocates nothing), a hash index once there are more than kIndexAfter, so a list op over hundreds of tensors
+// (an optimizer step) costs time linear in them, not quadratic. find() returns the first entry added for a key.
+template <class K, class V>
+struct SmallMap {
+  static constexpr size_t kIndexAfter = 16;
+  c10::SmallVector<std::pair<K, V>, 6> items;
+  std::unordered_map<K, size_t> index;  // key -> position in items, once items outgrew kIndexAfter
+  V* find(K k) {
+    if (items.size() > kIndexAfter) {
+      auto it = index.find(k);
+      return it == index.end() ? nullptr : &items[it->second].second;
+    }
+    for (auto& [key, v] : items)
+      if (key == k) return &v;
+    return nullptr;
+  }
+  V& add(K k, V v) {
+    items.emplace_back(k, std::move(v));
+    if (items.size() == kIndexAfter + 1) {
+      for (size_t i = 0; i < items.size(); ++i) index.emplace(items[i].first, i);
+    } else if (items.size() > kIndexAfter + 1) {
+      index.emplace(k, items.size() - 1);
+    }
+    return items.back().second;
+  }
+};
+
 // Within one op call: the CPU aliases of device tensors, one CPU storage per device storage (see host_alias).
 struct HostAliases {
-  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 4> storages;  // device -> CPU storage
+  SmallMap<const c10::StorageImpl*, c10::Storage> storages;  // device -> CPU storage
   at::Tensor operator()(const at::Tensor& device_tensor);
 };
 // The CPU alias of a (defined) neuron tensor; anything else as it is.
