@@ -321,6 +321,16 @@ class NeuronDeviceProperties:
     instance: str
     cores_per_chip: int
 
+    @property
+    def major(self) -> int:
+        """The NeuronCore version (v2 on trn1, v3 on trn2, v4 on trn3): `get_device_capability`'s first number,
+        under torch.cuda's attribute name (CUDA scripts gate features on `props.major`)."""
+        return int(self.core_version.rsplit("v", 1)[1])
+
+    @property
+    def minor(self) -> int:
+        return 0
+
     def __repr__(self) -> str:
         return (f"NeuronDeviceProperties(name='{self.name}', total_memory={self.total_memory >> 20}MB, "
                 f"core={self.core_version}, logical_core={self.logical_core}, lnc={self.physical_cores}, "
@@ -359,8 +369,8 @@ def get_device_name(device: _device_t = None) -> str:
 
 def get_device_capability(device: _device_t = None) -> tuple[int, int]:
     """The NeuronCore version as (major, 0): v2 on trn1, v3 on trn2, v4 on trn3."""
-    get_device_properties(device)  # validates the index as CUDA does
-    return int(config().chip.core_version.rsplit("v", 1)[1]), 0
+    props = get_device_properties(device)  # validates the index as CUDA does
+    return props.major, props.minor
 
 
 def synchronize(device: _device_t = None) -> None:

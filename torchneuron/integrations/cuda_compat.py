@@ -237,13 +237,24 @@ class _Generator(torch._C.Generator, metaclass=_CompatMeta):
         return torch._C.Generator(_dev(device, "torch.Generator(device=cuda)"))
 
 
+class _AcceptsMeta(type):
+    """isinstance(x, cls) also holds for instances of `cls._accepts` (set on the class itself, not inherited)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        accepts = cls.__dict__.get("_accepts")
+        return type.__instancecheck__(cls, obj) or (accepts is not None and isinstance(obj, accepts))
+
+
 def _compat_classes() -> dict[str, type]:
     """torch.cuda.Stream/Event replacements: neuron streams/events that also subclass the originals, so
-    isinstance(s, torch.cuda.Stream) holds whichever name the script kept."""
+    isinstance(s, torch.cuda.Stream) holds whichever name the script kept, and also for the streams and events
+    torch.neuron hands back (`torch.cuda.current_stream()`, `stream.record_event()`)."""
     import torch.cuda.streams as cs
     from torch.neuron import Event, Stream
 
-    class CudaStream(Stream, cs.Stream):
+    class CudaStream(Stream, cs.Stream, metaclass=_AcceptsMeta):
+        _accepts = Stream
+
         def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any):
             _record("torch.cuda.Stream")
             return Stream.__new__(cls, _dev(device, "torch.cuda.Stream"), priority, **kwargs)
@@ -251,7 +262,9 @@ def _compat_classes() -> dict[str, type]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:  # the dummy CUDA base's __init__ raises
             pass
 
-    class CudaEvent(Event, cs.Event):
+    class CudaEvent(Event, cs.Event, metaclass=_AcceptsMeta):
+        _accepts = Event
+
         def __new__(cls, *args: Any, **kwargs: Any):
             _record("torch.cuda.Event")
             return object.__new__(cls)
@@ -282,14 +295,20 @@ def _cuda_functions() -> dict[str, Callable]:
             "max_memory_reserved reset_peak_memory_stats reset_max_memory_allocated reset_accumulated_memory_stats "
             "memory_stats memory_summary empty_cache mem_get_info manual_seed manual_seed_all seed seed_all "
             "initial_seed get_rng_state get_rng_state_all set_rng_state set_rng_state_all get_device_name "
-            "get_device_properties get_device_capability is_initialized init").split()
+            "get_device_properties get_device_capability is_initialized init set_per_process_memory_fraction "
+            "get_per_process_memory_fraction").split()
     table: dict[str, Callable] = {name: getattr(n, name) for name in same}
     table |= {"is_available": lambda: n.device_count() > 0, "is_bf16_supported": lambda *a, **k: True,
               "memory_cached": n.memory_reserved, "max_memory_cached": n.max_memory_reserved,
-              "reset_max_memory_cached": n.reset_peak_memory_stats}
+              "reset_max_memory_cached": n.reset_peak_memory_stats,
+              "is_current_stream_capturing": lambda: False,  # neuron has no CUDA graphs: never capturing
+              "ipc_collect": lambda: None}  # neuron memory is never shared between processes: no IPC handles
     out = {}
     for name, target in table.items():
-        if isinstance(target, type):  # the context-manager classes (device, device_of, StreamContext): not counted
+        if name == "device":
+            out[name] = _device_class(target)
+            continue
+        if isinstance(target, type):  # the context-manager classes (device_of, StreamContext): not counted
             out[name] = target
             continue
         orig = getattr(torch.cuda, name)
@@ -303,6 +322,42 @@ def _cuda_functions() -> dict[str, Callable]:
         fn.__name__ = fn.__qualname__ = name
         out[name] = fn
     return out
+
+
+def _device_class(neuron_device: type) -> type:
+    """`with torch.cuda.device(torch.device("cuda", i))`: torch.neuron.device with the argument mapped."""
+    class device(neuron_device):
+        def __init__(self, device: Any) -> None:
+            super().__init__(_map_value(device, "torch.cuda.device"))
+
+    device.__module__, device.__qualname__ = "torch.cuda", "device"
+    return device
+
+
+def _autocast_queries() -> list[Redirect]:
+    """torch.is_autocast_enabled() / ("cuda"), torch.get_autocast_dtype("cuda"), torch.get_autocast_gpu_dtype():
+    the script asks about the autocast it entered with "cuda", which runs on neuron (modelling code branches on
+    them: `if torch.is_autocast_enabled(): dtype = torch.get_autocast_gpu_dtype()`). torch's own calls (autocast's
+    __init__ asking CUDA's default dtype) get the original."""
+    dtype_of = torch.get_autocast_dtype
+
+    def query(name: str, orig: Callable) -> Callable:
+        @functools.wraps(orig)
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            if _from_torch():
+                return orig(*args, **kwargs)
+            if name == "get_autocast_gpu_dtype":
+                _record("torch.get_autocast_gpu_dtype")
+                return dtype_of("neuron")
+            if not args and not kwargs and name == "is_autocast_enabled":  # no argument: CUDA's state
+                _record("torch.is_autocast_enabled()")
+                return orig("neuron")
+            api = f"torch.{name}(cuda)"
+            return orig(*(_map_value(a, api) for a in args), **{k: _map_value(v, api) for k, v in kwargs.items()})
+        return fn
+
+    names = ("is_autocast_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype")
+    return [Redirect(torch, n, lambda f, n=n: query(n, f)) for n in names]
 
 
 _RANGES = threading.local()  # the open NVTX-style ranges of this thread: a push/pop stack and start/end handles
@@ -371,7 +426,12 @@ def _constructor_rows() -> list[Redirect]:
         Redirect(torch.utils.data.DataLoader, "__init__", _loader_init),
         Redirect(torch._TorchCompileInductorWrapper, "__init__", _compile_mode),
         Redirect(torch._TorchCompileWrapper, "__init__", _compile_mode),
-        Redirect(torch.profiler.profiler._KinetoProfile, "__init__", _profiler_init)]
+        Redirect(torch.profiler.profiler._KinetoProfile, "__init__", _profiler_init),
+        Redirect(torch, "set_default_device", lambda f: _map_args(f, "torch.set_default_device(cuda)", ("device",))),
+        Redirect(torch.amp, "custom_fwd", lambda f: _map_args(f, "torch.amp.custom_fwd(device_type=cuda)",
+                                                              ("device_type",))),
+        Redirect(torch.amp, "custom_bwd", lambda f: _map_args(f, "torch.amp.custom_bwd(device_type=cuda)",
+                                                              ("device_type",)))]
 
 
 def _module_storage_rows() -> list[Redirect]:
@@ -425,7 +485,8 @@ def _torch_cuda_rows() -> list[Redirect]:
     classes = _compat_classes()
     rows = [Redirect(cs.Stream, "__new__", lambda f: _builds(classes["Stream"])),  # names imported before enable()
             Redirect(cs.Event, "__new__", lambda f: _builds(classes["Event"]))]
-    return rows + [Redirect(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **classes}.items()]
+    functions = [Redirect(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **classes}.items()]
+    return rows + functions + _autocast_queries()
 
 
 def _nvtx_rows() -> list[Redirect]:
