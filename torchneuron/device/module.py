@@ -16,7 +16,7 @@ import torch
 from .. import _C
 from ..hardware import config as _config
 from ..runtime import patches
-from . import flex_attention
+from . import flex_attention, parallel
 from .storage import STORAGE_CLASSES
 
 _registered = _initialized = _warned = False  # _initialized: usable (validated), as torch.cuda.is_initialized
@@ -52,7 +52,7 @@ def register() -> None:
         atexit.register(_at_exit)  # registered at `import torch`: runs after the atexit handlers of the program
         os.register_at_fork(before=_C._drain_all)  # the child's copy of memory holds finished results
     for p in (NEURON_DEVICE, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD,
-              STORAGE_CLASSES, flex_attention.WIDEN_DEVICE_CHECK):
+              STORAGE_CLASSES, flex_attention.WIDEN_DEVICE_CHECK, parallel.DATA_PARALLEL_COMM):
         patches.apply(p)
     if cfg is not None and cfg.stream_check:  # TORCHNEURON_STREAM_CHECK=1
         from . import stream_check
