@@ -94,5 +94,5 @@ def test_data_parallel_matches_the_cpu(device_ids):
         expected.pow(2).mean().backward()
         ropt.step()
         assert torch.allclose(out.detach().cpu(), expected.detach(), atol=1e-5)
-    for p, r in zip(net.parameters(), ref.parameters()):
+    for p, r in zip(net.parameters(), ref.parameters(), strict=True):
         assert p.device.index == ids[0] and torch.allclose(p.detach().cpu(), r.detach(), atol=1e-5)
