@@ -238,12 +238,21 @@ def test_cuda_idioms_the_first_probe_battery_broke():
         torch.set_default_device("cuda")
         assert torch.empty(1).device == torch.device("neuron", 0)
         torch.set_default_device(None)
+        import torch.distributed as dist  # gloo carries CUDA tensors on CUDA: here neuron's go to the neuron backend
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1).cuda())
+        ddp(torch.ones(3, 2, device="cuda")).sum().backward()
+        t = torch.arange(3.0, device="cuda")
+        dist.all_reduce(t)
+        assert dist.get_backend() == "gloo" and torch.equal(t.cpu(), torch.arange(3.0))
+        dist.destroy_process_group()
         p = torch.cuda.get_device_properties(0)
         assert (p.major, p.minor) == torch.cuda.get_device_capability(0) == torch.neuron.get_device_capability(0)
         r = compat.redirects()
         for api in ("torch.cuda.device", "torch.is_autocast_enabled()", "torch.is_autocast_enabled(cuda)",
                     "torch.get_autocast_gpu_dtype", "torch.amp.custom_fwd(device_type=cuda)",
-                    "torch.cuda.set_per_process_memory_fraction", "torch.set_default_device(cuda)"):
+                    "torch.cuda.set_per_process_memory_fraction", "torch.set_default_device(cuda)",
+                    "torch.distributed backend 'gloo' (cuda tensors)"):
             assert api in r, (api, sorted(r))
     """, env={"PYTHONWARNINGS": "ignore"})
 

@@ -217,6 +217,20 @@ def _backend_new(orig: Callable) -> Callable:
     return staticmethod(__new__)
 
 
+def _backend_config_init(orig: Callable) -> Callable:
+    """A group made with "gloo" carries CUDA tensors on CUDA (gloo's capability lists cpu and cuda), so here its
+    neuron tensors go to the neuron backend (gloo on host views of device memory); `dist.get_backend()` stays
+    "gloo"."""
+    @functools.wraps(orig)
+    def __init__(self, backend: Any) -> None:
+        orig(self, backend)
+        m = self.device_backend_map
+        if m.get("cuda") == "gloo" and "neuron" not in m:
+            _record("torch.distributed backend 'gloo' (cuda tensors)")
+            m["neuron"] = torch.distributed.Backend("neuron")
+    return __init__
+
+
 def _restore_location(orig: Callable) -> Callable:
     """Checkpoint storages saved on, or mapped to, cuda are restored on neuron."""
     @functools.wraps(orig)
@@ -470,7 +484,8 @@ def _distributed_rows() -> list[Redirect]:
     if dist.is_available():
         import torch.distributed.device_mesh as dm
         c10d = dist.distributed_c10d
-        rows += [Redirect(dm.DeviceMesh, "__init__", lambda f: _map_args(f, "DeviceMesh(cuda)", ("device_type",))),
+        rows += [Redirect(c10d.BackendConfig, "__init__", _backend_config_init),
+                 Redirect(dm.DeviceMesh, "__init__", lambda f: _map_args(f, "DeviceMesh(cuda)", ("device_type",))),
                  Redirect(dm, "init_device_mesh", lambda f: _map_args(f, "init_device_mesh(cuda)", ("device_type",))),
                  Redirect(dist, "init_device_mesh", lambda f: dm.init_device_mesh),
                  Redirect(c10d, "init_process_group", lambda f: _map_args(f, "init_process_group(device_id=cuda)",
@@ -539,6 +554,7 @@ COMPAT = (  # applied in this order by enable(); the mode last
         "test_module_to_cuda_keeps_parameters", _redirecting(lambda: [Redirect(torch.nn.Module, "to", _module_to)])),
     _compat_patch(
         "cuda-compat-distributed", "DistributedDataParallel.__init__, torch.distributed.Backend.__new__, "
+        "BackendConfig.__init__ (gloo also carries neuron tensors), "
         "is_nccl_available, init_process_group, DeviceMesh, init_device_mesh",
         "nccl and cuda device ids and meshes become the neuron backend and devices",
         "test_ddp_under_torchrun_with_nccl", _redirecting(_distributed_rows)),
