@@ -238,6 +238,17 @@ def test_cuda_idioms_the_first_probe_battery_broke():
         torch.set_default_device("cuda")
         assert torch.empty(1).device == torch.device("neuron", 0)
         torch.set_default_device(None)
+        # the legacy types (`Tensor = torch.cuda.FloatTensor`): what the CPU type builds, on neuron
+        z = torch.cuda.FloatTensor(2, 3).zero_()
+        assert z.device.type == "neuron" and z.shape == (2, 3) and isinstance(z, torch.cuda.FloatTensor)
+        assert torch.equal(torch.cuda.LongTensor([1, 2]).cpu(), torch.LongTensor([1, 2]))
+        assert not isinstance(z, torch.cuda.HalfTensor) and not isinstance(z.cpu(), torch.cuda.FloatTensor)
+        h = torch.ones(2).type(torch.cuda.HalfTensor)
+        assert h.device.type == "neuron" and h.dtype == torch.float16 and z.type("torch.cuda.DoubleTensor").is_cuda
+        torch.set_default_tensor_type(torch.cuda.HalfTensor)  # LLaMA's reference code
+        assert torch.empty(1).device.type == "neuron" and torch.empty(1).dtype == torch.float16
+        torch.set_default_tensor_type(torch.FloatTensor)
+        assert torch.empty(1).device.type == "cpu" and torch.empty(1).dtype == torch.float32
         import torch.distributed as dist  # gloo carries CUDA tensors on CUDA: here neuron's go to the neuron backend
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1).cuda())
@@ -252,7 +263,8 @@ def test_cuda_idioms_the_first_probe_battery_broke():
         for api in ("torch.cuda.device", "torch.is_autocast_enabled()", "torch.is_autocast_enabled(cuda)",
                     "torch.get_autocast_gpu_dtype", "torch.amp.custom_fwd(device_type=cuda)",
                     "torch.cuda.set_per_process_memory_fraction", "torch.set_default_device(cuda)",
-                    "torch.distributed backend 'gloo' (cuda tensors)"):
+                    "torch.distributed backend 'gloo' (cuda tensors)", "torch.cuda.FloatTensor",
+                    "Tensor.type(torch.cuda.*Tensor)", "torch.set_default_tensor_type(cuda)"):
             assert api in r, (api, sorted(r))
     """, env={"PYTHONWARNINGS": "ignore"})
 

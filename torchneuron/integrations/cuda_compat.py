@@ -103,11 +103,72 @@ class _DeviceMode(TorchFunctionMode):
             func = torch.Tensor.neuron
             if len(args) > 1:
                 args = (args[0], _dev(args[1], "Tensor.cuda"), *args[2:])
+        elif func is torch.Tensor.type and (legacy := _legacy(args[1] if len(args) > 1 else kwargs.get("dtype"))):
+            _record("Tensor.type(torch.cuda.*Tensor)")
+            return args[0].to("neuron", legacy.dtype, non_blocking=kwargs.get("non_blocking", False))
         elif func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _dev(args[1], lambda: "Tensor.to(cuda)"), *args[2:])
         if "device" in kwargs:
             kwargs["device"] = _dev(kwargs["device"], lambda: f"{resolve_name(func) or func}(device=cuda)")
         return func(*args, **kwargs)
+
+
+class _LegacyType(type):
+    """torch.cuda.FloatTensor & co (older scripts: `Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor`):
+    calling one builds what the CPU type builds (a size, data, a torch.Size), on neuron; `isinstance` holds for
+    neuron tensors of its dtype; `x.type(torch.cuda.HalfTensor)` and `set_default_tensor_type` accept it."""
+
+    dtype: torch.dtype
+    cpu: Any  # the CPU legacy type of the same dtype (torch.FloatTensor for torch.cuda.FloatTensor)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> torch.Tensor:
+        _record(f"torch.cuda.{cls.__name__}")
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):
+            return args[0].to("neuron", cls.dtype)
+        return cls.cpu(*args, **kwargs).to("neuron")
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor) and obj.device.type == "neuron" and obj.dtype == cls.dtype
+
+    def __repr__(cls) -> str:
+        return f"<class 'torch.cuda.{cls.__name__}'>"
+
+
+LEGACY_TYPES: dict[str, _LegacyType] = {
+    name: _LegacyType(name, (), {"dtype": getattr(torch, name).dtype, "cpu": getattr(torch, name), "is_cuda": True,
+                                 "__module__": "torch.cuda"})
+    for name in ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
+                 "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")}
+
+
+def _legacy(t: Any) -> _LegacyType | None:
+    """The compat legacy type that `t` names (the class, or its "torch.cuda.FloatTensor" string), else None."""
+    if isinstance(t, _LegacyType):
+        return t
+    if isinstance(t, str) and t.startswith("torch.cuda."):
+        return LEGACY_TYPES.get(t[len("torch.cuda."):])
+    return None
+
+
+_DEFAULT = threading.local()  # on_neuron: a torch.cuda type made neuron the default device (thread-local, as it)
+
+
+def _set_default_tensor_type(orig: Callable) -> Callable:
+    """set_default_tensor_type(torch.cuda.HalfTensor) (LLaMA's reference code): that dtype, on neuron by default;
+    a later CPU type puts the default device back, as on CUDA."""
+    @functools.wraps(orig)
+    def set_default_tensor_type(t: Any) -> None:
+        legacy = _legacy(t)
+        if legacy is None:
+            if getattr(_DEFAULT, "on_neuron", False):
+                torch.set_default_device(None)
+                _DEFAULT.on_neuron = False
+            return orig(t)
+        _record("torch.set_default_tensor_type(cuda)")
+        orig(legacy.cpu)  # PyTorch's own checks (floating types only) and default dtype
+        torch.set_default_device("neuron")
+        _DEFAULT.on_neuron = True
+    return set_default_tensor_type
 
 
 def _quietly(api: str, fn: Callable) -> Callable:
@@ -441,6 +502,8 @@ def _constructor_rows() -> list[Redirect]:
         Redirect(torch._TorchCompileInductorWrapper, "__init__", _compile_mode),
         Redirect(torch._TorchCompileWrapper, "__init__", _compile_mode),
         Redirect(torch.profiler.profiler._KinetoProfile, "__init__", _profiler_init),
+        Redirect(torch, "set_default_tensor_type", _set_default_tensor_type),
+        *(Redirect(torch.cuda, name, lambda f, t=t: t) for name, t in LEGACY_TYPES.items()),
         Redirect(torch, "set_default_device", lambda f: _map_args(f, "torch.set_default_device(cuda)", ("device",))),
         Redirect(torch.amp, "custom_fwd", lambda f: _map_args(f, "torch.amp.custom_fwd(device_type=cuda)",
                                                               ("device_type",))),
@@ -540,8 +603,10 @@ def _compat_patch(name: str, target: str, why: str, test: str, apply: Callable[[
 COMPAT = (  # applied in this order by enable(); the mode last
     _compat_patch(
         "cuda-compat-constructors", "__init__ of torch.autocast, torch.amp.GradScaler, DataLoader, torch.compile's "
-        "wrappers, torch.profiler.profile; torch.Generator", "device_type='cuda', CUDA-graph compile modes, "
-        "ProfilerActivity.CUDA and pin_memory_device='cuda' target neuron",
+        "wrappers, torch.profiler.profile; torch.Generator, torch.set_default_device, set_default_tensor_type, "
+        "torch.amp.custom_fwd/custom_bwd, the legacy torch.cuda.*Tensor types", "device_type='cuda', CUDA-graph "
+        "compile modes, ProfilerActivity.CUDA, pin_memory_device='cuda', default devices and legacy types target "
+        "neuron",
         "test_redirect_depth_isinstance_and_compile", _redirecting(_constructor_rows)),
     _compat_patch(
         "cuda-compat-module-storage", "torch.nn.Module.cuda, UntypedStorage/TypedStorage .cuda and .is_cuda, "
