@@ -249,6 +249,21 @@ def test_cuda_idioms_the_first_probe_battery_broke():
         assert torch.empty(1).device.type == "neuron" and torch.empty(1).dtype == torch.float16
         torch.set_default_tensor_type(torch.FloatTensor)
         assert torch.empty(1).device.type == "cpu" and torch.empty(1).dtype == torch.float32
+        torch.cuda.random.manual_seed(4)  # the submodules' names too
+        assert torch.cuda.random.get_rng_state().equal(torch.neuron.get_rng_state())
+        assert torch.cuda.memory.memory_allocated() == torch.neuron.memory_allocated() > 0
+        torch.cuda.memory._record_memory_history(max_entries=100)
+        kept = torch.ones(256, device="cuda")
+        assert any(b["size"] >= 1024 for seg in torch.cuda.memory._snapshot()["segments"] for b in seg["blocks"])
+        torch.cuda.memory._record_memory_history(enabled=None)
+        torch.cuda.set_sync_debug_mode("warn")
+        assert torch.cuda.get_sync_debug_mode() == 0  # neuron has no CUDA syncs to warn about
+        for make in (torch.cuda.CUDAGraph, lambda: torch.cuda.make_graphed_callables(torch.nn.Linear(1, 1), (a,))):
+            try:
+                make()
+                raise AssertionError("CUDA graphs must raise")
+            except RuntimeError as e:
+                assert "CUDA graphs" in str(e) and "neuron" in str(e), e
         import torch.distributed as dist  # gloo carries CUDA tensors on CUDA: here neuron's go to the neuron backend
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
         ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1).cuda())
@@ -264,7 +279,9 @@ def test_cuda_idioms_the_first_probe_battery_broke():
                     "torch.get_autocast_gpu_dtype", "torch.amp.custom_fwd(device_type=cuda)",
                     "torch.cuda.set_per_process_memory_fraction", "torch.set_default_device(cuda)",
                     "torch.distributed backend 'gloo' (cuda tensors)", "torch.cuda.FloatTensor",
-                    "Tensor.type(torch.cuda.*Tensor)", "torch.set_default_tensor_type(cuda)"):
+                    "Tensor.type(torch.cuda.*Tensor)", "torch.set_default_tensor_type(cuda)",
+                    "torch.cuda.manual_seed", "torch.cuda.memory._record_memory_history",
+                    "torch.cuda.CUDAGraph"):
             assert api in r, (api, sorted(r))
     """, env={"PYTHONWARNINGS": "ignore"})
 

@@ -347,6 +347,18 @@ def _compat_classes() -> dict[str, type]:
     return {"Stream": CudaStream, "Event": CudaEvent}
 
 
+class _NoCUDAGraph:
+    """torch.cuda.CUDAGraph (and so torch.cuda.graph and make_graphed_callables, which build one): an error that
+    says what to do, instead of PyTorch's "Tried to instantiate dummy base class CUDAGraph"."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        _record("torch.cuda.CUDAGraph")
+        raise RuntimeError(
+            "CUDA graphs (torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.make_graphed_callables) do not exist on "
+            "neuron: run the captured code eagerly, or compile it with torch.compile (mode='reduce-overhead' runs "
+            "without CUDA graphs under CUDA compatibility mode). See docs/compat.md")
+
+
 def _builds(new: type) -> staticmethod:
     """A `__new__` for a replaced class: constructing it (under a name kept from before) builds `new` instead."""
     def __new__(cls, *args: Any, **kwargs: Any):
@@ -371,13 +383,15 @@ def _cuda_functions() -> dict[str, Callable]:
             "memory_stats memory_summary empty_cache mem_get_info manual_seed manual_seed_all seed seed_all "
             "initial_seed get_rng_state get_rng_state_all set_rng_state set_rng_state_all get_device_name "
             "get_device_properties get_device_capability is_initialized init set_per_process_memory_fraction "
-            "get_per_process_memory_fraction").split()
+            "get_per_process_memory_fraction memory_snapshot").split()
     table: dict[str, Callable] = {name: getattr(n, name) for name in same}
     table |= {"is_available": lambda: n.device_count() > 0, "is_bf16_supported": lambda *a, **k: True,
               "memory_cached": n.memory_reserved, "max_memory_cached": n.max_memory_reserved,
               "reset_max_memory_cached": n.reset_peak_memory_stats,
               "is_current_stream_capturing": lambda: False,  # neuron has no CUDA graphs: never capturing
-              "ipc_collect": lambda: None}  # neuron memory is never shared between processes: no IPC handles
+              "ipc_collect": lambda: None,  # neuron memory is never shared between processes: no IPC handles
+              # CUDA's sync debug mode warns at host syncs of CUDA ops; neuron has none to report: off, always
+              "set_sync_debug_mode": lambda debug_mode: None, "get_sync_debug_mode": lambda: 0}
     out = {}
     for name, target in table.items():
         if name == "device":
@@ -386,17 +400,19 @@ def _cuda_functions() -> dict[str, Callable]:
         if isinstance(target, type):  # the context-manager classes (device_of, StreamContext): not counted
             out[name] = target
             continue
-        orig = getattr(torch.cuda, name)
-
-        def fn(*args, _name=name, _target=target, _orig=orig, **kwargs):
-            if _from_torch():
-                return _orig(*args, **kwargs)
-            api = f"torch.cuda.{_name}"
-            _record(api)
-            return _target(*(_map_value(a, api) for a in args), **{k: _map_value(v, api) for k, v in kwargs.items()})
-        fn.__name__ = fn.__qualname__ = name
-        out[name] = fn
+        out[name] = _for_the_script(f"torch.cuda.{name}", target, getattr(torch.cuda, name))
     return out
+
+
+def _for_the_script(api: str, target: Callable, orig: Callable) -> Callable:
+    """`target` (device arguments mapped, the call counted as `api`) for the script's calls; `orig` for torch's."""
+    @functools.wraps(orig)
+    def fn(*args, **kwargs):
+        if _from_torch():
+            return orig(*args, **kwargs)
+        _record(api)
+        return target(*(_map_value(a, api) for a in args), **{k: _map_value(v, api) for k, v in kwargs.items()})
+    return fn
 
 
 def _device_class(neuron_device: type) -> type:
@@ -563,7 +579,17 @@ def _torch_cuda_rows() -> list[Redirect]:
     classes = _compat_classes()
     rows = [Redirect(cs.Stream, "__new__", lambda f: _builds(classes["Stream"])),  # names imported before enable()
             Redirect(cs.Event, "__new__", lambda f: _builds(classes["Event"]))]
-    functions = [Redirect(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **classes}.items()]
+    rows += [Redirect(torch.cuda, "CUDAGraph", lambda f: _NoCUDAGraph),
+             Redirect(torch.cuda.graphs, "CUDAGraph", lambda f: _NoCUDAGraph)]  # make_graphed_callables' name
+    table = _cuda_functions()
+    functions = [Redirect(torch.cuda, name, lambda f, v=v: v) for name, v in {**table, **classes}.items()]
+    # the same functions under their submodules' names (torch.cuda.random.manual_seed, torch.cuda.memory.*)
+    for mod in (torch.cuda.random, torch.cuda.memory):
+        functions += [Redirect(mod, name, lambda f, v=v: v) for name, v in table.items()
+                      if vars(mod).get(name) is getattr(torch.cuda, name, None) is not None]
+    functions += [Redirect(torch.cuda.memory, name, lambda f, name=name: _for_the_script(
+        f"torch.cuda.memory.{name}", getattr(torch.neuron.memory, name), f))
+        for name in ("_record_memory_history", "_snapshot", "_dump_snapshot")]  # PyTorch's memory-debugging recipe
     return rows + functions + _autocast_queries()
 
 
