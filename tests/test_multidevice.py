@@ -82,14 +82,14 @@ def test_data_parallel_matches_the_cpu(device_ids):
     ids = device_ids or list(range(torch.neuron.device_count()))
     model = nn.DataParallel(net.to(f"neuron:{ids[0]}"), device_ids=device_ids)
     opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    x = torch.randn(12, 5)
+    x = torch.randn(6, 5)  # on 4 cores chunk() gives 3 pieces: DataParallel then uses 3 replicas, as on CUDA
     for inputs in (x, x.to(f"neuron:{ids[-1]}")):  # a host batch, then one on another core
         out = model(inputs)
         assert out.device == torch.device("neuron", ids[0])
         opt.zero_grad()
         out.pow(2).mean().backward()
         opt.step()
-        expected = torch.cat([ref(c) for c in x.chunk(len(ids))])
+        expected = torch.cat([ref(c) for c in x.chunk(len(ids))])  # BatchNorm: each replica's own statistics
         ropt.zero_grad()
         expected.pow(2).mean().backward()
         ropt.step()

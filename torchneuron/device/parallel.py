@@ -38,7 +38,8 @@ def _scatter(orig: Callable) -> Callable:
             return tuple(out)
         targets = [_neuron(_get_device_index(d)) for d in devices]
         chunks = tensor.split(list(chunk_sizes), dim) if chunk_sizes else tensor.chunk(len(targets), dim)
-        return tuple(c.to(d) for c, d in zip(chunks, targets, strict=True))
+        # as CUDA's: a batch smaller than the device count (chunk gives fewer pieces) fills the first devices only
+        return tuple(c.to(d) for c, d in zip(chunks, targets, strict=False))
     return scatter
 
 
