@@ -7,6 +7,7 @@ import functools
 import json
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,124 @@ def test_module_to_cuda_keeps_parameters():
         assert opt.param_groups[0]["params"][0] is w and w.grad.device.type == "neuron"
         assert sum(compat.redirects()["Module.to(cuda)"].values()) == 2, compat.redirects()
     """, env={"PYTHONWARNINGS": "ignore"})
+
+
+def test_cuda_idioms_the_first_probe_battery_broke():
+    """CUDA idioms that crashed or silently diverged under compat mode (a battery of unmodified snippets): each
+    now behaves as on CUDA, checked against the neuron call it stands for or CUDA's documented answer."""
+    run_py("""
+        import torch
+        from torchneuron.integrations import cuda_compat as compat
+        compat.enable()
+        with torch.cuda.device(torch.device("cuda", 1)):  # was "expected a neuron device, got cuda:1"
+            assert torch.cuda.current_device() == 1 and torch.zeros(1, device="cuda").device.index == 1
+        assert torch.cuda.current_device() == 0
+        # streams and events torch.neuron hands back are torch.cuda.Stream/Event too
+        assert isinstance(torch.cuda.default_stream(0), torch.cuda.Stream)
+        assert isinstance(torch.cuda.current_stream().record_event(), torch.cuda.Event)
+        assert not isinstance(torch.neuron.Event(), torch.cuda.Stream)
+        # autocast entered with "cuda" is what the script's queries see (HF modelling code branches on them)
+        a = torch.ones(2, 2, device="cuda")
+        assert not torch.is_autocast_enabled()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert torch.is_autocast_enabled() and torch.is_autocast_enabled("cuda")
+            assert torch.get_autocast_dtype("cuda") == torch.bfloat16 == torch.get_autocast_gpu_dtype()
+            assert not torch.is_autocast_enabled("cpu")
+
+        class Fp32MM(torch.autograd.Function):  # custom_fwd(cast_inputs=...) must cast and run autocast-free
+            @staticmethod
+            @torch.amp.custom_fwd(device_type="cuda", cast_inputs=torch.float32)
+            def forward(ctx, x):
+                assert not torch.is_autocast_enabled("neuron")
+                return x @ x
+
+            @staticmethod
+            @torch.amp.custom_bwd(device_type="cuda")
+            def backward(ctx, g):
+                return g
+
+        with torch.autocast("cuda"):
+            assert (a @ a).dtype == torch.float16 and Fp32MM.apply(a.half()).dtype == torch.float32
+        # memory fraction (was "Torch not compiled with CUDA enabled"): the neuron allocator's cap
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(0.01)
+        assert torch.cuda.get_per_process_memory_fraction() == torch.neuron.get_per_process_memory_fraction() == 0.01
+        try:
+            torch.empty(total // 50, dtype=torch.uint8, device="cuda")
+            raise AssertionError("no OutOfMemoryError past the fraction")
+        except torch.cuda.OutOfMemoryError:
+            pass
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        assert torch.cuda.is_current_stream_capturing() is False and torch.cuda.ipc_collect() is None
+        torch.set_default_device("cuda")
+        assert torch.empty(1).device == torch.device("neuron", 0)
+        torch.set_default_device(None)
+        # the legacy types (`Tensor = torch.cuda.FloatTensor`): what the CPU type builds, on neuron
+        z = torch.cuda.FloatTensor(2, 3).zero_()
+        assert z.device.type == "neuron" and z.shape == (2, 3) and isinstance(z, torch.cuda.FloatTensor)
+        assert torch.equal(torch.cuda.LongTensor([1, 2]).cpu(), torch.LongTensor([1, 2]))
+        assert not isinstance(z, torch.cuda.HalfTensor) and not isinstance(z.cpu(), torch.cuda.FloatTensor)
+        h = torch.ones(2).type(torch.cuda.HalfTensor)
+        assert h.device.type == "neuron" and h.dtype == torch.float16 and z.type("torch.cuda.DoubleTensor").is_cuda
+        torch.set_default_tensor_type(torch.cuda.HalfTensor)  # LLaMA's reference code
+        assert torch.empty(1).device.type == "neuron" and torch.empty(1).dtype == torch.float16
+        torch.set_default_tensor_type(torch.FloatTensor)
+        assert torch.empty(1).device.type == "cpu" and torch.empty(1).dtype == torch.float32
+        torch.cuda.random.manual_seed(4)  # the submodules' names too
+        assert torch.cuda.random.get_rng_state().equal(torch.neuron.get_rng_state())
+        assert torch.cuda.memory.memory_allocated() == torch.neuron.memory_allocated() > 0
+        torch.cuda.memory._record_memory_history(max_entries=100)
+        kept = torch.ones(256, device="cuda")
+        assert any(b["size"] >= 1024 for seg in torch.cuda.memory._snapshot()["segments"] for b in seg["blocks"])
+        torch.cuda.memory._record_memory_history(enabled=None)
+        torch.cuda.set_sync_debug_mode("warn")
+        assert torch.cuda.get_sync_debug_mode() == 0  # neuron has no CUDA syncs to warn about
+        for make in (torch.cuda.CUDAGraph, lambda: torch.cuda.make_graphed_callables(torch.nn.Linear(1, 1), (a,))):
+            try:
+                make()
+                raise AssertionError("CUDA graphs must raise")
+            except RuntimeError as e:
+                assert "CUDA graphs" in str(e) and "neuron" in str(e), e
+        import torch.distributed as dist  # gloo carries CUDA tensors on CUDA: here neuron's go to the neuron backend
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1).cuda())
+        ddp(torch.ones(3, 2, device="cuda")).sum().backward()
+        t = torch.arange(3.0, device="cuda")
+        dist.all_reduce(t)
+        assert dist.get_backend() == "gloo" and torch.equal(t.cpu(), torch.arange(3.0))
+        dist.destroy_process_group()
+        p = torch.cuda.get_device_properties(0)
+        assert (p.major, p.minor) == torch.cuda.get_device_capability(0) == torch.neuron.get_device_capability(0)
+        r = compat.redirects()
+        for api in ("torch.cuda.device", "torch.is_autocast_enabled()", "torch.is_autocast_enabled(cuda)",
+                    "torch.get_autocast_gpu_dtype", "torch.amp.custom_fwd(device_type=cuda)",
+                    "torch.cuda.set_per_process_memory_fraction", "torch.set_default_device(cuda)",
+                    "torch.distributed backend 'gloo' (cuda tensors)", "torch.cuda.FloatTensor",
+                    "Tensor.type(torch.cuda.*Tensor)", "torch.set_default_tensor_type(cuda)",
+                    "torch.cuda.manual_seed", "torch.cuda.memory._record_memory_history",
+                    "torch.cuda.CUDAGraph"):
+            assert api in r, (api, sorted(r))
+    """, env={"PYTHONWARNINGS": "ignore"})
+
+
+def test_processes_a_run_script_spawns_run_in_the_mode(tmp_path):
+    """`torchneuron run` puts the mode in the environment, so mp.spawn workers (fresh interpreters) see
+    torch.cuda redirected too; before, `torch.cuda.set_device(rank)` in a worker failed (no CUDA build)."""
+    script = tmp_path / "spawn.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.multiprocessing as mp
+
+        def worker(rank, q):
+            torch.cuda.set_device(rank)
+            q.put((rank, torch.ones(2, device="cuda").device.index, torch.cuda.current_device()))
+
+        if __name__ == "__main__":
+            q = mp.get_context("spawn").SimpleQueue()
+            mp.spawn(worker, args=(q,), nprocs=2)
+            print(sorted(q.get() for _ in range(2)))
+    """))
+    p = run_script([sys.executable, "-m", "torchneuron.cli", "run", str(script)], _env(), tmp_path)
+    assert "[(0, 0, 0), (1, 1, 1)]" in p.stdout, p.stdout + p.stderr
 
 
 @pytest.fixture(scope="module")

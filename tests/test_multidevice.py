@@ -68,3 +68,31 @@ def test_model_on_second_device_trains():
         loss.backward()
         opt.step()
     assert all(p.grad.device.index == 1 for p in m.parameters())
+
+
+@pytest.mark.parametrize("device_ids", [None, [0], [1, 3]])
+def test_data_parallel_matches_the_cpu(device_ids):
+    """nn.DataParallel scatters the batch over the cores, runs a replica on each (BatchNorm sees its own chunk)
+    and gathers on the first: two SGD steps equal the CPU running the chunks one by one. PyTorch's comm functions
+    are CUDA-only C++, so this raised AttributeError (torch._C._scatter) before, on one core too."""
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))  # noqa: E731
+    net, ref = make(), make()
+    ref.load_state_dict(net.state_dict())
+    ids = device_ids or list(range(torch.neuron.device_count()))
+    model = nn.DataParallel(net.to(f"neuron:{ids[0]}"), device_ids=device_ids)
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(6, 5)  # on 4 cores chunk() gives 3 pieces: DataParallel then uses 3 replicas, as on CUDA
+    for inputs in (x, x.to(f"neuron:{ids[-1]}")):  # a host batch, then one on another core
+        out = model(inputs)
+        assert out.device == torch.device("neuron", ids[0])
+        opt.zero_grad()
+        out.pow(2).mean().backward()
+        opt.step()
+        expected = torch.cat([ref(c) for c in x.chunk(len(ids))])  # BatchNorm: each replica's own statistics
+        ropt.zero_grad()
+        expected.pow(2).mean().backward()
+        ropt.step()
+        assert torch.allclose(out.detach().cpu(), expected.detach(), atol=1e-5)
+    for p, r in zip(net.parameters(), ref.parameters(), strict=True):
+        assert p.device.index == ids[0] and torch.allclose(p.detach().cpu(), r.detach(), atol=1e-5)

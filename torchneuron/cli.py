@@ -57,6 +57,7 @@ def _run(a: argparse.Namespace) -> int:
     if not os.path.isfile(a.script):
         a.parser.error(f"no such script: {a.script}")
     cuda_compat.enable()
+    os.environ["TORCHNEURON_CUDA_COMPAT"] = "1"  # processes the script starts (mp.spawn, subprocess) run in the mode
     sys.argv = [a.script, *a.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
     try:

@@ -16,7 +16,7 @@ import torch
 from .. import _C
 from ..hardware import config as _config
 from ..runtime import patches
-from . import flex_attention
+from . import flex_attention, parallel
 from .storage import STORAGE_CLASSES
 
 _registered = _initialized = _warned = False  # _initialized: usable (validated), as torch.cuda.is_initialized
@@ -52,7 +52,7 @@ def register() -> None:
         atexit.register(_at_exit)  # registered at `import torch`: runs after the atexit handlers of the program
         os.register_at_fork(before=_C._drain_all)  # the child's copy of memory holds finished results
     for p in (NEURON_DEVICE, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD,
-              STORAGE_CLASSES, flex_attention.WIDEN_DEVICE_CHECK):
+              STORAGE_CLASSES, flex_attention.WIDEN_DEVICE_CHECK, parallel.DATA_PARALLEL_COMM):
         patches.apply(p)
     if cfg is not None and cfg.stream_check:  # TORCHNEURON_STREAM_CHECK=1
         from . import stream_check
@@ -321,6 +321,16 @@ class NeuronDeviceProperties:
     instance: str
     cores_per_chip: int
 
+    @property
+    def major(self) -> int:
+        """The NeuronCore version (v2 on trn1, v3 on trn2, v4 on trn3): `get_device_capability`'s first number,
+        under torch.cuda's attribute name (CUDA scripts gate features on `props.major`)."""
+        return int(self.core_version.rsplit("v", 1)[1])
+
+    @property
+    def minor(self) -> int:
+        return 0
+
     def __repr__(self) -> str:
         return (f"NeuronDeviceProperties(name='{self.name}', total_memory={self.total_memory >> 20}MB, "
                 f"core={self.core_version}, logical_core={self.logical_core}, lnc={self.physical_cores}, "
@@ -359,8 +369,8 @@ def get_device_name(device: _device_t = None) -> str:
 
 def get_device_capability(device: _device_t = None) -> tuple[int, int]:
     """The NeuronCore version as (major, 0): v2 on trn1, v3 on trn2, v4 on trn3."""
-    get_device_properties(device)  # validates the index as CUDA does
-    return int(config().chip.core_version.rsplit("v", 1)[1]), 0
+    props = get_device_properties(device)  # validates the index as CUDA does
+    return props.major, props.minor
 
 
 def synchronize(device: _device_t = None) -> None:

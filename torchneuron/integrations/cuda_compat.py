@@ -103,11 +103,72 @@ class _DeviceMode(TorchFunctionMode):
             func = torch.Tensor.neuron
             if len(args) > 1:
                 args = (args[0], _dev(args[1], "Tensor.cuda"), *args[2:])
+        elif func is torch.Tensor.type and (legacy := _legacy(args[1] if len(args) > 1 else kwargs.get("dtype"))):
+            _record("Tensor.type(torch.cuda.*Tensor)")
+            return args[0].to("neuron", legacy.dtype, non_blocking=kwargs.get("non_blocking", False))
         elif func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _dev(args[1], lambda: "Tensor.to(cuda)"), *args[2:])
         if "device" in kwargs:
             kwargs["device"] = _dev(kwargs["device"], lambda: f"{resolve_name(func) or func}(device=cuda)")
         return func(*args, **kwargs)
+
+
+class _LegacyType(type):
+    """torch.cuda.FloatTensor & co (older scripts: `Tensor = torch.cuda.FloatTensor if cuda else torch.FloatTensor`):
+    calling one builds what the CPU type builds (a size, data, a torch.Size), on neuron; `isinstance` holds for
+    neuron tensors of its dtype; `x.type(torch.cuda.HalfTensor)` and `set_default_tensor_type` accept it."""
+
+    dtype: torch.dtype
+    cpu: Any  # the CPU legacy type of the same dtype (torch.FloatTensor for torch.cuda.FloatTensor)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> torch.Tensor:
+        _record(f"torch.cuda.{cls.__name__}")
+        if len(args) == 1 and isinstance(args[0], torch.Tensor):
+            return args[0].to("neuron", cls.dtype)
+        return cls.cpu(*args, **kwargs).to("neuron")
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, torch.Tensor) and obj.device.type == "neuron" and obj.dtype == cls.dtype
+
+    def __repr__(cls) -> str:
+        return f"<class 'torch.cuda.{cls.__name__}'>"
+
+
+LEGACY_TYPES: dict[str, _LegacyType] = {
+    name: _LegacyType(name, (), {"dtype": getattr(torch, name).dtype, "cpu": getattr(torch, name), "is_cuda": True,
+                                 "__module__": "torch.cuda"})
+    for name in ("FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "ByteTensor", "CharTensor",
+                 "ShortTensor", "IntTensor", "LongTensor", "BoolTensor")}
+
+
+def _legacy(t: Any) -> _LegacyType | None:
+    """The compat legacy type that `t` names (the class, or its "torch.cuda.FloatTensor" string), else None."""
+    if isinstance(t, _LegacyType):
+        return t
+    if isinstance(t, str) and t.startswith("torch.cuda."):
+        return LEGACY_TYPES.get(t[len("torch.cuda."):])
+    return None
+
+
+_DEFAULT = threading.local()  # on_neuron: a torch.cuda type made neuron the default device (thread-local, as it)
+
+
+def _set_default_tensor_type(orig: Callable) -> Callable:
+    """set_default_tensor_type(torch.cuda.HalfTensor) (LLaMA's reference code): that dtype, on neuron by default;
+    a later CPU type puts the default device back, as on CUDA."""
+    @functools.wraps(orig)
+    def set_default_tensor_type(t: Any) -> None:
+        legacy = _legacy(t)
+        if legacy is None:
+            if getattr(_DEFAULT, "on_neuron", False):
+                torch.set_default_device(None)
+                _DEFAULT.on_neuron = False
+            return orig(t)
+        _record("torch.set_default_tensor_type(cuda)")
+        orig(legacy.cpu)  # PyTorch's own checks (floating types only) and default dtype
+        torch.set_default_device("neuron")
+        _DEFAULT.on_neuron = True
+    return set_default_tensor_type
 
 
 def _quietly(api: str, fn: Callable) -> Callable:
@@ -217,6 +278,20 @@ def _backend_new(orig: Callable) -> Callable:
     return staticmethod(__new__)
 
 
+def _backend_config_init(orig: Callable) -> Callable:
+    """A group made with "gloo" carries CUDA tensors on CUDA (gloo's capability lists cpu and cuda), so here its
+    neuron tensors go to the neuron backend (gloo on host views of device memory); `dist.get_backend()` stays
+    "gloo"."""
+    @functools.wraps(orig)
+    def __init__(self, backend: Any) -> None:
+        orig(self, backend)
+        m = self.device_backend_map
+        if m.get("cuda") == "gloo" and "neuron" not in m:
+            _record("torch.distributed backend 'gloo' (cuda tensors)")
+            m["neuron"] = torch.distributed.Backend("neuron")
+    return __init__
+
+
 def _restore_location(orig: Callable) -> Callable:
     """Checkpoint storages saved on, or mapped to, cuda are restored on neuron."""
     @functools.wraps(orig)
@@ -237,13 +312,24 @@ class _Generator(torch._C.Generator, metaclass=_CompatMeta):
         return torch._C.Generator(_dev(device, "torch.Generator(device=cuda)"))
 
 
+class _AcceptsMeta(type):
+    """isinstance(x, cls) also holds for instances of `cls._accepts` (set on the class itself, not inherited)."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        accepts = cls.__dict__.get("_accepts")
+        return type.__instancecheck__(cls, obj) or (accepts is not None and isinstance(obj, accepts))
+
+
 def _compat_classes() -> dict[str, type]:
     """torch.cuda.Stream/Event replacements: neuron streams/events that also subclass the originals, so
-    isinstance(s, torch.cuda.Stream) holds whichever name the script kept."""
+    isinstance(s, torch.cuda.Stream) holds whichever name the script kept, and also for the streams and events
+    torch.neuron hands back (`torch.cuda.current_stream()`, `stream.record_event()`)."""
     import torch.cuda.streams as cs
     from torch.neuron import Event, Stream
 
-    class CudaStream(Stream, cs.Stream):
+    class CudaStream(Stream, cs.Stream, metaclass=_AcceptsMeta):
+        _accepts = Stream
+
         def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any):
             _record("torch.cuda.Stream")
             return Stream.__new__(cls, _dev(device, "torch.cuda.Stream"), priority, **kwargs)
@@ -251,12 +337,26 @@ def _compat_classes() -> dict[str, type]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:  # the dummy CUDA base's __init__ raises
             pass
 
-    class CudaEvent(Event, cs.Event):
+    class CudaEvent(Event, cs.Event, metaclass=_AcceptsMeta):
+        _accepts = Event
+
         def __new__(cls, *args: Any, **kwargs: Any):
             _record("torch.cuda.Event")
             return object.__new__(cls)
 
     return {"Stream": CudaStream, "Event": CudaEvent}
+
+
+class _NoCUDAGraph:
+    """torch.cuda.CUDAGraph (and so torch.cuda.graph and make_graphed_callables, which build one): an error that
+    says what to do, instead of PyTorch's "Tried to instantiate dummy base class CUDAGraph"."""
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        _record("torch.cuda.CUDAGraph")
+        raise RuntimeError(
+            "CUDA graphs (torch.cuda.CUDAGraph, torch.cuda.graph, torch.cuda.make_graphed_callables) do not exist on "
+            "neuron: run the captured code eagerly, or compile it with torch.compile (mode='reduce-overhead' runs "
+            "without CUDA graphs under CUDA compatibility mode). See docs/compat.md")
 
 
 def _builds(new: type) -> staticmethod:
@@ -282,27 +382,73 @@ def _cuda_functions() -> dict[str, Callable]:
             "max_memory_reserved reset_peak_memory_stats reset_max_memory_allocated reset_accumulated_memory_stats "
             "memory_stats memory_summary empty_cache mem_get_info manual_seed manual_seed_all seed seed_all "
             "initial_seed get_rng_state get_rng_state_all set_rng_state set_rng_state_all get_device_name "
-            "get_device_properties get_device_capability is_initialized init").split()
+            "get_device_properties get_device_capability is_initialized init set_per_process_memory_fraction "
+            "get_per_process_memory_fraction memory_snapshot").split()
     table: dict[str, Callable] = {name: getattr(n, name) for name in same}
     table |= {"is_available": lambda: n.device_count() > 0, "is_bf16_supported": lambda *a, **k: True,
               "memory_cached": n.memory_reserved, "max_memory_cached": n.max_memory_reserved,
-              "reset_max_memory_cached": n.reset_peak_memory_stats}
+              "reset_max_memory_cached": n.reset_peak_memory_stats,
+              "is_current_stream_capturing": lambda: False,  # neuron has no CUDA graphs: never capturing
+              "ipc_collect": lambda: None,  # neuron memory is never shared between processes: no IPC handles
+              # CUDA's sync debug mode warns at host syncs of CUDA ops; neuron has none to report: off, always
+              "set_sync_debug_mode": lambda debug_mode: None, "get_sync_debug_mode": lambda: 0}
     out = {}
     for name, target in table.items():
-        if isinstance(target, type):  # the context-manager classes (device, device_of, StreamContext): not counted
+        if name == "device":
+            out[name] = _device_class(target)
+            continue
+        if isinstance(target, type):  # the context-manager classes (device_of, StreamContext): not counted
             out[name] = target
             continue
-        orig = getattr(torch.cuda, name)
-
-        def fn(*args, _name=name, _target=target, _orig=orig, **kwargs):
-            if _from_torch():
-                return _orig(*args, **kwargs)
-            api = f"torch.cuda.{_name}"
-            _record(api)
-            return _target(*(_map_value(a, api) for a in args), **{k: _map_value(v, api) for k, v in kwargs.items()})
-        fn.__name__ = fn.__qualname__ = name
-        out[name] = fn
+        out[name] = _for_the_script(f"torch.cuda.{name}", target, getattr(torch.cuda, name))
     return out
+
+
+def _for_the_script(api: str, target: Callable, orig: Callable) -> Callable:
+    """`target` (device arguments mapped, the call counted as `api`) for the script's calls; `orig` for torch's."""
+    @functools.wraps(orig)
+    def fn(*args, **kwargs):
+        if _from_torch():
+            return orig(*args, **kwargs)
+        _record(api)
+        return target(*(_map_value(a, api) for a in args), **{k: _map_value(v, api) for k, v in kwargs.items()})
+    return fn
+
+
+def _device_class(neuron_device: type) -> type:
+    """`with torch.cuda.device(torch.device("cuda", i))`: torch.neuron.device with the argument mapped."""
+    class device(neuron_device):
+        def __init__(self, device: Any) -> None:
+            super().__init__(_map_value(device, "torch.cuda.device"))
+
+    device.__module__, device.__qualname__ = "torch.cuda", "device"
+    return device
+
+
+def _autocast_queries() -> list[Redirect]:
+    """torch.is_autocast_enabled() / ("cuda"), torch.get_autocast_dtype("cuda"), torch.get_autocast_gpu_dtype():
+    the script asks about the autocast it entered with "cuda", which runs on neuron (modelling code branches on
+    them: `if torch.is_autocast_enabled(): dtype = torch.get_autocast_gpu_dtype()`). torch's own calls (autocast's
+    __init__ asking CUDA's default dtype) get the original."""
+    dtype_of = torch.get_autocast_dtype
+
+    def query(name: str, orig: Callable) -> Callable:
+        @functools.wraps(orig)
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            if _from_torch():
+                return orig(*args, **kwargs)
+            if name == "get_autocast_gpu_dtype":
+                _record("torch.get_autocast_gpu_dtype")
+                return dtype_of("neuron")
+            if not args and not kwargs and name == "is_autocast_enabled":  # no argument: CUDA's state
+                _record("torch.is_autocast_enabled()")
+                return orig("neuron")
+            api = f"torch.{name}(cuda)"
+            return orig(*(_map_value(a, api) for a in args), **{k: _map_value(v, api) for k, v in kwargs.items()})
+        return fn
+
+    names = ("is_autocast_enabled", "get_autocast_dtype", "get_autocast_gpu_dtype")
+    return [Redirect(torch, n, lambda f, n=n: query(n, f)) for n in names]
 
 
 _RANGES = threading.local()  # the open NVTX-style ranges of this thread: a push/pop stack and start/end handles
@@ -371,7 +517,14 @@ def _constructor_rows() -> list[Redirect]:
         Redirect(torch.utils.data.DataLoader, "__init__", _loader_init),
         Redirect(torch._TorchCompileInductorWrapper, "__init__", _compile_mode),
         Redirect(torch._TorchCompileWrapper, "__init__", _compile_mode),
-        Redirect(torch.profiler.profiler._KinetoProfile, "__init__", _profiler_init)]
+        Redirect(torch.profiler.profiler._KinetoProfile, "__init__", _profiler_init),
+        Redirect(torch, "set_default_tensor_type", _set_default_tensor_type),
+        *(Redirect(torch.cuda, name, lambda f, t=t: t) for name, t in LEGACY_TYPES.items()),
+        Redirect(torch, "set_default_device", lambda f: _map_args(f, "torch.set_default_device(cuda)", ("device",))),
+        Redirect(torch.amp, "custom_fwd", lambda f: _map_args(f, "torch.amp.custom_fwd(device_type=cuda)",
+                                                              ("device_type",))),
+        Redirect(torch.amp, "custom_bwd", lambda f: _map_args(f, "torch.amp.custom_bwd(device_type=cuda)",
+                                                              ("device_type",)))]
 
 
 def _module_storage_rows() -> list[Redirect]:
@@ -410,7 +563,8 @@ def _distributed_rows() -> list[Redirect]:
     if dist.is_available():
         import torch.distributed.device_mesh as dm
         c10d = dist.distributed_c10d
-        rows += [Redirect(dm.DeviceMesh, "__init__", lambda f: _map_args(f, "DeviceMesh(cuda)", ("device_type",))),
+        rows += [Redirect(c10d.BackendConfig, "__init__", _backend_config_init),
+                 Redirect(dm.DeviceMesh, "__init__", lambda f: _map_args(f, "DeviceMesh(cuda)", ("device_type",))),
                  Redirect(dm, "init_device_mesh", lambda f: _map_args(f, "init_device_mesh(cuda)", ("device_type",))),
                  Redirect(dist, "init_device_mesh", lambda f: dm.init_device_mesh),
                  Redirect(c10d, "init_process_group", lambda f: _map_args(f, "init_process_group(device_id=cuda)",
@@ -425,7 +579,18 @@ def _torch_cuda_rows() -> list[Redirect]:
     classes = _compat_classes()
     rows = [Redirect(cs.Stream, "__new__", lambda f: _builds(classes["Stream"])),  # names imported before enable()
             Redirect(cs.Event, "__new__", lambda f: _builds(classes["Event"]))]
-    return rows + [Redirect(torch.cuda, name, lambda f, v=v: v) for name, v in {**_cuda_functions(), **classes}.items()]
+    rows += [Redirect(torch.cuda, "CUDAGraph", lambda f: _NoCUDAGraph),
+             Redirect(torch.cuda.graphs, "CUDAGraph", lambda f: _NoCUDAGraph)]  # make_graphed_callables' name
+    table = _cuda_functions()
+    functions = [Redirect(torch.cuda, name, lambda f, v=v: v) for name, v in {**table, **classes}.items()]
+    # the same functions under their submodules' names (torch.cuda.random.manual_seed, torch.cuda.memory.*)
+    for mod in (torch.cuda.random, torch.cuda.memory):
+        functions += [Redirect(mod, name, lambda f, v=v: v) for name, v in table.items()
+                      if vars(mod).get(name) is getattr(torch.cuda, name, None) is not None]
+    functions += [Redirect(torch.cuda.memory, name, lambda f, name=name: _for_the_script(
+        f"torch.cuda.memory.{name}", getattr(torch.neuron.memory, name), f))
+        for name in ("_record_memory_history", "_snapshot", "_dump_snapshot")]  # PyTorch's memory-debugging recipe
+    return rows + functions + _autocast_queries()
 
 
 def _nvtx_rows() -> list[Redirect]:
@@ -464,8 +629,10 @@ def _compat_patch(name: str, target: str, why: str, test: str, apply: Callable[[
 COMPAT = (  # applied in this order by enable(); the mode last
     _compat_patch(
         "cuda-compat-constructors", "__init__ of torch.autocast, torch.amp.GradScaler, DataLoader, torch.compile's "
-        "wrappers, torch.profiler.profile; torch.Generator", "device_type='cuda', CUDA-graph compile modes, "
-        "ProfilerActivity.CUDA and pin_memory_device='cuda' target neuron",
+        "wrappers, torch.profiler.profile; torch.Generator, torch.set_default_device, set_default_tensor_type, "
+        "torch.amp.custom_fwd/custom_bwd, the legacy torch.cuda.*Tensor types", "device_type='cuda', CUDA-graph "
+        "compile modes, ProfilerActivity.CUDA, pin_memory_device='cuda', default devices and legacy types target "
+        "neuron",
         "test_redirect_depth_isinstance_and_compile", _redirecting(_constructor_rows)),
     _compat_patch(
         "cuda-compat-module-storage", "torch.nn.Module.cuda, UntypedStorage/TypedStorage .cuda and .is_cuda, "
@@ -478,6 +645,7 @@ COMPAT = (  # applied in this order by enable(); the mode last
         "test_module_to_cuda_keeps_parameters", _redirecting(lambda: [Redirect(torch.nn.Module, "to", _module_to)])),
     _compat_patch(
         "cuda-compat-distributed", "DistributedDataParallel.__init__, torch.distributed.Backend.__new__, "
+        "BackendConfig.__init__ (gloo also carries neuron tensors), "
         "is_nccl_available, init_process_group, DeviceMesh, init_device_mesh",
         "nccl and cuda device ids and meshes become the neuron backend and devices",
         "test_ddp_under_torchrun_with_nccl", _redirecting(_distributed_rows)),
