@@ -56,8 +56,8 @@ struct Call {
   bool fp64 = false;     // a float64 device tensor takes part: host values entering the op obey the fp64 rule
   bool entered = false;  // such a host value lost precision on the way in
   HostAliases host;      // one CPU storage per device storage, so ATen's overlap checks see the real memory
-  SmallMap<const c10::StorageImpl*, c10::Storage> alias_to_device;  // CPU alias storage -> device storage
-  SmallMap<const c10::TensorImpl*, at::Tensor> alias_to_tensor;     // CPU alias tensor -> device tensor
+  SmallMap<const c10::StorageImpl*, c10::Storage> alias_to_device;           // CPU alias storage -> device storage
+  SmallMap<const c10::TensorImpl*, at::Tensor> alias_to_tensor;              // CPU alias tensor -> device tensor
   SmallMap<const c10::TensorImpl*, const c10::TensorImpl*> tensor_to_alias;  // and back
 };
 
