@@ -202,7 +202,6 @@ def _patch_sites(path: Path) -> list[str]:
 _NOT_PATCHES = {
     ("cli.py", "sys.argv"),  # `torchneuron run` / `profile` run a script as `python script.py` does
     ("cli.py", "sys.path.insert"),
-    ("cli.py", "os.environ"),  # `torchneuron run` exports TORCHNEURON_CUDA_COMPAT=1 to the processes it starts
     ("config.py", "os.environ"),  # environment writes (scoped_env, default_env): the configuration's own concern
 }
 

@@ -52,16 +52,18 @@ def _run(a: argparse.Namespace) -> int:
     whatever the script's outcome."""
     import runpy
 
+    from .hardware import config
     from .integrations import cuda_compat, porting_report
 
     if not os.path.isfile(a.script):
         a.parser.error(f"no such script: {a.script}")
     cuda_compat.enable()
-    os.environ["TORCHNEURON_CUDA_COMPAT"] = "1"  # processes the script starts (mp.spawn, subprocess) run in the mode
     sys.argv = [a.script, *a.args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
     try:
-        runpy.run_path(os.path.abspath(a.script), run_name="__main__")  # __file__ absolute, as Python's
+        # the processes the script starts (mp.spawn, subprocess) run in the mode too
+        with config.scoped_env("TORCHNEURON_CUDA_COMPAT", "1"):
+            runpy.run_path(os.path.abspath(a.script), run_name="__main__")  # __file__ absolute, as Python's
         code = 0
     except SystemExit as e:
         code = _exit_status(e.code)
