@@ -520,14 +520,13 @@ def test_list_ops_take_new_numbers_every_call_and_a_changed_constant_is_not_repl
     assert fused_counts()[0] - before[0] >= 2
 
 
-def test_a_long_list_op_does_not_fuse(monkeypatch):
-    """A list op over more than MAX_LIST tensors stays unfused (its kernel would take minutes to build on the
-    stream worker), and the worker does not even hand it to Python (that would cost every step); its values are
-    the CPU's."""
+def test_a_list_op_over_too_many_tensors_is_not_offered(monkeypatch):
+    """A list op over more than MAX_LIST tensors stays unfused: the worker does not even hand it to Python (building
+    its group would cost every step); its values are the CPU's."""
     handed: list = []
     monkeypatch.setattr(ef, "run_queued", lambda ops: handed.append(ops) or (0, None))
     g = torch.Generator().manual_seed(4)
-    cpu = [torch.randn(256, 128, generator=g) for _ in range(ef.MAX_LIST + 1)]
+    cpu = [torch.randn(256, generator=g) for _ in range(ef.MAX_LIST + 1)]  # MIN_ELEMENTS together
     dev = [t.to("neuron") for t in cpu]
     before = fused_counts()
     for _ in range(ef.AFTER + 1):
@@ -541,6 +540,69 @@ def test_a_long_list_op_does_not_fuse(monkeypatch):
         for mine, ref in zip(*outs, strict=True):
             assert torch.equal(mine, ref)
     assert fused_counts() == before and not handed
+
+
+def test_list_ops_over_many_tensors_fuse_as_one_kernel_per_shape():
+    """A run of list ops over more tensors than one kernel may hold (MAX_NODES nodes) is split by list position:
+    positions of one shape share a kernel of at most COLUMNS positions, so the compile work follows the shapes,
+    not the list length, and the whole run replays as one fused launch. While its kernels compile, the run's tail
+    is not offered as a group of its own (no kernel is compiled for it). Values track the CPU's list ops."""
+    g = torch.Generator().manual_seed(6)
+    n = 4 * ef.COLUMNS  # two shapes, each filling two kernels' worth of positions
+    cpu = [torch.randn(128, 128, generator=g) if i % 2 else torch.randn(64, 256, generator=g) for i in range(n)]
+    grads = [torch.randn(t.shape, generator=g) for t in cpu]
+    dev, dev_grads = [t.to("neuron") for t in cpu], [t.to("neuron") for t in grads]
+    assert 4 * n > ef.MAX_NODES
+    before, compiled = fused_counts(), stats().compiled
+    for i in range(ef.AFTER + 3):
+        busy_stream()
+        outs = []
+        for xs, gs in ((dev, dev_grads), (cpu, grads)):
+            xs = [x.clone() for x in xs]
+            torch._foreach_mul_(xs, 1.0 - 0.01 * i)  # a number that changes every step: lifted, not compiled in
+            torch._foreach_add_(xs, gs, alpha=0.5)
+            r = torch._foreach_sqrt(torch._foreach_abs(xs))
+            outs.append([t.cpu() for t in (*xs, *r)])
+        for mine, ref in zip(*outs, strict=True):
+            torch.testing.assert_close(mine, ref)
+        ef.wait_compiles()
+    kernels, ops = fused_counts()
+    assert kernels - before[0] >= 2 and ops - before[1] >= 2 * 4, "the last steps: one fused launch of 4 list ops"
+    assert stats().compiled - compiled == 2, "a kernel per shape (and none for a tail of the run)"
+
+
+def _neighbour_written_after(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
+    torch._foreach_mul_(xs, 2.0)
+    torch._foreach_add_(xs[1:], xs[:-1])  # position i reads what position i of mul_ wrote, and writes i + 1's
+
+
+def _neighbour_written_before(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> None:
+    torch._foreach_add_(ys[:-1], xs[1:])  # position i reads tensor i + 1 ...
+    torch._foreach_mul_(xs[::-1], 2.0)  # ... which position n - 2 - i writes: an earlier position for half of them
+
+
+@pytest.mark.parametrize("step", [_neighbour_written_after, _neighbour_written_before])
+def test_list_positions_that_depend_on_each_other_are_not_split(monkeypatch, step):
+    """When one list position reads what another writes, the positions cannot run one after another: the run is
+    not split, the group stops at MAX_NODES nodes, and the values stay exact."""
+    splits: list = []
+    split = ef._split
+    monkeypatch.setattr(ef, "_split", lambda *a: splits.append(split(*a)) or splits[-1])
+    g = torch.Generator().manual_seed(7)
+    n = ef.MAX_NODES + 16  # each list op over MIN_ELEMENTS
+    cpu = [torch.randn(64, 64, generator=g) for _ in range(2 * n)]
+    dev = [t.to("neuron") for t in cpu]
+    for _ in range(ef.AFTER + 2):
+        busy_stream()
+        outs = []
+        for ts in (dev, cpu):
+            ts = [t.clone() for t in ts]
+            step(ts[:n], ts[n:])
+            outs.append([t.cpu() for t in ts])
+        for mine, ref in zip(*outs, strict=True):
+            assert torch.equal(mine, ref)
+        ef.wait_compiles()
+    assert splits and all(s is None for s in splits)
 
 
 def test_the_porting_report_counts_fused_kernels():

@@ -423,10 +423,12 @@ def wait_compiles(timeout: float | None = None) -> bool:
 
 
 AFTER = 3  # sightings of a group's signature before the stream worker compiles it (a step's groups recur)
-# Inductor's C++ build time grows faster than the group: measured, two list ops over 8 tensors of 128x128 compile in
-# 4 s, over 16 in 7 s, over 32 in 65 s (on the stream worker, which waits). A group stops short of these sizes.
+# Inductor's C++ build time grows faster than the kernel: measured, two list ops over 8 tensors of 128x128 compile in
+# 4 s, over 16 in 7 s, over 32 in 65 s. So no kernel holds more than MAX_NODES nodes: a longer run of list ops is
+# split by tensor (`_split`) into kernels of at most COLUMNS tensors' nodes each.
 MAX_NODES = 64
-MAX_LIST = 8  # tensors of a list op that joins a group
+COLUMNS = 8  # a split kernel's tensors (of one list position each)
+MAX_LIST = 1024  # tensors of a list op that joins a group (the group is built in Python at each sighting)
 MIN_ELEMENTS = 1 << 18  # a smaller op is not worth a fused kernel: the hand-over to Python costs tens of microseconds
 MAX_OPS = 16  # queued ops a stream worker hands over as one run
 MAX_PENDING = 16  # signatures waiting for the compiler thread
@@ -467,9 +469,11 @@ class Plan(NamedTuple):
     baked: tuple[tuple[int, object], ...]
 
 
-def run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
+def run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | int | str | None]:
     """The stream worker's entry (csrc/queue.cpp): fuse the longest leading run of `ops` into one kernel and run it.
-    Returns how many ops it ran (0: none; the worker runs the rest one by one) and its Plan; when the fused kernel
+    Returns how many ops it ran and its Plan; 0 and None when none fused (the worker runs the first op alone and
+    offers the rest again); 0 and the group's op count when its kernel is not compiled yet (the worker runs those
+    ops one by one and offers none of them again: each tail would be a group to compile); when the fused kernel
     itself raised, minus the ops it covered and the error's text (they fail: none runs again). Never raises.
 
     A result whose memory a later op of the run was handed (Python freed it, the allocator gave its block again) is
@@ -522,7 +526,7 @@ class _Group:
     """A run of queued ops being turned into Nodes: group inputs are deduplicated by (address, sizes, strides,
     dtype); an argument equal to an earlier op's result, or to a tensor an earlier op wrote, becomes its Value."""
 
-    def __init__(self) -> None:
+    def __init__(self, split: bool = True) -> None:
         self.nodes: list[Node] = []
         self.inputs: list[torch.Tensor] = []
         self.input_leaf: list[int] = []
@@ -536,15 +540,26 @@ class _Group:
         self.baked: list[tuple[int, object]] = []
         self.leaves = 0
         self.ops = 0
+        self.split = split  # may the group grow past MAX_NODES, to be split by list position
+        self.column: list[int] = []  # per node: the list position of the list op it came from (-1: not one)
+        self.per_column: dict[int, int] = {}  # nodes of each list position
+        self.whole = False  # a node outside any list op: the group is one kernel
 
     def state(self) -> tuple:
         return (len(self.nodes), len(self.inputs), dict(self.input_ids), dict(self.produced), list(self.results),
-                dict(self.mutations), len(self.written), len(self.baked), self.leaves)
+                dict(self.mutations), len(self.written), len(self.baked), self.leaves, dict(self.per_column),
+                self.whole)
 
     def restore(self, st: tuple) -> None:
-        n, i, self.input_ids, self.produced, self.results, self.mutations, w, bk, self.leaves = st
-        del self.nodes[n:], self.inputs[i:], self.input_leaf[i:], self.lifts[i:], self.in_spans[i:]
+        n, i, self.input_ids, self.produced, self.results, self.mutations, w, bk, self.leaves, self.per_column, \
+            self.whole = st
+        del self.nodes[n:], self.column[n:], self.inputs[i:], self.input_leaf[i:], self.lifts[i:], self.in_spans[i:]
         del self.written[w:], self.baked[bk:]
+
+    def too_big(self) -> bool:
+        """Over MAX_NODES in one kernel: the whole group, or (when it may be split) one list position's nodes."""
+        return len(self.nodes) > MAX_NODES and (
+            not self.split or self.whole or max(self.per_column.values()) > MAX_NODES)
 
     @staticmethod
     def meta(t: torch.Tensor) -> tuple:
@@ -557,7 +572,7 @@ class _Group:
             if op_info(q.op).int_errors and _integral(q.args):
                 raise _Refused  # may raise on a value: run unfused, so an error leaves memory as the op alone would
             (self._add_list if overload._schema.name.startswith("aten::_foreach_") else self._add_one)(q, overload)
-            if len(self.nodes) > MAX_NODES:
+            if self.too_big():
                 raise _Refused
         except _Refused:
             self.restore(st)
@@ -612,8 +627,13 @@ class _Group:
         dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
         return self._input(torch.tensor(v, dtype=dtype), leaf, dtype, (0, 0))
 
-    def _node(self, op: str, args: list, kwargs: list[tuple[str, Any]], cast: torch.dtype | None = None) -> int:
+    def _node(self, op: str, args: list, kwargs: list[tuple[str, Any]], cast: torch.dtype | None = None,
+              column: int = -1) -> int:
         self.nodes.append(Node(op, tuple(args), tuple(kwargs), cast))
+        self.column.append(column)
+        self.whole |= column < 0
+        if column >= 0:
+            self.per_column[column] = self.per_column.get(column, 0) + 1
         return len(self.nodes) - 1
 
     def _result(self, out: tuple, value: Value, taken: list[tuple[int, int]]) -> None:
@@ -693,8 +713,8 @@ class _Group:
                     v = self._arg(v)
                 (kwargs.append((name, v)) if name else args.append(v))
             if how.fold:  # value * tensor1 first, as ATen's kernel does
-                args[1] = Value(self._node("aten::mul.Tensor", [args[1], args.pop()], []))
-            n = self._node(how.op, args, kwargs, t.dtype if how.inplace else None)
+                args[1] = Value(self._node("aten::mul.Tensor", [args[1], args.pop()], [], column=i))
+            n = self._node(how.op, args, kwargs, t.dtype if how.inplace else None, column=i)
             if how.inplace:
                 self._write(t, Value(n))
             else:
@@ -709,7 +729,7 @@ def plan_of(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
         built = _fused_group(ops)
     except Exception:  # noqa: BLE001
         return 0, None
-    if built is None:
+    if built is None or built[1] is None:
         return 0, None
     group, kernel, wanted = built
     return group.ops, _plan(group, kernel, wanted)
@@ -720,20 +740,146 @@ def _plan(group: _Group, kernel: FusedKernel, wanted: list[_Result]) -> Plan:
                 tuple(group.baked))
 
 
-def _fused_group(ops: list[QueuedOp]) -> tuple[_Group, FusedKernel, list[_Result]] | None:
-    """The group of the leading ops that fuse, and its compiled kernel (None: no group, or not compiled yet)."""
-    group = _Group()
+def _fused_group(ops: list[QueuedOp]) -> tuple[_Group, FusedKernel | SplitKernel | None, list[_Result]] | None:
+    """The group of the leading ops that fuse (None: under two ops), and its compiled kernel (None: not yet). A
+    group over MAX_NODES nodes (list ops over many tensors) runs as kernels by list position; when its positions
+    depend on each other it is built again, stopping at MAX_NODES."""
+    group = _group_of(ops, split=True)
+    if group.ops < 2:
+        return None
+    wanted = [r for r in group.results if r.stored]
+    if len(group.nodes) > MAX_NODES:
+        parts = _split(group, wanted)
+        if parts is not None:
+            return group, _split_kernel(group, parts, wanted), wanted
+        group = _group_of(ops, split=False)
+        if group.ops < 2:
+            return None
+        wanted = [r for r in group.results if r.stored]
+    kernel = compile_group(tuple(group.nodes), _specs(group.inputs), tuple(r.value for r in wanted),
+                           tuple(sorted(group.mutations.items())), after=AFTER, background=True)
+    return group, kernel, wanted
+
+
+def _group_of(ops: list[QueuedOp], split: bool) -> _Group:
+    group = _Group(split)
     for q in ops:
         overload = _overload(q.op)
         if overload is None or not fusable(q.op) or not group.add(q, overload):
             break
-    if group.ops < 2:
+    return group
+
+
+def _specs(tensors: list[torch.Tensor]) -> tuple[Spec, ...]:
+    return tuple(Spec(tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+
+class _Part(NamedTuple):
+    """Some list positions of a split group as a group of their own: `nodes` renumbered, the group inputs it reads
+    (`inputs`, in its Input order), the group's stored results it writes (`outputs`, indices into the stored ones,
+    with their `values` in its nodes) and its `mutations` (its input, its value)."""
+
+    nodes: tuple[Node, ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    values: tuple[Value, ...]
+    mutations: tuple[tuple[int, Value], ...]
+
+
+def _refs(a: Any) -> list:
+    """The Inputs and Values among a node's arguments."""
+    if isinstance(a, (list, tuple)):
+        return [r for x in a for r in _refs(x)]
+    return [a] if isinstance(a, (Input, Value)) else []
+
+
+def _part(group: _Group, nodes: list[int], stored: dict[tuple[int, int], int]) -> _Part:
+    """The nodes `nodes` (ascending, closed under Values) of `group` renumbered as a group of their own."""
+    local_node = {n: j for j, n in enumerate(nodes)}
+    local_input: dict[int, int] = {}
+
+    def rename(a: Any) -> Any:
+        if isinstance(a, Input):
+            return Input(local_input.setdefault(a.k, len(local_input)))
+        if isinstance(a, Value):
+            return Value(local_node[a.node], a.index)
+        if isinstance(a, (list, tuple)):
+            return type(a)(rename(x) for x in a)
+        return a
+
+    renamed = tuple(replace(group.nodes[n], args=rename(group.nodes[n].args),
+                            kwargs=tuple((k, rename(v)) for k, v in group.nodes[n].kwargs)) for n in nodes)
+    outputs = sorted((i, Value(local_node[n], j)) for (n, j), i in stored.items() if n in local_node)
+    mutations = tuple(sorted((local_input[k], Value(local_node[v.node], v.index))
+                             for k, v in group.mutations.items() if v.node in local_node))
+    return _Part(renamed, tuple(local_input), tuple(i for i, _ in outputs), tuple(v for _, v in outputs), mutations)
+
+
+def _split(group: _Group, wanted: list[_Result]) -> list[_Part] | None:
+    """`group`'s list positions as parts of at most COLUMNS positions each, positions of one shape together (one
+    kernel serves every part of that shape), or None when a position cannot run alone: every node must come from
+    a list op, read only its own position's values, and an input one position writes must be read by no other
+    (the parts run one after another)."""
+    if group.whole:
         return None
-    wanted = [r for r in group.results if r.stored]
-    kernel = compile_group(tuple(group.nodes), tuple(Spec(tuple(t.shape), t.stride(), t.dtype) for t in group.inputs),
-                           tuple(r.value for r in wanted), tuple(sorted(group.mutations.items())), after=AFTER,
-                           background=True)
-    return None if kernel is None else (group, kernel, wanted)
+    readers: dict[int, set[int]] = {}
+    for node, column in zip(group.nodes, group.column, strict=True):
+        for r in _refs((node.args, node.kwargs)):
+            if isinstance(r, Input):
+                readers.setdefault(r.k, set()).add(column)
+            elif group.column[r.node] != column:
+                return None
+    if any(readers.get(k, set()) - {group.column[v.node]} for k, v in group.mutations.items()):
+        return None
+    stored = {(r.value.node, r.value.index): i for i, r in enumerate(wanted)}
+    by_column: dict[int, list[int]] = {}
+    for n, column in enumerate(group.column):
+        by_column.setdefault(column, []).append(n)
+    shapes: dict[tuple, list[int]] = {}  # a position's own group (its input specs) -> positions
+    for column, nodes in by_column.items():
+        p = _part(group, nodes, stored)
+        shapes.setdefault(_key(p.nodes, _specs([group.inputs[k] for k in p.inputs]), p.values, p.mutations),
+                          []).append(column)
+    return [_part(group, sorted(n for c in columns[i:i + COLUMNS] for n in by_column[c]), stored)
+            for columns in shapes.values() for i in range(0, len(columns), COLUMNS)]
+
+
+class SplitKernel:
+    """A split group's kernels, run one after another: `kernel(inputs, outs)` as a FusedKernel's."""
+
+    def __init__(self, parts: tuple[tuple[FusedKernel, tuple[int, ...], tuple[int, ...]], ...],
+                 out_specs: tuple[Spec, ...]):
+        self.parts, self.out_specs = parts, out_specs
+
+    def __call__(self, inputs: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        for kernel, ins, written in self.parts:
+            kernel.call([*(inputs[k] for k in ins), *(outs[j] for j in written)])
+        _STATS.runs += 1
+
+
+_SPLITS: dict[tuple, SplitKernel] = {}  # one object per arrangement of kernels: the worker's plans hold it
+
+
+def _split_kernel(group: _Group, parts: list[_Part], wanted: list[_Result]) -> SplitKernel | None:
+    """The parts' kernels (None until every one is compiled; each compiles off the stream once it recurs)."""
+    kernels = []
+    compiled: dict[tuple, FusedKernel | None] = {}  # each shape sighted once per build
+    for p in parts:
+        specs = _specs([group.inputs[i] for i in p.inputs])
+        key = _key(p.nodes, specs, p.values, p.mutations)
+        if key not in compiled:
+            compiled[key] = compile_group(p.nodes, specs, p.values, p.mutations, after=AFTER, background=True)
+        kernels.append((compiled[key], p.inputs, p.outputs))
+    if any(k is None for k, _, _ in kernels):
+        return None
+    key = tuple((id(k), i, o) for k, i, o in kernels)
+    if key not in _SPLITS:
+        specs: list[Spec | None] = [None] * len(wanted)
+        for k, _, outputs in kernels:
+            for j, spec in zip(outputs, k.out_specs, strict=True):
+                specs[j] = spec
+        _SPLITS[key] = SplitKernel(tuple(kernels), tuple(specs))
+    return _SPLITS[key]
 
 
 def _run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
@@ -744,6 +890,8 @@ def _run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
     if built is None:
         return 0, None
     group, kernel, wanted = built
+    if kernel is None:
+        return 0, group.ops
     outs = [r.out for r in wanted]
     if any(s != Spec(tuple(o.shape), o.stride(), o.dtype) for s, o in zip(kernel.out_specs, outs, strict=True)):
         return _failed(None, "the fused results' layout differs from the launched ones") or (0, None)

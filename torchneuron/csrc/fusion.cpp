@@ -206,8 +206,9 @@ pybind11::list python_group(c10::ArrayRef<const FusableOp*> ops) {
   return group;
 }
 
-// Replay verification: the plan the group builder makes for `ops` now must be the replayed one (the C++ signature
-// must capture everything the builder decides on). A difference is counted and described, never raised.
+// Replay verification: the plan the group builder makes for `ops` (the ops the plan covered) now must be the replayed
+// one (the C++ signature must capture everything the builder decides on). A difference is counted and described,
+// never raised. (Given the ops after them too, the builder may pick a longer group whose kernel is not compiled yet.)
 void verify_replay(c10::ArrayRef<const FusableOp*> ops, const FusedPlan& p) {
   auto r = pybind11::reinterpret_borrow<pybind11::object>(g_run)(python_group(ops), true).cast<pybind11::tuple>();
   std::string why;
@@ -261,7 +262,7 @@ void keep(const Signature& s, pybind11::handle plan) {
 
 }  // namespace
 
-size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error) {
+size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error, size_t& unfused) {
   if (!g_installed.load(std::memory_order_relaxed) || !python_usable()) return 0;
   pybind11::gil_scoped_acquire gil;
   size_t ran = 0;
@@ -291,7 +292,7 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error)
         } catch (pybind11::error_already_set& e) {
           return kernel_raised(n, e.what());
         }
-        if (ran && g_verify.load(std::memory_order_relaxed)) verify_replay(ops, it->second);
+        if (ran && g_verify.load(std::memory_order_relaxed)) verify_replay(ops.slice(0, n), it->second);
       }
     }
     if (!ran) {
@@ -299,7 +300,10 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error)
       const auto n = r[0].cast<int64_t>();
       if (n < 0) return kernel_raised(static_cast<size_t>(-n), r[1].cast<std::string>());
       ran = static_cast<size_t>(n);
-      if (ran > 1 && !r[1].is_none()) keep(s, r[1]);
+      if (ran > 1 && !r[1].is_none())
+        keep(s, r[1]);
+      else if (ran == 0 && PyLong_Check(r[1].ptr()))  // a group not compiled yet: its ops run unfused
+        unfused = std::min(r[1].cast<size_t>(), ops.size());
     }
   } catch (const std::exception&) {  // run_queued never raises; a conversion that fails means: unfused
     PyErr_Clear();

@@ -34,8 +34,10 @@ size_t fusion_max_ops();  // 0 until fusion is installed
 // it is large enough, and a list op's list is no longer than eager fusion takes (`list`: its length, 0 for others).
 bool fusion_wanted(const c10::OperatorHandle& op, OpEntry& e, int64_t elements, size_t list);
 // On a stream worker: run the leading ops of `ops` that eager fusion fuses as one kernel; how many it ran (0: none).
-// `error`: set when the fused kernel raised; the count is then the ops it covered, which all failed.
-size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error);
+// `error`: set when the fused kernel raised; the count is then the ops it covered, which all failed. `unfused`: when
+// none ran because the leading ops' group is not compiled yet, how many ops it holds (the worker runs them one by
+// one, offering no part of them again: each part would be a group of its own to compile).
+size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error, size_t& unfused);
 // torchneuron's import installs the Python side: fusable(name) -> bool, run(list of ops) -> (int, plan), and its
 // limits.
 void set_eager_fusion(PyObject* fusable, PyObject* run, FusionLimits limits);

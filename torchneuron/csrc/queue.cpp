@@ -166,14 +166,17 @@ void StreamQueue::loop() {
       finish(t, false);
       continue;
     }
-    // the run, from each op on: fused as far as eager fusion takes it, else that op alone
+    // the run, from each op on: fused as far as eager fusion takes it, else that op alone (or the ops of a group
+    // still compiling)
     group.insert(group.begin(), std::move(t));
     std::vector<const FusableOp*> ops;
     for (const Task& g : group) ops.push_back(g.fuse.get());
     for (size_t k = 0; k < group.size();) {
       std::exception_ptr error;
-      size_t fused = group.size() - k > 1 ? run_fused(c10::ArrayRef<const FusableOp*>(ops).slice(k), error) : 0;
-      for (size_t end = k + std::max<size_t>(fused, 1); k < end; ++k) {
+      size_t unfused = 0;
+      size_t fused =
+          group.size() - k > 1 ? run_fused(c10::ArrayRef<const FusableOp*>(ops).slice(k), error, unfused) : 0;
+      for (size_t end = k + std::max<size_t>({fused, unfused, 1}); k < end; ++k) {
         if (error) fail(group[k], error);  // the fused kernel raised: none of its ops runs again
         finish(group[k], fused > 0);
       }
