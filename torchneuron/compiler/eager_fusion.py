@@ -450,8 +450,35 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.data_ptr() + s.nbytes()
 
 
-def _overlaps(a: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
-    return a[0] < a[1] and any(a[0] < b[1] and b[0] < a[1] for b in spans)
+class _Spans:
+    """Memory extents (start, end), numbered in the order added, found by overlap in time linear in what they share
+    a 64 KiB page with: a group over a model's hundreds of parameters checks each tensor against every other."""
+
+    PAGE = 16  # bits
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, int]] = []
+        self.pages: dict[int, list[int]] = {}
+
+    def _pages(self, a: tuple[int, int]) -> range:
+        return range(a[0] >> self.PAGE, ((a[1] - 1) >> self.PAGE) + 1) if a[0] < a[1] else range(0)
+
+    def add(self, a: tuple[int, int]) -> None:
+        for p in self._pages(a):
+            self.pages.setdefault(p, []).append(len(self.items))
+        self.items.append(a)
+
+    def hits(self, a: tuple[int, int]) -> set[int]:
+        """The numbers of the extents overlapping `a` (none for an empty one)."""
+        return {i for p in self._pages(a) for i in self.pages.get(p, ())
+                if a[0] < self.items[i][1] and self.items[i][0] < a[1]}
+
+    def truncate(self, n: int) -> None:
+        """Forget the extents numbered `n` and after."""
+        while len(self.items) > n:
+            for p in self._pages(self.items[-1]):
+                self.pages[p].pop()
+            self.items.pop()
 
 
 class Plan(NamedTuple):
@@ -532,11 +559,13 @@ class _Group:
         self.input_leaf: list[int] = []
         self.lifts: list[torch.dtype | None] = []
         self.input_ids: dict[tuple, int] = {}
-        self.in_spans: list[tuple[int, int]] = []  # per input, its memory ((0, 0) for a lifted scalar)
+        self.in_spans = _Spans()  # per input, its memory ((0, 0) for a lifted scalar)
         self.produced: dict[tuple, Value] = {}
         self.results: list[_Result] = []
+        self.result_spans = _Spans()  # per result, its memory
+        self.newest: dict[tuple, int] = {}  # a result's (address, layout) -> the newest result over it
         self.mutations: dict[int, Value] = {}  # input -> the value its memory ends with
-        self.written: list[tuple[int, int]] = []  # extents of the inputs written
+        self.written = _Spans()  # extents of the inputs written
         self.baked: list[tuple[int, object]] = []
         self.leaves = 0
         self.ops = 0
@@ -547,14 +576,16 @@ class _Group:
 
     def state(self) -> tuple:
         return (len(self.nodes), len(self.inputs), dict(self.input_ids), dict(self.produced), list(self.results),
-                dict(self.mutations), len(self.written), len(self.baked), self.leaves, dict(self.per_column),
-                self.whole)
+                dict(self.newest), dict(self.mutations), len(self.written.items), len(self.baked), self.leaves,
+                dict(self.per_column), self.whole)
 
     def restore(self, st: tuple) -> None:
-        n, i, self.input_ids, self.produced, self.results, self.mutations, w, bk, self.leaves, self.per_column, \
-            self.whole = st
-        del self.nodes[n:], self.column[n:], self.inputs[i:], self.input_leaf[i:], self.lifts[i:], self.in_spans[i:]
-        del self.written[w:], self.baked[bk:]
+        n, i, self.input_ids, self.produced, self.results, self.newest, self.mutations, w, bk, self.leaves, \
+            self.per_column, self.whole = st
+        del self.nodes[n:], self.column[n:], self.inputs[i:], self.input_leaf[i:], self.lifts[i:], self.baked[bk:]
+        self.in_spans.truncate(i)
+        self.result_spans.truncate(len(self.results))
+        self.written.truncate(w)
 
     def too_big(self) -> bool:
         """Over MAX_NODES in one kernel: the whole group, or (when it may be split) one list position's nodes."""
@@ -603,7 +634,7 @@ class _Group:
         if m in self.produced:
             return self.produced[m]
         span = _extent(v)
-        if _overlaps(span, [r.span for r in self.results] + self.written):
+        if self.result_spans.hits(span) or self.written.hits(span):
             raise _Refused  # a view of an earlier result or of a written tensor
         if m not in self.input_ids:
             self._input(v, leaf, None, span)
@@ -613,7 +644,7 @@ class _Group:
         k = len(self.inputs)
         if lift is None:
             self.input_ids[self.meta(t)] = k
-        self.in_spans.append(span)
+        self.in_spans.add(span)
         self.inputs.append(t)
         self.input_leaf.append(leaf)
         self.lifts.append(lift)
@@ -636,36 +667,38 @@ class _Group:
             self.per_column[column] = self.per_column.get(column, 0) + 1
         return len(self.nodes) - 1
 
-    def _result(self, out: tuple, value: Value, taken: list[tuple[int, int]]) -> None:
-        """`out` (leaf, the CPU view of a launched result) holds `value`."""
+    def _result(self, out: tuple, value: Value, taken: _Spans) -> None:
+        """`out` (leaf, the CPU view of a launched result) holds `value`; `taken`: the op's earlier results."""
         leaf, o = out
         span = _extent(o)
-        if _overlaps(span, self.in_spans + self.written + taken):
+        if self.in_spans.hits(span) or self.written.hits(span) or taken.hits(span):
             raise _Refused
-        taken.append(span)
-        self.produced[self.meta(o)] = value
+        taken.add(span)
+        m = self.meta(o)
+        self.produced[m] = value
+        self.newest[m] = len(self.results)
         self.results.append(_Result(value, o, span, leaf))
+        self.result_spans.add(span)
 
     def _write(self, t: torch.Tensor, value: Value) -> None:
         """An in-place op left `value` in `t`'s memory."""
         m = self.meta(t)
-        for j, r in reversed(list(enumerate(self.results))):  # the newest result over that memory
-            if self.meta(r.out) == m:
-                self.results[j] = replace(r, value=value)
-                break
+        j = self.newest.get(m)
+        if j is not None:  # the newest result over that memory
+            self.results[j] = replace(self.results[j], value=value)
         else:
             k = self.input_ids.get(m)
             span = _extent(t)
-            if k is None or _overlaps(span, self.in_spans[:k] + self.in_spans[k + 1:]):
+            if k is None or self.in_spans.hits(span) - {k}:
                 raise _Refused  # memory another input reads too
             self.mutations[k] = value
-            self.written.append(span)
+            self.written.add(span)
         self.produced[m] = value
 
     def _stores_freed(self, spans: list[tuple[int, int]]) -> None:
-        for j, r in enumerate(self.results):
-            if r.stored and _overlaps(r.span, spans):  # its block was handed out again
-                self.results[j] = replace(r, stored=False)
+        for j in sorted({j for a in spans for j in self.result_spans.hits(a)}):
+            if self.results[j].stored:  # its block was handed out again
+                self.results[j] = replace(self.results[j], stored=False)
 
     def _add_one(self, q: QueuedOp, overload: torch._ops.OpOverload) -> None:
         func = _functional(overload) if overload._schema.is_mutable else overload
@@ -675,7 +708,7 @@ class _Group:
         args = [self._arg(v) for a, v in zip(schema, leaves, strict=False) if not a.kwarg_only]
         kwargs = [(a.name, self._arg(v)) for a, v in zip(schema, leaves, strict=False) if a.kwarg_only]
         if func is overload:
-            spans: list[tuple[int, int]] = []
+            spans = _Spans()
             self._stores_freed([_extent(o) for _, o in outs])
             n = self._node(q.op, args, kwargs)
             for j, o in enumerate(outs):
@@ -698,7 +731,7 @@ class _Group:
         elif len(outs) != len(selfs):
             raise _Refused
         self._stores_freed([_extent(o) for _, o in outs])
-        spans: list[tuple[int, int]] = []
+        spans = _Spans()
         for i, (_, t) in enumerate(selfs):
             args: list = []
             kwargs: list = []
@@ -793,8 +826,10 @@ def _refs(a: Any) -> list:
     return [a] if isinstance(a, (Input, Value)) else []
 
 
-def _part(group: _Group, nodes: list[int], stored: dict[tuple[int, int], int]) -> _Part:
-    """The nodes `nodes` (ascending, closed under Values) of `group` renumbered as a group of their own."""
+def _part(group: _Group, nodes: list[int], outputs_of: dict[int, list[tuple[int, int]]],
+          mutations_of: dict[int, list[tuple[int, int]]]) -> _Part:
+    """The nodes `nodes` (ascending, closed under Values) of `group` renumbered as a group of their own.
+    `outputs_of`/`mutations_of`: per node, the (stored result, its index) and (input, its index) it leaves."""
     local_node = {n: j for j, n in enumerate(nodes)}
     local_input: dict[int, int] = {}
 
@@ -809,9 +844,9 @@ def _part(group: _Group, nodes: list[int], stored: dict[tuple[int, int], int]) -
 
     renamed = tuple(replace(group.nodes[n], args=rename(group.nodes[n].args),
                             kwargs=tuple((k, rename(v)) for k, v in group.nodes[n].kwargs)) for n in nodes)
-    outputs = sorted((i, Value(local_node[n], j)) for (n, j), i in stored.items() if n in local_node)
-    mutations = tuple(sorted((local_input[k], Value(local_node[v.node], v.index))
-                             for k, v in group.mutations.items() if v.node in local_node))
+    outputs = sorted((i, Value(local_node[n], j)) for n in nodes for i, j in outputs_of.get(n, ()))
+    mutations = tuple(sorted((local_input[k], Value(local_node[n], j))
+                             for n in nodes for k, j in mutations_of.get(n, ())))
     return _Part(renamed, tuple(local_input), tuple(i for i, _ in outputs), tuple(v for _, v in outputs), mutations)
 
 
@@ -831,16 +866,21 @@ def _split(group: _Group, wanted: list[_Result]) -> list[_Part] | None:
                 return None
     if any(readers.get(k, set()) - {group.column[v.node]} for k, v in group.mutations.items()):
         return None
-    stored = {(r.value.node, r.value.index): i for i, r in enumerate(wanted)}
+    outputs_of: dict[int, list[tuple[int, int]]] = {}
+    for i, r in enumerate(wanted):
+        outputs_of.setdefault(r.value.node, []).append((i, r.value.index))
+    mutations_of: dict[int, list[tuple[int, int]]] = {}
+    for k, v in group.mutations.items():
+        mutations_of.setdefault(v.node, []).append((k, v.index))
     by_column: dict[int, list[int]] = {}
     for n, column in enumerate(group.column):
         by_column.setdefault(column, []).append(n)
     shapes: dict[tuple, list[int]] = {}  # a position's own group (its input specs) -> positions
     for column, nodes in by_column.items():
-        p = _part(group, nodes, stored)
+        p = _part(group, nodes, outputs_of, mutations_of)
         shapes.setdefault(_key(p.nodes, _specs([group.inputs[k] for k in p.inputs]), p.values, p.mutations),
                           []).append(column)
-    return [_part(group, sorted(n for c in columns[i:i + COLUMNS] for n in by_column[c]), stored)
+    return [_part(group, sorted(n for c in columns[i:i + COLUMNS] for n in by_column[c]), outputs_of, mutations_of)
             for columns in shapes.values() for i in range(0, len(columns), COLUMNS)]
 
 
