@@ -49,9 +49,11 @@ print("done")
 
 def test_a_daemon_thread_launching_at_exit_is_stopped_and_the_exit_completes():
     """The daemon thread's backlog stays short (it reads a value each round): the drain finishes it and the thread's
-    next device use never returns (raising there aborted the process in CPython's finalization 2 runs in 10)."""
-    for _ in range(3):
-        p = run("""
+    next device use never returns (raising there aborted the process in CPython's finalization 2 runs in 10). The
+    drain does not wait for the parked thread: a thread parked inside its launch once counted as a launch in
+    progress, and about one exit in four took the whole TORCHNEURON_EXIT_TIMEOUT (here far above the run's limit)."""
+    for _ in range(5):
+        p = run_py(SLOW + """
 import threading
 going = threading.Event()
 def loop():
@@ -63,7 +65,7 @@ def loop():
 threading.Thread(target=loop, daemon=True).start()
 going.wait()
 print("exiting")
-""")
+""", env={"TORCHNEURON_EXIT_TIMEOUT": "600"}, timeout=120, check=False)
         assert (p.returncode, p.stdout, p.stderr) == (0, "exiting\n", "")
 
 

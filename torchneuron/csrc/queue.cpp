@@ -94,14 +94,23 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
   // A launch that began before the exit-time drain returns through PyTorch's binding, which takes the GIL back: were
   // the interpreter finalizing by then, CPython would end the thread inside that noexcept frame and abort. So the
   // drain waits for launches in progress, and they park on the way out (lifecycle.cpp).
+  // A thread parked by the drain must not count as a launch in progress: the drain would wait for it until its
+  // timeout (a daemon thread launching at exit made every such exit take TORCHNEURON_EXIT_TIMEOUT).
+  check_device_use();  // lifecycle.cpp: refused in a forked child; other threads park during exit
   struct Pushing {
-    Pushing() { g_pushing.fetch_add(1); }
+    Pushing() {
+      g_pushing.fetch_add(1);
+      if (C10_UNLIKELY(g_lifecycle.load() != static_cast<int>(Lifecycle::running))) {  // the drain began since
+        g_pushing.fetch_sub(1);
+        park_other_threads_at_exit();  // returns on the exiting thread and on stream workers
+        g_pushing.fetch_add(1);
+      }
+    }
     ~Pushing() {
       g_pushing.fetch_sub(1);
       park_other_threads_at_exit();
     }
   } pushing;
-  check_device_use();  // lifecycle.cpp: refused in a forked child; other threads park during exit
   // A bounded launch queue, as CUDA's (cudaLaunchKernel blocks with about 1,024 launches pending): a host far ahead
   // waits until half have run, so what queued work holds stays bounded and a sync never waits behind tens of
   // thousands of kernels.
