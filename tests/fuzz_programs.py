@@ -726,6 +726,13 @@ def set_mode(mode: str) -> None:
     _C._set_queue_everything(mode == "queue")
 
 
+def mode_now() -> str:
+    """The device's mode: what a CI leg set (TORCHNEURON_LAUNCH_BLOCKING=1, --queue-everything) or `set_mode`."""
+    from torchneuron import _C
+
+    return "blocking" if _C._launch_blocking() else "queue" if _C._queue_everything() else "default"
+
+
 def drain() -> str | None:
     """Wait for the device; the type of an error still pending (a program must leave none), else None."""
     leftover = None
@@ -996,6 +1003,7 @@ def check(prog: Program, mode: str, cpu: list[Result] | None = None) -> Outcome:
     if cpu is None:
         cpu = prog.cpu if prog.cpu is not None else run(prog, "cpu")
     before = drain()
+    was = mode_now()
     set_mode(mode)
     try:
         neu = run(prog, "neuron", cpu)
@@ -1003,7 +1011,7 @@ def check(prog: Program, mode: str, cpu: list[Result] | None = None) -> Outcome:
         gc.collect()  # the program's tensors are gone: none of its memory may stay poisoned for the next tensor there
         poisoned = torchneuron._C._poisoned_storages()
     finally:
-        set_mode("default")
+        set_mode(was)
     mism = compare(prog, cpu, neu, mode, exact=fusion_exact())
     if before is not None:
         mism.insert(0, Mismatch(2, 0, "previous_program", f"an error of an earlier program surfaced: {before}"))

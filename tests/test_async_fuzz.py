@@ -27,10 +27,13 @@ SEED = int(os.environ.get("TORCHNEURON_FUZZ_SEED", "0"))
 
 @pytest.fixture(autouse=True)
 def _drained():
+    """Each test starts drained and leaves the device drained, in the mode it found (a CI leg's mode: the tests after
+    this file run in it too)."""
     fp.drain()
+    mode = fp.mode_now()
     yield
     torch.neuron.set_stream(torch.neuron.default_stream())
-    fp.set_mode("default")
+    fp.set_mode(mode)
     fp.drain()
 
 

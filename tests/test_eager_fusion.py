@@ -21,6 +21,7 @@ from torchneuron.runtime import patches
 from torchneuron.runtime.optable import TABLE
 
 aten = torch.ops.aten
+needs_async = pytest.mark.needs_async  # fuses what is queued: under launch blocking nothing is
 D = 64
 # bias + GELU + residual add + layer norm, as eager PyTorch runs it (what a transformer block's MLP output does)
 CHAIN = (Node("aten::add.Tensor", (Input(0), Input(1))), Node("aten::gelu", (Value(0),), (("approximate", "none"),)),
@@ -287,6 +288,7 @@ def fused_counts() -> tuple[int, int]:
     return c["kernels"], c["ops"]
 
 
+@needs_async
 def test_queued_runs_fuse_once_they_recur_and_match_the_unfused_ops():
     cpu, dev = device_inputs()
     ref_keep: list = []
@@ -308,6 +310,7 @@ def test_queued_runs_fuse_once_they_recur_and_match_the_unfused_ops():
     assert torch.equal(results[0][0], ref), "the first sightings run unfused: bit-identical to the CPU"
 
 
+@needs_async
 def test_a_hot_group_compiles_off_the_stream_which_runs_it_unfused_meanwhile(monkeypatch):
     """The compile of a hot group runs on the fusion compiler thread, never on a stream worker: while it is held
     (here: until the test lets it go) the stream computes the same group unfused, and synchronizes; once the kernel
@@ -380,6 +383,7 @@ def test_a_trace_on_another_thread_is_not_this_threads():
         torch.fx.symbolic_trace(lambda x: compiled(x))
 
 
+@needs_async
 def test_a_result_python_frees_is_still_stored_for_the_queued_ops_that_read_it():
     """Python may drop a result while queued kernels still read it (stream order makes that legal, as on CUDA):
     a fused run must store it. Here the clone after the run reads the GELU, freed before the worker gets there;
@@ -426,6 +430,7 @@ def test_printing_deterministic_mode_and_views_end_a_fused_run(capsys):
     torch.testing.assert_close(z.cpu(), (cpu[0] + 1)[:, ::2] * 2 + 1)
 
 
+@needs_async
 def test_an_optimizer_step_becomes_one_kernel_and_tracks_the_cpus_optimizer(request):
     """AdamW's multi-tensor step (8 list ops over every parameter) queued behind work fuses once it recurs. Its
     bias corrections and step sizes change every step: they enter the kernel as lifted scalars, so one kernel
@@ -460,6 +465,7 @@ def test_an_optimizer_step_becomes_one_kernel_and_tracks_the_cpus_optimizer(requ
         assert stats().cache_hits + stats().cold + stats().compiled == lookups, "replayed, not rebuilt in Python"
 
 
+@needs_async
 def test_in_place_ops_fuse_and_a_run_stops_where_their_memory_is_read_another_way():
     """`a.mul_(2).add_(b).relu_()` fuses, its value stored back into `a` (and a bfloat16 tensor's in-place op with
     a float operand rounds as the op does); a view of a written tensor read in the same run, or a write to a tensor
@@ -488,6 +494,7 @@ def test_in_place_ops_fuse_and_a_run_stops_where_their_memory_is_read_another_wa
     assert fused_counts()[0] > before[0]
 
 
+@needs_async
 def test_list_ops_take_new_numbers_every_call_and_a_changed_constant_is_not_replayed():
     """A list op's numbers (scalars, `alpha`) change from call to call: lifted, one kernel serves them all. A
     number compiled into a kernel (a plain op's `alpha`) that changes is not replayed with its old value. An
@@ -542,6 +549,7 @@ def test_a_list_op_over_too_many_tensors_is_not_offered(monkeypatch):
     assert fused_counts() == before and not handed
 
 
+@needs_async
 def test_list_ops_over_many_tensors_fuse_as_one_kernel_per_shape():
     """A run of list ops over more tensors than one kernel may hold (MAX_NODES nodes) is split by list position:
     positions of one shape share a kernel of at most COLUMNS positions, so the compile work follows the shapes,
@@ -581,6 +589,7 @@ def _neighbour_written_before(xs: list[torch.Tensor], ys: list[torch.Tensor]) ->
     torch._foreach_mul_(xs[::-1], 2.0)  # ... which position n - 2 - i writes: an earlier position for half of them
 
 
+@needs_async
 @pytest.mark.parametrize("step", [_neighbour_written_after, _neighbour_written_before])
 def test_list_positions_that_depend_on_each_other_are_not_split(monkeypatch, step):
     """When one list position reads what another writes, the positions cannot run one after another: the run is
