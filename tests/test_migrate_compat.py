@@ -39,7 +39,10 @@ def autoload_shim(tmp_path_factory) -> str:
 
 
 def last_json(stdout: str) -> dict:
-    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith('{"losses"')))
+    """The last line's result record. Under torchrun the ranks share stdout, so another rank's output can follow
+    the record on its line: only the JSON object itself is read."""
+    line = next(line for line in reversed(stdout.splitlines()) if line.startswith('{"losses"'))
+    return json.JSONDecoder().raw_decode(line)[0]
 
 
 def run_script(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
