@@ -1,13 +1,19 @@
 """Shared test helpers. `import torch` autoloads the neuron device (the entry point under test)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 import warnings
 
-import pytest
-import torch
+# The suite is one process running hundreds of unrelated programs, each fusing groups of its own: its fusion compile
+# work is not a training job's (the total is printed at the end), so the budget is raised before the device loads.
+# test_eager_fusion's budget test lowers it.
+os.environ.setdefault("TORCHNEURON_FUSION_COMPILE_BUDGET", "7200")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 from helpers import clean_env
 
 import torchneuron
@@ -67,6 +73,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line(line + (f" (last: {checks['last']})" if checks["mismatched"] else ""))
         if checks["mismatched"]:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    from torchneuron.compiler import eager_fusion
+
+    fusion = eager_fusion.stats()
+    if reporter and fusion.compiled:
+        reporter.write_line(f"eager fusion: {fusion.compiled} kernels compiled in {fusion.compile_seconds:.0f} s")
     if not (_RAN["executed"] or _RAN["fallback"] or _COMPILED):
         return
     from op_consistency import disagreements

@@ -350,6 +350,39 @@ def test_a_hot_group_compiles_off_the_stream_which_runs_it_unfused_meanwhile(mon
     assert patches.is_active(ef.PER_THREAD_FX_TRACING), "the compiler thread's traces are its own"
 
 
+@needs_async
+def test_past_the_compile_budget_new_groups_run_unfused_and_are_counted(monkeypatch):
+    """TORCHNEURON_FUSION_COMPILE_BUDGET bounds the compile work of a process: once it is spent, a new hot group is
+    never compiled (counted once, remembered, reported) and runs unfused with the CPU's values, while the kernels
+    compiled before keep serving."""
+    cfg = config.current_or_none()
+    budget = stats().compile_seconds + 1e-6  # the next compile spends it
+    monkeypatch.setattr(config, "current_or_none", lambda: replace(cfg, fusion_compile_budget=budget))
+    x = torch.randn(5, 7)
+    first, second = (((Node("aten::mul.Tensor", (Input(0), k)),), specs([x]), (Value(0),)) for k in (5, 7))
+    before = stats()
+    kernel = compile_group(*first)
+    assert kernel is not None and stats().compile_seconds > budget
+    assert compile_group(*second) is None and stats().over_budget == before.over_budget + 1
+    assert compile_group(*second) is None and stats().over_budget == before.over_budget + 1, "remembered"
+    assert compile_group(*first) is kernel and stats().failures == before.failures
+    # on the device: a hot group the stream worker would hand to the compiler runs unfused, exact
+    g = torch.Generator().manual_seed(6)
+    shape = (96, 4096)  # a layout no other test's group has
+    cpu = [torch.randn(shape, generator=g), torch.randn(shape[1], generator=g), torch.randn(shape, generator=g)]
+    dev = [t.to("neuron") for t in cpu]
+    ref, fused, over = block(*cpu, []), fused_counts(), stats().over_budget
+    for _ in range(ef.AFTER + 3):
+        busy_stream()
+        assert torch.equal(block(*dev, []).cpu(), ref)
+        ef.wait_compiles()
+    assert fused_counts() == fused and stats().over_budget > over and stats().compiled == before.compiled + 1
+    from torchneuron.integrations import porting_report
+
+    assert "the compile budget spent (raise TORCHNEURON_FUSION_COMPILE_BUDGET)" in porting_report.render_text(
+        porting_report.collect())
+
+
 def test_a_trace_on_another_thread_is_not_this_threads():
     """torch.fx keeps one global 'tracing' flag. While another thread traces (the fusion compiler thread does, with
     make_fx and Inductor's pattern matcher), a torch.compile'd function runs on this thread instead of raising
@@ -618,7 +651,11 @@ def test_the_porting_report_counts_fused_kernels():
     from torchneuron.integrations import porting_report
 
     r = porting_report.collect()
-    assert r["eager_fusion"] == dict(zip(("kernels", "ops"), fused_counts(), strict=True))
+    st = stats()
+    assert r["eager_fusion"] == {**dict(zip(("kernels", "ops"), fused_counts(), strict=True)),
+                                 "compiled": st.compiled, "compile_seconds": round(st.compile_seconds, 3),
+                                 "failures": st.failures, "over_budget": st.over_budget,
+                                 "last_failure": st.last_failure}
     assert f"eager fusion: {r['eager_fusion']['kernels']} fused kernels" in porting_report.render_text(r)
 
 

@@ -31,6 +31,7 @@ ALLOWED = {
     ("compiler", "profiler"): "a compiled kernel under torch.profiler is recorded by the profiler's kineto bridge",
     ("profiler", "nki"): "the profiler records NKI kernel calls with their own modelled timeline",
     ("integrations", "nki"): "the porting report lists the NKI kernels called, with their modelled cost",
+    ("integrations", "compiler"): "the porting report lists eager fusion's compile work and the groups left unfused",
 }
 RANK = {c: i for i, layer in enumerate(LAYERS) for c in layer}
 

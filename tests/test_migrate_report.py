@@ -15,7 +15,9 @@ SAMPLE = {
     "compat_enabled": True,
     "redirects": {"torch.cuda.amp.GradScaler": {"train.py:12": 1}, "Tensor.cuda": {"train.py:20": 8, "a.py:3": 2}},
     "executed_ops": {"aten::mm": 12, "aten::add_": 4}, "fallback_ops": {"aten::cholesky": 1},
-    "dtype_events": {"aten::div": 2}, "eager_fusion": {"kernels": 3, "ops": 7},
+    "dtype_events": {"aten::div": 2}, "eager_fusion": {"kernels": 3, "ops": 7, "compiled": 2,
+                                               "compile_seconds": 8.25, "failures": 1, "over_budget": 4,
+                                               "last_failure": "CppCompileError: x"},
     "memory": {"neuron:0": {"max_allocated": 3 << 20, "max_reserved": 4 << 20}},
     "compiled_graphs": [{"name": "f_0", "nodes": 4, "recompiles": 1, "graph_break": "print", "fallback": None,
                          "error": None}],
@@ -35,7 +37,9 @@ def test_text_and_markdown_show_every_section():
     for body in (text, md):
         assert "CUDA calls redirected (11)" in body and "Tensor.cuda: 10" in body and "train.py:20 x8" in body
         assert "host fallbacks: 1 (aten::cholesky x1)" in body and "aten::div x2" in body
-        assert "eager fusion: 3 fused kernels ran 7 queued ops" in body
+        assert ("eager fusion: 3 fused kernels ran 7 queued ops; 2 kernels compiled in 8.2 s; 4 groups ran unfused, "
+                "the compile budget spent (raise TORCHNEURON_FUSION_COMPILE_BUDGET); 1 groups ran unfused, not "
+                "compilable (last: CppCompileError: x)") in body
         assert "f_0: 4 nodes, 1 recompiles, graph break: print" in body and "peak 3.00 MiB" in body
     assert md.startswith("# torchneuron porting report") and "## Ops" in md
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
@@ -82,6 +83,8 @@ class Stats:
     disabled: int = 0
     cold: int = 0
     deferred: int = 0  # hot groups not handed to the compiler thread (its queue was full): submitted again later
+    over_budget: int = 0  # hot groups never compiled: TORCHNEURON_FUSION_COMPILE_BUDGET was spent (they run unfused)
+    compile_seconds: float = 0.0  # wall time spent compiling groups (from the compile cache on disk: little)
     last_failure: str | None = None
 
 
@@ -247,11 +250,11 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
                   mutations: tuple[tuple[int, Value], ...] = (), *, after: int = 1,
                   background: bool = False) -> FusedKernel | None:
     """The fused kernel of a group (cached by signature), or None when fusion is off, the group cannot be
-    compiled, or its signature has been seen fewer than `after` times (each counted; the caller runs the ops
-    unfused). `mutations`: (input, value) pairs, the kernel stores that value into that input's memory (what the
-    group's in-place ops left there). `after` > 1 spends a compile (seconds) only on groups that recur, as a
-    training step's do. `background`: the compile is handed to the fusion compiler thread and None is returned
-    until the kernel is ready (a stream worker never waits for Inductor). Never raises."""
+    compiled, the compile budget is spent (`_budget`), or its signature has been seen fewer than `after` times (each
+    counted; the caller runs the ops unfused). `mutations`: (input, value) pairs, the kernel stores that value into
+    that input's memory (what the group's in-place ops left there). `after` > 1 spends a compile (seconds) only on
+    groups that recur, as a training step's do. `background`: the compile is handed to the fusion compiler thread
+    and None is returned until the kernel is ready (a stream worker never waits for Inductor). Never raises."""
     if not enabled():
         _STATS.disabled += 1
         return None
@@ -274,6 +277,11 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
         if seen < after:
             _STATS.cold += 1
             return None
+        if _STATS.compile_seconds >= _budget():  # never compiled in this process: it runs unfused from now on
+            _STATS.over_budget += 1
+            _SIGHTINGS.pop(key)
+            _CACHE[key] = None
+            return None
         if background:
             _STATS.cold += 1
             if _BACKGROUND.submit(key, nodes, mutations):
@@ -292,10 +300,13 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
 
 def _compile_key(key: tuple, nodes: tuple[Node, ...], mutations: tuple[tuple[int, Value], ...]) -> FusedKernel | None:
     """Compile a signature into _CACHE (None there when it cannot be compiled: it is not tried again)."""
+    start = time.perf_counter()
     try:
         kernel = _compile(tuple(Spec(*s) for s in key[1]), tuple(Value(*v) for v in key[2]), nodes, mutations)
     except Exception as e:  # noqa: BLE001  (any failure means: run these ops unfused)
         return _failed(key, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300])
+    finally:
+        _STATS.compile_seconds += time.perf_counter() - start
     _CACHE[key] = kernel
     _STATS.compiled += 1
     return kernel
@@ -940,6 +951,15 @@ def _run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
     except Exception as e:
         raise _KernelRaised(group.ops) from e
     return group.ops, _plan(group, kernel, wanted)
+
+
+def _budget() -> float:
+    """Seconds of fusion compiling this process may spend (TORCHNEURON_FUSION_COMPILE_BUDGET): a model with many
+    distinct groups compiles one kernel each (seconds apiece, on a core the stream worker and the host share), so
+    past the budget new groups stay unfused (counted: `stats().over_budget`, the porting report) instead of
+    compiling without end. Kernels already compiled keep running."""
+    cfg = config.current_or_none()
+    return cfg.fusion_compile_budget if cfg is not None else config.Config.fusion_compile_budget
 
 
 def _dynamo_compile_lock() -> threading.RLock:

@@ -104,6 +104,8 @@ VARIABLES = (
              "(event, `wait_stream`, synchronize), with both Python stacks (see docs/device.md, stream checker)"),
     Variable("TORCHNEURON_EAGER_FUSION", "`1`", "`0`: never fuse queued elementwise runs into one kernel (adaptive "
              "eager fusion; also off under `torch.use_deterministic_algorithms(True)`)"),
+    Variable("TORCHNEURON_FUSION_COMPILE_BUDGET", "`600`", "seconds eager fusion may spend compiling kernels in a "
+             "process; past it, groups not yet compiled run unfused (counted in the porting report)"),
     Variable("TORCH_DEVICE_BACKEND_AUTOLOAD", "`1`", "PyTorch's switch (read by torch): `0` keeps `import torch` "
              "from loading torchneuron"),
 )
@@ -228,6 +230,7 @@ class Config:
     stream_check: bool = False  # TORCHNEURON_STREAM_CHECK
     exit_timeout: float = 60.0  # TORCHNEURON_EXIT_TIMEOUT, seconds
     eager_fusion: bool = True  # TORCHNEURON_EAGER_FUSION
+    fusion_compile_budget: float = 600.0  # TORCHNEURON_FUSION_COMPILE_BUDGET, seconds of fusion compiling per process
     # the tools' settings (Variable.at_use): read again when their variable changes
     compile_fallback: str = "error"
     cache_dir: Path = Path("~/.cache/torchneuron")
@@ -300,6 +303,7 @@ def load(env: Mapping[str, str] | None = None) -> Config:
         stream_check=_flag(env, "TORCHNEURON_STREAM_CHECK", False),
         exit_timeout=_seconds(env, "TORCHNEURON_EXIT_TIMEOUT", 60.0),
         eager_fusion=_flag(env, "TORCHNEURON_EAGER_FUSION", True),
+        fusion_compile_budget=_seconds(env, "TORCHNEURON_FUSION_COMPILE_BUDGET", 600.0),
         **_at_use_fields(env),
     )
 

@@ -23,7 +23,7 @@ def collect() -> dict[str, Any]:
         "executed_ops": get_executed_ops(),
         "fallback_ops": get_fallback_ops(),
         "dtype_events": get_dtype_events(),
-        "eager_fusion": get_fusion_counts(),
+        "eager_fusion": {**get_fusion_counts(), **_fusion_compiles()},
         "memory": {f"neuron:{i}": {"max_allocated": torch.neuron.max_memory_allocated(i),
                                    "max_reserved": torch.neuron.max_memory_reserved(i)}
                    for i in range(torch.neuron.device_count())},
@@ -31,6 +31,15 @@ def collect() -> dict[str, Any]:
                             for g in graphs],
         "nki_kernels": _nki_kernels(),
     }
+
+
+def _fusion_compiles() -> dict[str, Any]:
+    """Eager fusion's compile work in this process, and the groups it left unfused (failed, or past the budget)."""
+    from ..compiler import eager_fusion
+
+    st = eager_fusion.stats()
+    return {"compiled": st.compiled, "compile_seconds": round(st.compile_seconds, 3), "failures": st.failures,
+            "over_budget": st.over_budget, "last_failure": st.last_failure}
 
 
 def _nki_kernels() -> dict[str, dict[str, Any]]:
@@ -49,6 +58,18 @@ def _top(d: dict[str, int], n: int = 10) -> str:
     return ", ".join(f"{k} x{v}" for k, v in items[:n]) + more
 
 
+def _fusion_line(f: dict[str, Any]) -> str:
+    line = f"eager fusion: {f['kernels']} fused kernels ran {f['ops']} queued ops"
+    if f.get("compiled"):
+        line += f"; {f['compiled']} kernels compiled in {f['compile_seconds']:.1f} s"
+    if f.get("over_budget"):
+        line += (f"; {f['over_budget']} groups ran unfused, the compile budget spent (raise "
+                 "TORCHNEURON_FUSION_COMPILE_BUDGET)")
+    if f.get("failures"):
+        line += f"; {f['failures']} groups ran unfused, not compilable (last: {f['last_failure']})"
+    return line
+
+
 def _sections(r: dict[str, Any]) -> list[tuple[str, list[str]]]:
     """(title, lines) shared by the text and Markdown renderings."""
     red = [f"{api}: {sum(sites.values())}  " + ", ".join(f"{site} x{n}" for site, n in sites.items())
@@ -57,7 +78,7 @@ def _sections(r: dict[str, Any]) -> list[tuple[str, list[str]]]:
            + (f" ({_top(r['executed_ops'])})" if r["executed_ops"] else ""),
            f"host fallbacks: {sum(r['fallback_ops'].values())}"
            + (f" ({_top(r['fallback_ops'])})" if r["fallback_ops"] else ""),
-           f"eager fusion: {r['eager_fusion']['kernels']} fused kernels ran {r['eager_fusion']['ops']} queued ops"]
+           _fusion_line(r["eager_fusion"])]
     mem = [f"{d}: peak {m['max_allocated'] / 2**20:.2f} MiB allocated" for d, m in r["memory"].items()
            if m["max_allocated"]] or ["no device memory used"]
     graphs = [f"{g['name']}: {g['nodes']} nodes, {g['recompiles']} recompiles"
