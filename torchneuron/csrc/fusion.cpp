@@ -10,11 +10,11 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <algorithm>
-#include <cstring>
 #include <unordered_map>
 
 #include "fusion.h"
 #include "runtime.h"
+#include "signature.h"
 
 namespace torchneuron {
 namespace {
@@ -73,16 +73,16 @@ namespace {
 // optimizer) is replayed without building its group in Python again: that costs more than the kernel saves.
 // Leaves number the tensors and numbers of the ops' arguments, then results, depth first (as eager_fusion does).
 struct FusedPlan {
-  std::vector<int64_t> key;
   pybind11::object kernel;
   size_t ops = 0;
   std::vector<int> args;                           // the leaf of each kernel argument: inputs, then outputs
   std::vector<int> lifts;                          // per input: the ScalarType of a lifted scalar, -1 for a tensor
   std::vector<std::pair<int, c10::IValue>> baked;  // number leaves compiled into the kernel, with their values
 };
-// read and written holding the GIL; never destroyed (its Python references would be released without the GIL at exit)
-auto& g_plans = *new std::unordered_map<uint64_t, FusedPlan>();
-constexpr size_t kMaxPlans = 256;
+// Read and written holding the GIL; never destroyed (its Python references would be released without the GIL at
+// exit). Shared: a replay keeps its plan while another stream's worker, taking the GIL as the kernel runs without
+// it, may retire that plan from the memo.
+auto& g_plans = *new SignatureMemo<std::shared_ptr<const FusedPlan>>(256);
 
 // The run's signature up to each op: what a plan is valid for. The ops, every constant that is not a number, the
 // kinds of the numbers, each tensor's dtype, sizes and strides, and where tensors share memory: eager fusion's
@@ -95,41 +95,28 @@ struct Signature {
     int64_t begin, end, data;  // its storage's bytes; its first element
     size_t slot;               // where its 3 key entries go
   };
-  std::vector<int64_t> tokens;
-  std::vector<size_t> ends, memory_ends;  // tokens and tensors after each op
+  std::vector<int64_t> key;               // the whole run's; `prefix_key` gives the first ops'
+  std::vector<size_t> ends, memory_ends;  // key entries and tensors after each op
   std::vector<Memory> memory;
   std::vector<c10::IValue> leaves;
-  void add(const c10::IValue& v) {
-    if (v.isTensor()) {
-      const at::Tensor& t = v.toTensor();
-      if (!t.defined()) return tokens.push_back(-1);  // None to Python: no leaf
-      leaves.push_back(v);
-      const auto begin = reinterpret_cast<int64_t>(t.storage().data());
-      memory.push_back({begin, begin + static_cast<int64_t>(t.storage().nbytes()),
-                        reinterpret_cast<int64_t>(t.data_ptr()), tokens.size()});
-      tokens.insert(tokens.end(), {1, 0, 0, 0, static_cast<int64_t>(t.scalar_type()), t.dim()});
-      tokens.insert(tokens.end(), t.sizes().begin(), t.sizes().end());
-      tokens.insert(tokens.end(), t.strides().begin(), t.strides().end());
-    } else if (v.isDouble() || v.isInt() || v.isBool()) {
-      leaves.push_back(v);
-      tokens.push_back(v.isDouble() ? 2 : v.isInt() ? 3 : 4);
-    } else if (v.isList()) {
-      auto l = v.toListRef();
-      tokens.insert(tokens.end(), {5, static_cast<int64_t>(l.size())});
-      for (const c10::IValue& x : l) add(x);
-    } else if (v.isString()) {
-      tokens.insert(tokens.end(), {6, static_cast<int64_t>(std::hash<std::string_view>{}(v.toStringView()))});
-    } else if (v.isNone()) {
-      tokens.push_back(7);
-    } else {
-      tokens.insert(tokens.end(), {8, static_cast<int64_t>(v.tagKind().size())});  // a device, a generator: never fused
-    }
+  // The Keyer of signature.h: a tensor's memory entries are left for `prefix_key`, numbers are leaves.
+  bool tensor(const at::Tensor& t) {
+    if (!t.defined()) return put(key, Token::undefined_tensor), true;  // None to Python: no leaf
+    leaves.emplace_back(t);
+    const auto begin = reinterpret_cast<int64_t>(t.storage().data());
+    memory.push_back({begin, begin + static_cast<int64_t>(t.storage().nbytes()),
+                      reinterpret_cast<int64_t>(t.data_ptr()), key.size()});
+    put(key, Token::tensor), key.insert(key.end(), {0, 0, 0});
+    put_tensor_meta(key, t);
+    return true;
   }
-  void end_op() { ends.push_back(tokens.size()), memory_ends.push_back(memory.size()); }
+  void number(const c10::IValue& v) { leaves.push_back(v); }
+  void add(const c10::IValue& v) { put_value(v, *this); }  // a value no signature keys: Python refuses its op
+  void end_op() { ends.push_back(key.size()), memory_ends.push_back(memory.size()); }
   // The key of the first n ops: each tensor's memory as (region, storage start and first element relative to the
   // region), regions being the overlapping storages, numbered in the order the run first touches them.
-  std::vector<int64_t> key(size_t n) const {
-    std::vector<int64_t> k(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(ends[n - 1]));
+  std::vector<int64_t> prefix_key(size_t n) const {
+    std::vector<int64_t> k(key.begin(), key.begin() + static_cast<std::ptrdiff_t>(ends[n - 1]));
     const size_t m = memory_ends[n - 1];
     std::vector<size_t> order(m), region(m);
     for (size_t i = 0; i < m; ++i) order[i] = i;
@@ -157,17 +144,9 @@ struct Signature {
   }
 };
 
-uint64_t hash_of(const std::vector<int64_t>& key) {
-  uint64_t h = 1469598103934665603ull;
-  for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
-  return h;
-}
-
 bool same_number(const c10::IValue& a, const c10::IValue& b) {
-  if (a.isDouble() && b.isDouble()) {  // bit for bit: -0.0 and NaN compile to other code than 0.0 and a number
-    double x = a.toDouble(), y = b.toDouble();
-    return std::memcmp(&x, &y, sizeof x) == 0;
-  }
+  if (a.isDouble() && b.isDouble())  // bit for bit: -0.0 and NaN compile to other code than 0.0 and a number
+    return bits_of(a.toDouble()) == bits_of(b.toDouble());
   if (a.isInt() && b.isInt()) return a.toInt() == b.toInt();
   return a.isBool() && b.isBool() && a.toBool() == b.toBool();
 }
@@ -241,7 +220,6 @@ void keep(const Signature& s, pybind11::handle plan) {
   p.kernel = plan.attr("kernel");
   p.ops = plan.attr("ops").cast<size_t>();
   if (p.ops < 2 || p.ops > s.ends.size()) return;
-  p.key = s.key(p.ops);
   p.args = plan.attr("args").cast<std::vector<int>>();
   for (pybind11::handle d : plan.attr("lifts"))
     p.lifts.push_back(d.is_none() ? -1 : static_cast<int>(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type));
@@ -255,9 +233,7 @@ void keep(const Signature& s, pybind11::handle plan) {
   }
   for (int a : p.args)
     if (a < 0 || static_cast<size_t>(a) >= s.leaves.size()) return;
-  if (g_plans.size() >= kMaxPlans) g_plans.clear();
-  uint64_t h = hash_of(p.key);
-  g_plans[h] = std::move(p);
+  g_plans.put(s.prefix_key(p.ops), std::make_shared<const FusedPlan>(std::move(p)));
 }
 
 }  // namespace
@@ -275,24 +251,24 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error,
   };
   try {
     Signature s;
-    s.tokens.push_back(at::get_num_threads());  // Inductor splits a kernel's loops for this many threads
+    s.key.push_back(at::get_num_threads());  // Inductor splits a kernel's loops for this many threads
     for (const FusableOp* f : ops) {
-      s.tokens.insert(s.tokens.end(), {9, reinterpret_cast<int64_t>(&f->op.schema())});
+      put(s.key, Token::op), s.key.push_back(reinterpret_cast<int64_t>(&f->op.schema()));
       for (const c10::IValue& v : f->args) s.add(v);
       for (const at::Tensor& o : f->outs) s.add(c10::IValue(o));
       s.end_op();
     }
     if (!at::globalContext().deterministicAlgorithms()) {  // fusion is off then: eager_fusion says so and counts it
       for (size_t n = ops.size(); n >= 2 && !ran; --n) {
-        std::vector<int64_t> key = s.key(n);
-        auto it = g_plans.find(hash_of(key));
-        if (it == g_plans.end() || it->second.ops != n || it->second.key != key) continue;
+        const auto* found = g_plans.find(s.prefix_key(n));
+        if (found == nullptr || (*found)->ops != n) continue;
+        const std::shared_ptr<const FusedPlan> plan = *found;
         try {
-          if (replay(it->second, s)) ran = n;
+          if (replay(*plan, s)) ran = n;
         } catch (pybind11::error_already_set& e) {
           return kernel_raised(n, e.what());
         }
-        if (ran && g_verify.load(std::memory_order_relaxed)) verify_replay(ops.slice(0, n), it->second);
+        if (ran && g_verify.load(std::memory_order_relaxed)) verify_replay(ops.slice(0, n), *plan);
       }
     }
     if (!ran) {

@@ -8,28 +8,14 @@
 #include <unordered_map>
 
 #include "fallback.h"
+#include "signature.h"
 
 namespace torchneuron::fallback {
 namespace {
-struct KeyHash {
-  size_t operator()(const std::vector<int64_t>& k) const noexcept {
-    size_t h = k.size();
-    for (int64_t x : k) h ^= static_cast<size_t>(x) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-    return h;
-  }
-};
-// A bounded memo in two generations: when `map` is full it becomes `old`, and a signature found in `old` moves back
-// into `map`. The signatures in use stay (a loop's shapes recur), and new ones are always remembered: shapes that
-// keep changing (a growing KV cache, variable-length batches) never leave an op running on the host thread for good.
+// An op's result layouts by argument signature (signature.h's two-generation memo).
 struct LayoutCache {
-  using Map = std::unordered_map<std::vector<int64_t>, std::shared_ptr<const ResultLayout>, KeyHash>;
   std::shared_mutex mu;
-  Map map, old;
-  void put(std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {  // mu held exclusively
-    if (map.size() >= kLayoutsPerOp && !map.count(key)) old = std::move(map), map = Map();
-    map.insert_or_assign(std::move(key), std::move(L));
-  }
-  static constexpr size_t kLayoutsPerOp = 256;  // signatures per generation
+  SignatureMemo<std::shared_ptr<const ResultLayout>> memo{256};  // signatures per generation
 };
 
 LayoutCache& layouts_of(OpEntry& e) {
@@ -44,14 +30,21 @@ LayoutCache& layouts_of(OpEntry& e) {
 }
 }  // namespace
 
-bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<int64_t>& key, FlatArgs& flat) {
-  key.reserve(64);
+namespace {
+// The layout memo's policy (signature.h): a device tensor's memory enters as its storage offset and the earlier flat
+// argument over the same storage (results may alias arguments); integers and flags by value, floats only for
+// factories (`factory`).
+struct LayoutKeyer {
+  std::vector<int64_t>& key;
+  FlatArgs& flat;
+  bool factory;
   SmallMap<const c10::StorageImpl*, int> first;  // the first flat tensor over each storage
-  auto tensor = [&](const at::Tensor& t) -> bool {
-    if (!t.defined()) return key.push_back(-1), true;
+  bool tensor(const at::Tensor& t) {
+    if (!t.defined()) return put(key, Token::undefined_tensor), true;
     if (!is_neuron(t)) {
       if (t.dim() > 0 || t.layout() != at::kStrided) return false;
-      key.insert(key.end(), {-2, static_cast<int64_t>(t.scalar_type()), t.unsafeGetTensorImpl()->is_wrapped_number()});
+      put(key, Token::host_scalar);
+      key.insert(key.end(), {static_cast<int64_t>(t.scalar_type()), t.unsafeGetTensorImpl()->is_wrapped_number()});
       return true;
     }
     int alias = -1;
@@ -60,62 +53,28 @@ bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<
       alias = *j * 2 + (flat[*j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl());
     else
       first.add(st, static_cast<int>(flat.size()));
-    key.insert(key.end(), {static_cast<int64_t>(t.scalar_type()), t.dim(), t.storage_offset(), alias,
-                           t.is_conj() * 2 + t.is_neg(), t.requires_grad()});
-    key.insert(key.end(), t.sizes().begin(), t.sizes().end());
-    key.insert(key.end(), t.strides().begin(), t.strides().end());
+    put(key, Token::tensor);
+    key.insert(key.end(), {t.storage_offset(), alias, t.is_conj() * 2 + t.is_neg(), t.requires_grad()});
+    put_tensor_meta(key, t);
     flat.push_back(t);
     return true;
-  };
-  for (size_t i = 0; i < nargs; ++i) {
-    const c10::IValue& v = args[i];
-    key.push_back(static_cast<int64_t>(v.tag));
-    if (v.isTensor()) {
-      if (!tensor(v.toTensor())) return false;
-    } else if (v.isTensorList()) {
-      key.push_back(static_cast<int64_t>(v.toTensorList().size()));
-      for (const at::Tensor& t : v.toTensorList())
-        if (!tensor(t)) return false;
-    } else if (v.isList()) {
-      const auto& l = v.toListRef();
-      key.push_back(static_cast<int64_t>(l.size()));
-      for (const c10::IValue& x : l) {
-        if (x.isTensor()) {
-          if (!tensor(x.toTensor())) return false;
-        } else if (x.isInt()) {
-          key.push_back(x.toInt());
-        } else if (x.isBool()) {
-          key.push_back(x.toBool());
-        } else if (x.isNone()) {
-          key.push_back(-3);
-        } else if (x.isDouble()) {
-          double d = factory ? x.toDouble() : 0.0;
-          int64_t bits;
-          std::memcpy(&bits, &d, sizeof bits);
-          key.push_back(bits);
-        } else {
-          return false;
-        }
-      }
-    } else if (v.isInt()) {
-      key.push_back(v.toInt());
-    } else if (v.isBool()) {
-      key.push_back(v.toBool());
-    } else if (v.isDouble()) {
-      if (factory) {
-        double d = v.toDouble();
-        int64_t bits;
-        std::memcpy(&bits, &d, sizeof bits);
-        key.push_back(bits);
-      }
-    } else if (v.isString()) {
-      key.push_back(static_cast<int64_t>(std::hash<std::string_view>()(v.toStringView())));
-    } else if (v.isDevice()) {
-      key.push_back(static_cast<int64_t>(v.toDevice().type()) * 256 + v.toDevice().index());
-    } else if (!(v.isNone() || v.isComplexDouble() || v.isGenerator())) {
-      return false;
-    }
   }
+  void number(const c10::IValue& v) {
+    if (v.isInt())
+      key.push_back(v.toInt());
+    else if (v.isBool())
+      key.push_back(v.toBool());
+    else if (factory)
+      key.push_back(bits_of(v.toDouble()));
+  }
+};
+}  // namespace
+
+bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<int64_t>& key, FlatArgs& flat) {
+  key.reserve(64);
+  LayoutKeyer k{key, flat, factory, {}};
+  for (size_t i = 0; i < nargs; ++i)
+    if (!put_value(args[i], k)) return false;
   return true;
 }
 
@@ -125,19 +84,12 @@ std::shared_ptr<const ResultLayout> find_layout(OpEntry& e, const std::vector<in
   auto& c = layouts_of(e);
   {
     std::shared_lock<std::shared_mutex> g(c.mu);
-    if (auto it = c.map.find(key); it != c.map.end()) return it->second;
-    if (!c.old.count(key)) return nullptr;
+    if (const auto* L = c.memo.recent(key)) return *L;
+    if (!c.memo.aging(key)) return nullptr;
   }
   std::unique_lock<std::shared_mutex> g(c.mu);
-  auto it = c.old.find(key);
-  if (it == c.old.end()) {  // moved back by another thread meanwhile
-    auto cur = c.map.find(key);
-    return cur == c.map.end() ? nullptr : cur->second;
-  }
-  auto L = it->second;
-  c.old.erase(it);
-  c.put(key, L);
-  return L;
+  const auto* L = c.memo.find(key);
+  return L ? *L : nullptr;
 }
 
 std::vector<Shape> shapes_of(const FlatArgs& flat) {
@@ -229,6 +181,6 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
 void remember_layout(OpEntry& e, std::vector<int64_t> key, std::shared_ptr<const ResultLayout> L) {
   auto& c = layouts_of(e);
   std::unique_lock<std::shared_mutex> g(c.mu);
-  c.put(std::move(key), std::move(L));
+  c.memo.put(std::move(key), std::move(L));
 }
 }  // namespace torchneuron::fallback
