@@ -454,6 +454,20 @@ def test_deepseek_v3_preset_has_the_published_size_and_serves_with_expert_parall
     assert sum(o.count for o in r.ops if o.op == "all_to_all") == 2 * 2
 
 
+@pytest.mark.parametrize("name, layers, total, active", [("qwen3-30b-a3b", 48, 30.5e9, 3.3e9),
+                                                          ("qwen3-235b-a22b", 94, 235e9, 22e9)])
+def test_qwen3_moe_presets_have_the_published_sizes(name, layers, total, active):
+    """Qwen3 MoE (Qwen3 technical report / model cards: 30.5B parameters with 3.3B activated, 235B with 22B): every
+    layer holds 128 experts of 3 x hidden x expert width and routes each token to 8 of them."""
+    model = presets.hf_model(presets.config(name))
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for k, p in model.named_parameters() if ".experts." in k)
+    assert routed == layers * 128 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert n == pytest.approx(total, rel=0.01)
+    assert n - routed * (1 - 8 / 128) == pytest.approx(active, rel=0.02)
+
+
 def test_search_tries_expert_parallelism_for_moe_models():
     """Serving a 2-layer Mixtral (8 experts): the search adds ep = 2, 4, 8 (dp = ep replicas, ep x tp cores in the
     instance); each such candidate is the estimate of its own layout, all-to-alls included; a dense model gets
