@@ -5,7 +5,8 @@ Sources (aws-neuron/aws-neuron-sdk documentation, see docs/hardware.md): S25 the
 (docs commit 82231d6), S40 tools/neuron-sys-tools/nccom-test.rst, S26
 about-neuron/benchmarks/trn1/training_data_{decoder,encoder}.csv, S27
 libraries/nxd-inference/tutorials/trn2-llama3.3-70b-tutorial.rst, S28 the 405B speculative-decoding
-tutorial next to it.
+tutorial next to it; held out: S47 aws-neuron/neuronx-distributed-inference contrib/models/DeepSeek-V3/README.md,
+S48 huggingface/optimum-neuron benchmark/vllm/single-instance/*/vllm-results.csv.
 """
 from __future__ import annotations
 
@@ -148,6 +149,13 @@ def _h200(**kw) -> dict:
 
 def _b200(**kw) -> dict:
     return dict(target="b200", instance="p6-b200.48xlarge", **kw)
+
+
+def _optimum(target: str, instance: str, tp: int) -> dict:
+    """S48: optimum-neuron's vLLM server (its NxD backend, runs of Sep-Oct 2025), BF16, sequence length 4096 without
+    bucketing (the prompt runs in the 4,096-token context graph, ctx batch 1) and decode compiled at the server's
+    batch size: a single request's step runs the whole padded batch, which the model costs."""
+    return dict(target=target, instance=instance, tp=tp)
 
 
 def _mistral_7b() -> torch.nn.Module:
@@ -335,6 +343,33 @@ HELD_OUT = (
          2139, "G7 Megatron-Bridge performance summary (25.11)",
          lambda: _train(_llama("deepseek-v3"), 4096, 1, per="token", precision="fp8", batch_tokens=2048 * 4096,
                         pp=16, check_memory=False, **_b200(dp=16, ep=8)) / 256, "gpu"),
+    # Trainium MoE inference, the only published measurements at a stated setup found. S47: NxD Inference's
+    # DeepSeek-V3 port (SDK 2.28, BF16 weights dequantized from FP8, seq_len 512 without bucketing: the 256-token
+    # prompt runs in the 512-token context graph), benchmark_sampling p50. S48: optimum-neuron's vLLM benchmark,
+    # guidellm 0.1.0 "synchronous" (one request at a time), prompts of 1,500 +- 150 tokens, 250 +- 20 generated.
+    # Decode context: prompt + half the output, as for the dense rows.
+    Case("DeepSeek-V3 decode, TPOT", "trn2.48xlarge, TP64 LNC2, BS1, 256 in / 256 out", "ms", 20.5,
+         "S47 NxDI contrib DeepSeek-V3 README", lambda: _decode_ms(_llama("deepseek-v3"), 384, **_trn2())),
+    Case("DeepSeek-V3 prefill, TTFT", "trn2.48xlarge, TP64 LNC2, BS1, 256 in (512 graph)", "ms", 1667.0,
+         "S47 NxDI contrib DeepSeek-V3 README", lambda: _prefill_ms(_llama("deepseek-v3"), 512, **_trn2())),
+    Case("Qwen3-235B-A22B decode, ITL", "trn2.48xlarge, TP64 LNC2, batch 4 graph, 1 request, 1.5k in", "ms",
+         32.18, "S48 optimum-neuron vLLM benchmark",
+         lambda: _decode_ms(_llama("qwen3-235b-a22b"), 1625, batch=4, **_optimum("trn2", "trn2.48xlarge", 64))),
+    Case("Qwen3-235B-A22B prefill, TTFT", "trn2.48xlarge, TP64 LNC2, 1 request, 1.5k in (4096 graph)", "ms",
+         4587.15, "S48 optimum-neuron vLLM benchmark",
+         lambda: _prefill_ms(_llama("qwen3-235b-a22b"), 4096, **_optimum("trn2", "trn2.48xlarge", 64))),
+    Case("Qwen3-30B-A3B decode, ITL", "trn2, TP4 LNC2, batch 16 graph, 1 request, 1.5k in", "ms", 56.36,
+         "S48 optimum-neuron vLLM benchmark",
+         lambda: _decode_ms(_llama("qwen3-30b-a3b"), 1625, batch=16, **_optimum("trn2", "trn2.3xlarge", 4))),
+    Case("Qwen3-30B-A3B prefill, TTFT", "trn2, TP4 LNC2, 1 request, 1.5k in (4096 graph)", "ms", 1546.75,
+         "S48 optimum-neuron vLLM benchmark",
+         lambda: _prefill_ms(_llama("qwen3-30b-a3b"), 4096, **_optimum("trn2", "trn2.3xlarge", 4))),
+    Case("Qwen3-30B-A3B trn1 decode, ITL", "trn1.32xlarge, TP32, batch 8 graph, 1 request, 1.5k in", "ms", 23.91,
+         "S48 optimum-neuron vLLM benchmark",
+         lambda: _decode_ms(_llama("qwen3-30b-a3b"), 1625, batch=8, **_optimum("trn1", "trn1.32xlarge", 32))),
+    Case("Qwen3-30B-A3B trn1 prefill, TTFT", "trn1.32xlarge, TP32, 1 request, 1.5k in (4096 graph)", "ms",
+         2404.55, "S48 optimum-neuron vLLM benchmark",
+         lambda: _prefill_ms(_llama("qwen3-30b-a3b"), 4096, **_optimum("trn1", "trn1.32xlarge", 32))),
 )
 
 
