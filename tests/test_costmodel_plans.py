@@ -311,6 +311,32 @@ def test_moe_experts_cost_their_routed_tokens_and_read_only_the_hit_experts():
     assert 0 < fwd.mfu < 1 and fwd.mfu > 0.1  # the expert GEMMs count as model FLOPs
 
 
+class _Experts(torch.nn.Module):
+    """One grouped expert GEMM: rows grouped by expert (int32 end offsets) against [E, K, N] expert weights."""
+
+    def __init__(self, e: int, k: int, n: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(e, k, n, dtype=BF16))
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(x, self.w, offs=offs)
+
+
+@pytest.mark.parametrize("rows", [2, 64])
+@pytest.mark.parametrize("execution", ["compiled", "eager"])
+def test_a_grouped_gemm_reads_only_the_experts_its_rows_hit_in_both_modes(rows, execution):
+    """8 experts of 256 x 512 bf16: 2 rows of 256 bf16 values meet at most 2 experts, so the kernel moves the rows
+    (rows x 256 x 2 bytes), 2 experts' weights (2 x 256 x 512 x 2), the output (rows x 512 x 2) and, as a compiled
+    kernel's external input, the 8 int32 offsets (an eager op counts its GEMM operands); 64 rows reach all 8."""
+    e, k, n = 8, 256, 512
+    model = _Experts(e, k, n)
+    x, offs = torch.empty(rows, k, dtype=BF16), torch.arange(1, e + 1, dtype=torch.int32) * rows // e
+    r = estimate(model, (x, offs), target="trn2", mode="forward", compare=None, execution=execution)
+    hit = min(e, rows)
+    assert sum(o.bytes for o in r.ops if o.op == "_grouped_mm") == \
+        pytest.approx(rows * k * 2 + hit * k * n * 2 + rows * n * 2 + (e * 4 if execution == "compiled" else 0))
+
+
 def _pricing_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     cli.add_estimate_arguments(p)

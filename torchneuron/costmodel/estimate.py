@@ -18,7 +18,7 @@ import torch
 
 from ..hardware.chips import CHIPS, GPU_INSTANCES, INSTANCES, LARGEST_INSTANCE, Chip
 from ..runtime.optable import Rule, op_info
-from .ops import OpCost, Target, collective_cost, kernel_time, op_cost, target
+from .ops import OpCost, Target, collective_cost, input_share, kernel_time, op_cost, target
 from .trace import Rec, Trace, trace
 
 MODES = ("train", "forward", "decode")
@@ -313,7 +313,13 @@ class Coster:
             ext = {t for i in idx for t in recs[i].in_ids} - made
             written = {t for t in made if consumers.get(t, {g}) != {g} or t not in consumers}
             spilled = {t for t in made - written if self.per_core_bytes(t) > self.t.sbuf_bytes / 2}
-            hbm = sum(map(self.per_core_bytes, ext | written)) + 2 * sum(map(self.per_core_bytes, spilled))
+            read: dict[int, float] = {}  # the share of each input the kernel reads (a grouped GEMM: its experts hit)
+            for i in idx:
+                ins = self._expert_shard(recs[i], recs[i].ins)
+                for pos, t in enumerate(recs[i].in_ids):
+                    read[t] = max(read.get(t, 0.0), input_share(recs[i].op, ins, pos))
+            hbm = sum(self.per_core_bytes(t) * read.get(t, 1.0) for t in ext | written) \
+                + 2 * sum(map(self.per_core_bytes, spilled))
             hbm += sum(costs[i].bytes - costs[i].io_bytes for i in idx)
             kt = kernel_time([costs[i] for i in idx], hbm, self.t)
             weight = [max(costs[i].compute_s, costs[i].memory_s) for i in idx]
