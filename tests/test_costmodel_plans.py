@@ -7,8 +7,9 @@ import argparse
 import pytest
 import torch
 
-from torchneuron.costmodel import cli, presets
+from torchneuron.costmodel import cli, presets, validation
 from torchneuron.costmodel.estimate import compare_gpu, estimate
+from torchneuron.costmodel.ops import nxd_moe, op_cost
 from torchneuron.costmodel.trace import trace
 from torchneuron.hardware.chips import CHIPS
 
@@ -533,3 +534,52 @@ def test_moe_serving_that_does_not_fit_names_the_expert_parallel_degree():
     with pytest.raises(torch.OutOfMemoryError, match=rf"the smallest change that fits: ep={e}$"):
         estimate(model, presets.lm_inputs(model, mode="decode", context=64), target="trn2", mode="decode", dp=8,
                  dtype=BF16, compare=None)
+
+
+@pytest.mark.parametrize("rows, experts, tokens, decode, work", [
+    (32768, 128, 4096, False, (191 * 512, 191)),  # Qwen3 context pass of 4,096 tokens x 8: ceil(32641 / 512) + 127
+    (4096, 256, 512, False, (263 * 512, 263)),  # DeepSeek-V3, 512 tokens x 8 over 256 experts: 8 + 255 blocks
+    (256, 128, 32, False, (32 * 128, 128)),  # fewer routed rows than a block: every token through every expert
+    (128, 128, 16, True, (16 * 128, 128)),  # decode, 16 x 8 rows reach 128 experts: all experts, every token
+    (64, 128, 8, True, (64, 64)),  # decode, 8 x 8 < 128: selective loading, each token its own 8 experts
+])
+def test_nxd_moe_work_follows_expert_mlps_v2(rows, experts, tokens, decode, work):
+    """S49, ExpertMLPsV2.forward in inference with full capacity: selective loading below tokens x top-k = experts;
+    all experts for decode and for a context pass under one 512-row block; else blockwise over
+    ceil((rows - (E - 1)) / 512) + E - 1 blocks (at most rows), each one expert's 512 (padded) rows."""
+    assert nxd_moe(rows, experts, tokens, decode) == work
+
+
+def test_trainium_serving_costs_expert_gemms_as_nxd_runs_them():
+    """One Qwen3-30B-A3B layer, a 4,096-token forward on one trn2 core (eager): its first expert GEMM (2048 ->
+    2 x 768) runs NxD's 191 blocks of 512 rows (2.98x the 32,768 routed rows) and loads an expert's weights per
+    block, but counts only the routed rows' FLOPs as the model's; on an H100 it is the grouped GEMM over the
+    routed rows, reading each of the 128 experts once."""
+    model = presets.hf_model(presets.config("qwen3-30b-a3b", num_hidden_layers=1))
+    inputs = presets.lm_inputs(model, seq=4096, mode="forward")
+    kw = dict(mode="forward", dtype=BF16, compare=None, execution="eager")
+    trn, gpu = (estimate(model, inputs, target=t, **kw) for t in ("trn2", "h100"))
+    for r, rows, loads in ((trn, 191 * 512, 191), (gpu, 32768, 128)):
+        first = next(o for o in r.ops if o.op == "_grouped_mm")
+        dense = op_cost("mm", [((rows, 2048), "bfloat16"), ((2048, 1536), "bfloat16")],
+                        [((rows, 1536), "bfloat16")], r.target, mode="eager")
+        assert first.flops == pytest.approx(2 * 32768 * 2048 * 1536)
+        assert first.bytes == pytest.approx((rows * 2048 + loads * 2048 * 1536 + rows * 1536) * 2)
+        assert first.time_s == pytest.approx(max(dense.compute_s, first.bytes / dense.peak_bw) + dense.overhead_s)
+
+
+def test_trainium_moe_estimates_print_the_moe_caveat(capsys):
+    """An MoE model estimated on Trainium prints the one-line caveat of the held-out MoE rows; the same model on a
+    GPU and a dense model on Trainium do not."""
+    model, _, _ = _mixtral(1)
+    inputs = presets.lm_inputs(model, mode="decode", context=64)
+    kw = dict(mode="decode", dtype=BF16, compare=None)
+    assert validation.moe_caveat(estimate(model, inputs, target="trn2", **kw)) == validation.MOE_CAVEAT
+    assert validation.moe_caveat(estimate(model, inputs, target="h100", **kw)) is None
+    dense = _llama8b(1)
+    assert validation.moe_caveat(estimate(dense, presets.lm_inputs(dense, mode="decode", context=64), **kw)) is None
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    assert cli.run_estimate(p.parse_args(["--model", "mixtral-8x7b", "--mode", "decode", "--seq", "64", "--tp", "8",
+                                          "--compare", "none", "--top", "0"])) == 0
+    assert validation.MOE_CAVEAT in capsys.readouterr().out
