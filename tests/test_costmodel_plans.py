@@ -7,8 +7,9 @@ import argparse
 import pytest
 import torch
 
-from torchneuron.costmodel import cli, presets
+from torchneuron.costmodel import cli, presets, validation
 from torchneuron.costmodel.estimate import compare_gpu, estimate
+from torchneuron.costmodel.ops import nxd_moe, op_cost
 from torchneuron.costmodel.trace import trace
 from torchneuron.hardware.chips import CHIPS
 
@@ -311,6 +312,32 @@ def test_moe_experts_cost_their_routed_tokens_and_read_only_the_hit_experts():
     assert 0 < fwd.mfu < 1 and fwd.mfu > 0.1  # the expert GEMMs count as model FLOPs
 
 
+class _Experts(torch.nn.Module):
+    """One grouped expert GEMM: rows grouped by expert (int32 end offsets) against [E, K, N] expert weights."""
+
+    def __init__(self, e: int, k: int, n: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(e, k, n, dtype=BF16))
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(x, self.w, offs=offs)
+
+
+@pytest.mark.parametrize("rows", [2, 64])
+@pytest.mark.parametrize("execution", ["compiled", "eager"])
+def test_a_grouped_gemm_reads_only_the_experts_its_rows_hit_in_both_modes(rows, execution):
+    """8 experts of 256 x 512 bf16: 2 rows of 256 bf16 values meet at most 2 experts, so the kernel moves the rows
+    (rows x 256 x 2 bytes), 2 experts' weights (2 x 256 x 512 x 2), the output (rows x 512 x 2) and, as a compiled
+    kernel's external input, the 8 int32 offsets (an eager op counts its GEMM operands); 64 rows reach all 8."""
+    e, k, n = 8, 256, 512
+    model = _Experts(e, k, n)
+    x, offs = torch.empty(rows, k, dtype=BF16), torch.arange(1, e + 1, dtype=torch.int32) * rows // e
+    r = estimate(model, (x, offs), target="trn2", mode="forward", compare=None, execution=execution)
+    hit = min(e, rows)
+    assert sum(o.bytes for o in r.ops if o.op == "_grouped_mm") == \
+        pytest.approx(rows * k * 2 + hit * k * n * 2 + rows * n * 2 + (e * 4 if execution == "compiled" else 0))
+
+
 def _pricing_args(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     cli.add_estimate_arguments(p)
@@ -454,6 +481,20 @@ def test_deepseek_v3_preset_has_the_published_size_and_serves_with_expert_parall
     assert sum(o.count for o in r.ops if o.op == "all_to_all") == 2 * 2
 
 
+@pytest.mark.parametrize("name, layers, total, active", [("qwen3-30b-a3b", 48, 30.5e9, 3.3e9),
+                                                          ("qwen3-235b-a22b", 94, 235e9, 22e9)])
+def test_qwen3_moe_presets_have_the_published_sizes(name, layers, total, active):
+    """Qwen3 MoE (Qwen3 technical report / model cards: 30.5B parameters with 3.3B activated, 235B with 22B): every
+    layer holds 128 experts of 3 x hidden x expert width and routes each token to 8 of them."""
+    model = presets.hf_model(presets.config(name))
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for k, p in model.named_parameters() if ".experts." in k)
+    assert routed == layers * 128 * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert n == pytest.approx(total, rel=0.01)
+    assert n - routed * (1 - 8 / 128) == pytest.approx(active, rel=0.02)
+
+
 def test_search_tries_expert_parallelism_for_moe_models():
     """Serving a 2-layer Mixtral (8 experts): the search adds ep = 2, 4, 8 (dp = ep replicas, ep x tp cores in the
     instance); each such candidate is the estimate of its own layout, all-to-alls included; a dense model gets
@@ -493,3 +534,52 @@ def test_moe_serving_that_does_not_fit_names_the_expert_parallel_degree():
     with pytest.raises(torch.OutOfMemoryError, match=rf"the smallest change that fits: ep={e}$"):
         estimate(model, presets.lm_inputs(model, mode="decode", context=64), target="trn2", mode="decode", dp=8,
                  dtype=BF16, compare=None)
+
+
+@pytest.mark.parametrize("rows, experts, tokens, decode, work", [
+    (32768, 128, 4096, False, (191 * 512, 191)),  # Qwen3 context pass of 4,096 tokens x 8: ceil(32641 / 512) + 127
+    (4096, 256, 512, False, (263 * 512, 263)),  # DeepSeek-V3, 512 tokens x 8 over 256 experts: 8 + 255 blocks
+    (256, 128, 32, False, (32 * 128, 128)),  # fewer routed rows than a block: every token through every expert
+    (128, 128, 16, True, (16 * 128, 128)),  # decode, 16 x 8 rows reach 128 experts: all experts, every token
+    (64, 128, 8, True, (64, 64)),  # decode, 8 x 8 < 128: selective loading, each token its own 8 experts
+])
+def test_nxd_moe_work_follows_expert_mlps_v2(rows, experts, tokens, decode, work):
+    """S49, ExpertMLPsV2.forward in inference with full capacity: selective loading below tokens x top-k = experts;
+    all experts for decode and for a context pass under one 512-row block; else blockwise over
+    ceil((rows - (E - 1)) / 512) + E - 1 blocks (at most rows), each one expert's 512 (padded) rows."""
+    assert nxd_moe(rows, experts, tokens, decode) == work
+
+
+def test_trainium_serving_costs_expert_gemms_as_nxd_runs_them():
+    """One Qwen3-30B-A3B layer, a 4,096-token forward on one trn2 core (eager): its first expert GEMM (2048 ->
+    2 x 768) runs NxD's 191 blocks of 512 rows (2.98x the 32,768 routed rows) and loads an expert's weights per
+    block, but counts only the routed rows' FLOPs as the model's; on an H100 it is the grouped GEMM over the
+    routed rows, reading each of the 128 experts once."""
+    model = presets.hf_model(presets.config("qwen3-30b-a3b", num_hidden_layers=1))
+    inputs = presets.lm_inputs(model, seq=4096, mode="forward")
+    kw = dict(mode="forward", dtype=BF16, compare=None, execution="eager")
+    trn, gpu = (estimate(model, inputs, target=t, **kw) for t in ("trn2", "h100"))
+    for r, rows, loads in ((trn, 191 * 512, 191), (gpu, 32768, 128)):
+        first = next(o for o in r.ops if o.op == "_grouped_mm")
+        dense = op_cost("mm", [((rows, 2048), "bfloat16"), ((2048, 1536), "bfloat16")],
+                        [((rows, 1536), "bfloat16")], r.target, mode="eager")
+        assert first.flops == pytest.approx(2 * 32768 * 2048 * 1536)
+        assert first.bytes == pytest.approx((rows * 2048 + loads * 2048 * 1536 + rows * 1536) * 2)
+        assert first.time_s == pytest.approx(max(dense.compute_s, first.bytes / dense.peak_bw) + dense.overhead_s)
+
+
+def test_trainium_moe_estimates_print_the_moe_caveat(capsys):
+    """An MoE model estimated on Trainium prints the one-line caveat of the held-out MoE rows; the same model on a
+    GPU and a dense model on Trainium do not."""
+    model, _, _ = _mixtral(1)
+    inputs = presets.lm_inputs(model, mode="decode", context=64)
+    kw = dict(mode="decode", dtype=BF16, compare=None)
+    assert validation.moe_caveat(estimate(model, inputs, target="trn2", **kw)) == validation.MOE_CAVEAT
+    assert validation.moe_caveat(estimate(model, inputs, target="h100", **kw)) is None
+    dense = _llama8b(1)
+    assert validation.moe_caveat(estimate(dense, presets.lm_inputs(dense, mode="decode", context=64), **kw)) is None
+    p = argparse.ArgumentParser()
+    cli.add_estimate_arguments(p)
+    assert cli.run_estimate(p.parse_args(["--model", "mixtral-8x7b", "--mode", "decode", "--seq", "64", "--tp", "8",
+                                          "--compare", "none", "--top", "0"])) == 0
+    assert validation.MOE_CAVEAT in capsys.readouterr().out

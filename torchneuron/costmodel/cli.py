@@ -23,6 +23,7 @@ from ..hardware.chips import (
     rated_instances,
 )
 from .estimate import EXECUTIONS, MODES, PRECISIONS, RECOMPUTE, SCHEDULES, EstimateResult, estimate
+from .validation import moe_caveat
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -254,6 +255,8 @@ def run_estimate(a: argparse.Namespace) -> int:
     if a.pricing != "on-demand":
         print(f"prices: {a.pricing} rates on both sides (docs/hardware.md, Prices)")
     print(r.summary())
+    if caveat := moe_caveat(r):
+        print(f"  {caveat}")
     if r.comparison:
         print(r.comparison.summary())
         print(buyer_table(r))

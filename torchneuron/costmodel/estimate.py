@@ -18,7 +18,7 @@ import torch
 
 from ..hardware.chips import CHIPS, GPU_INSTANCES, INSTANCES, LARGEST_INSTANCE, Chip
 from ..runtime.optable import Rule, op_info
-from .ops import OpCost, Target, collective_cost, kernel_time, op_cost, target
+from .ops import OpCost, Target, collective_cost, input_share, kernel_time, nxd_moe, op_cost, target
 from .trace import Rec, Trace, trace
 
 MODES = ("train", "forward", "decode")
@@ -215,6 +215,7 @@ class Experts:
     params: int
     per_layer: int
     dispatch: tuple[float, ...]
+    tokens: dict[int, int] = field(default_factory=dict)  # routing (offsets id) -> tokens routed, where traced
 
 
 def experts(tr: Trace) -> Experts:
@@ -224,19 +225,41 @@ def experts(tr: Trace) -> Experts:
                and len(r.ins[1].shape) == 3]
     weights = {i for r in tr.recs if r.op == "_grouped_mm"  # the backward's views of the weights too
                for x, i in zip(r.ins, r.in_ids, strict=False) if len(x.shape) == 3 and tr.placement.get(i) == "W"}
-    layers = {r.in_ids[2]: r.ins[0].nbytes for r in reversed(grouped)}  # the first GEMM of each routing
+    first = {r.in_ids[2]: r for r in reversed(grouped)}  # the first GEMM of each routing
+    made = {o: r for r in tr.recs for o in r.out_ids}
+    tokens = {}  # the tokens a routing dispatches: the [tokens, hidden] input of the gather making its rows
+    for i, r in first.items():
+        src = made.get(r.in_ids[0])
+        if src and op_info(src.op).rule is Rule.GATHER and len(src.ins[0].shape) == 2 \
+                and r.ins[0].shape[0] % src.ins[0].shape[0] == 0:
+            tokens[i] = src.ins[0].shape[0]
     return Experts(frozenset(weights), sum(r.ins[1].numel for r in grouped),
-                   grouped[0].ins[1].shape[0] if grouped else 0, tuple(layers.values()))
+                   grouped[0].ins[1].shape[0] if grouped else 0, tuple(r.ins[0].nbytes for r in first.values()),
+                   tokens)
 
 
 class Coster:
     """Costs a trace on one layout: per-core shapes under tensor parallelism, fused kernels or eager ops."""
 
     def __init__(self, tr: Trace, lay: Layout, tp: int, sp: bool, compiled: bool, precision: str | None = None,
-                 ep: int = 1):
+                 ep: int = 1, serving: str | None = None):
         self.tr, self.lay, self.t, self.tp, self.sp, self.compiled = tr, lay, lay.target, tp, sp, compiled
-        self.precision, self.ep = precision, ep
+        self.precision, self.ep, self.serving = precision, ep, serving  # serving: None, "prefill" or "decode"
         self.experts = experts(tr)
+
+    def costed(self, r: Rec) -> tuple[list, list, dict, float]:
+        """A rec's inputs, outputs and attributes as costed (quantized, expert-sharded), and the share of its FLOPs
+        that are the model's. Serving on Trainium, an expert GEMM does the work NxD's MoE layer does (nxd_moe:
+        padded blocks, or every token through every expert), of which only the routed rows are model FLOPs."""
+        ins, outs, attrs = self._expert_shard(r, self._quantized(r)), r.outs, r.attrs
+        tokens = self.experts.tokens.get(r.in_ids[2]) if r.op == "_grouped_mm" and len(r.in_ids) > 2 else None
+        if not (self.serving and self.t.is_neuron and tokens and len(ins[0].shape) == 2 and len(ins[1].shape) == 3):
+            return ins, outs, attrs, 1.0
+        m = ins[0].shape[0]
+        rows, loaded = nxd_moe(m, ins[1].shape[0], tokens, self.serving == "decode")
+        ins = [ins[0]._replace(shape=(rows, ins[0].shape[1])), *ins[1:]]
+        outs = [outs[0]._replace(shape=(rows, outs[0].shape[1])), *outs[1:]]
+        return ins, outs, {**attrs, "experts_loaded": loaded}, m / rows
 
     def _expert_shard(self, r: Rec, ins: list) -> list:
         """Under expert parallelism a core holds 1/ep of every expert weight [E, K, N] (whole experts)."""
@@ -280,8 +303,9 @@ class Coster:
         shard = None
         if self.tp > 1 and r.shard and (r.shard != "sp" or self.sp):
             shard = ("all" if r.shard == "sp" else r.shard, self.tp)
-        return op_cost(r.op, self._expert_shard(r, self._quantized(r)), r.outs, self.t, attrs=r.attrs, shard=shard,
-                       mode=mode)
+        ins, outs, attrs, model = self.costed(r)
+        c = op_cost(r.op, ins, outs, self.t, attrs=attrs, shard=shard, mode=mode)
+        return c if model == 1.0 else replace(c, flops=c.flops * model)
 
     def times(self, recs: list[Rec]) -> list[OpShare]:
         """Each op's cost and modelled time and traffic; collectives dropped when tp == 1. In a fused kernel each
@@ -313,7 +337,13 @@ class Coster:
             ext = {t for i in idx for t in recs[i].in_ids} - made
             written = {t for t in made if consumers.get(t, {g}) != {g} or t not in consumers}
             spilled = {t for t in made - written if self.per_core_bytes(t) > self.t.sbuf_bytes / 2}
-            hbm = sum(map(self.per_core_bytes, ext | written)) + 2 * sum(map(self.per_core_bytes, spilled))
+            read: dict[int, float] = {}  # the share of each input the kernel reads (a grouped GEMM: its experts hit)
+            for i in idx:
+                ins, _, attrs, _ = self.costed(recs[i])
+                for pos, t in enumerate(recs[i].in_ids):
+                    read[t] = max(read.get(t, 0.0), input_share(recs[i].op, ins, pos, attrs))
+            hbm = sum(self.per_core_bytes(t) * read.get(t, 1.0) for t in ext | written) \
+                + 2 * sum(map(self.per_core_bytes, spilled))
             hbm += sum(costs[i].bytes - costs[i].io_bytes for i in idx)
             kt = kernel_time([costs[i] for i in idx], hbm, self.t)
             weight = [max(costs[i].compute_s, costs[i].memory_s) for i in idx]
@@ -541,7 +571,8 @@ def _expert_ops(ex: Experts, lay: Layout, plan: Plan, slots: float) -> list[OpTi
 
 def cost(tr: Trace, layout: Layout, plan: Plan, price_per_hour: float | None = None) -> EstimateResult:
     """Cost a recorded step on `layout` under `plan`."""
-    co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled", plan.precision, plan.ep)
+    co = Coster(tr, layout, plan.tp, plan.sp, plan.execution == "compiled", plan.precision, plan.ep,
+                {"forward": "prefill", "decode": "decode"}.get(plan.mode))
     micro, pp = _micro(tr, plan), plan.pp
     # a pipeline stage runs 1/pp of every micro-batch's work, over micro + bubble slots
     slots = micro + plan.bubble

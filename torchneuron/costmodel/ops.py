@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..hardware.chips import CHIPS, GPU_INSTANCES, GPUS, INSTANCES, Chip, Gpu
+from ..hardware.chips import CHIPS, GPU_INSTANCES, GPUS, INSTANCES, NXD_MOE_BLOCK, Chip, Gpu
 from ..runtime.optable import Rule, base_name, op_info
 
 ITEMSIZE = {"float64": 8, "complex64": 8, "int64": 8, "uint64": 8, "float32": 4, "int32": 4, "uint32": 4,
@@ -249,6 +249,35 @@ def _mixed_class(a: T, b: T) -> str:
     return "float32"
 
 
+def input_share(op: str, ins: Sequence[T], pos: int, attrs: Mapping | None = None) -> float:
+    """The fraction of input `pos` an op reads from HBM: a grouped GEMM's [M, K] rows each meet one of its E
+    experts [E, K, N], so it reads at most min(E, M) of them (or the `experts_loaded` its attrs name: nxd_moe);
+    every other input is read whole. The one rule for both an eager op's traffic and a compiled kernel's
+    (Coster.times)."""
+    if base_name(op) == "_grouped_mm" and pos == 1 and len(ins) > 1 and len(ins[0].shape) == 2 \
+            and len(ins[1].shape) == 3:
+        e = ins[1].shape[0]
+        return (attrs or {}).get("experts_loaded", min(e, ins[0].shape[0])) / e if e else 1.0
+    return 1.0
+
+
+def nxd_moe(rows: int, experts: int, tokens: int, decode: bool) -> tuple[int, int]:
+    """(rows an expert GEMM computes, expert weights it loads) when NxD serves an MoE layer whose `tokens` tokens
+    are routed to `rows` (token, expert) pairs over `experts` experts on this core (S49: ExpertMLPsV2.forward,
+    inference, full capacity, the default of NxD Inference and optimum-neuron):
+    - rows < experts: selective loading, each token through its own top-k experts, loaded per token;
+    - else a decode step, or a context pass of fewer routed rows than a block: every token through every expert;
+    - else blockwise: each expert's rows padded to blocks of NXD_MOE_BLOCK, as many blocks as the worst routing
+      needs (one expert takes all but one row of each other's: ceil((rows - (E - 1)) / B) + E - 1, at most rows),
+      every block computed and its expert's weights loaded for it."""
+    if rows < experts:
+        return rows, rows
+    if decode or rows < NXD_MOE_BLOCK:
+        return tokens * experts, experts
+    blocks = min(math.ceil((rows - (experts - 1)) / NXD_MOE_BLOCK) + experts - 1, rows)
+    return blocks * NXD_MOE_BLOCK, blocks
+
+
 def _matmul(op, ins, outs, attrs, shard, t):
     ia, ib = op_info(op).operands
     a, b = ins[ia].shape, ins[ib].shape
@@ -259,10 +288,10 @@ def _matmul(op, ins, outs, attrs, shard, t):
     bat = {"a": len(a) > 2, "b": len(b) > 2, "c": True}
     if op == "_grouped_mm" and len(a) == 2 and len(b) == 3:
         # MoE: the [M, K] rows are grouped by expert (offsets) against [E, K, N]: each row meets one expert, so
-        # the work is one [M, K] x [K, N] GEMM (published grouped GEMMs run at their dense GEMMs' rate, G13); the
-        # weights of at most min(E, M) experts are read
+        # the work is one [M, K] x [K, N] GEMM (published grouped GEMMs run at their dense GEMMs' rate, G13); only
+        # the experts hit are read (input_share)
         dims["b"], bat = 1, {"a": False, "b": False, "c": False}
-        weights = min(b[0], a[0])
+        weights = b[0] * input_share(op, ins, ib, attrs)
     else:
         weights = 1
     if shard:

@@ -42,9 +42,24 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                              q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                                              qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
                                              tie_word_embeddings=False)),
+    # Qwen3 MoE (Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B config.json; the 2507 Instruct releases share the
+    # widths): every layer MoE, 128 experts, 8 per token (renormalised), no shared expert, 4 KV heads of 128.
+    # 30B-A3B: 48 layers, 2048 wide, experts 768 wide, 30.5B parameters, 3.3B active.
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, moe_intermediate_size=768,
+                                             num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                             head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                             norm_topk_prob=True, max_position_embeddings=262144,
+                                             tie_word_embeddings=False)),
+    # 235B-A22B: 94 layers, 4096 wide, experts 1536 wide, 235B parameters, 22B active
+    "qwen3-235b-a22b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=4096, moe_intermediate_size=1536,
+                                               num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4,
+                                               head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                               norm_topk_prob=True, max_position_embeddings=262144,
+                                               tie_word_embeddings=False)),
 }
 _MODELS = {"GPT2Config": "GPT2LMHeadModel", "LlamaConfig": "LlamaForCausalLM",
-           "MixtralConfig": "MixtralForCausalLM", "DeepseekV3Config": "DeepseekV3ForCausalLM"}
+           "MixtralConfig": "MixtralForCausalLM", "DeepseekV3Config": "DeepseekV3ForCausalLM",
+           "Qwen3MoeConfig": "Qwen3MoeForCausalLM"}
 
 
 def hf_model(config: Any) -> torch.nn.Module:

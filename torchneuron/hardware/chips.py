@@ -181,6 +181,12 @@ INSTANCES: dict[str, Instance] = {
     )
 }
 
+# S49: how NxD (ExpertMLPsV2, the MoE layer of NxD Inference and optimum-neuron) runs an MoE layer in inference:
+# a context-encoding pass of at least this many routed rows runs blockwise, each expert's rows padded to blocks of
+# this many (DEFAULT_BLOCK_SIZE); selective loading only while tokens x top-k < experts
+# (DEFAULT_SELECTIVE_LOADING_THRESHOLD 1.0)
+NXD_MOE_BLOCK = 512
+
 DEFAULT_INSTANCE = "trn2.3xlarge"
 
 # The instance the cost model assumes for a target when none is named: the largest one, which has NeuronLink.
