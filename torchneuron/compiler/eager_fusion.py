@@ -395,7 +395,11 @@ class _Background:
                     self.ready.wait()
                 key, nodes, mutations = self.jobs[0]
             with self.compiling, _dynamo_compile_lock():  # waits here, never on a stream worker
-                _compile_key(key, nodes, mutations)
+                if _STATS.compile_seconds < _budget():
+                    _compile_key(key, nodes, mutations)
+                else:  # the budget ran out while it waited
+                    _STATS.over_budget += 1
+                    _CACHE[key] = None
             with self.ready:
                 self.jobs.pop(0)
                 self.pending.discard(key)
