@@ -246,12 +246,13 @@ _INDICES = ("max_pool2d_with_indices adaptive_max_pool2d argmax argmin max min s
 # Ops that raise on integer values (`Op.int_errors`): integer division and remainder by zero, negative integer powers.
 _INT_ERRORS = "div remainder fmod floor_divide pow _foreach_div _foreach_pow".split()
 # Functional overloads ATen implements as structured kernels (`Op.structured`): the queued ops whose results are
-# not pointwise and large enough for the copy to show (matmuls, softmax, reductions, losses, pooling, indexing).
+# not pointwise and large enough for the copy to show (matmuls, softmax, reductions, losses, pooling, indexing,
+# concatenation).
 _STRUCTURED = [n if "." in n else f"{n}.default" for n in (
     "mm bmm addmm baddbmm addmv _softmax _log_softmax _softmax_backward_data _log_softmax_backward_data "
     "sum.dim_IntList mean.dim amax amin prod.dim_int linalg_vector_norm nll_loss_forward nll_loss_backward cumsum "
     "avg_pool2d avg_pool2d_backward max_pool2d_with_indices max_pool2d_with_indices_backward upsample_nearest2d "
-    "gather scatter_add argmax argmin topk").split()]
+    "gather scatter_add argmax argmin topk cat").split()]
 _SCALAR_SCALES = "add sub addcmul addcdiv".split()  # `Op.scalar_scales`
 _HOST_COPIES = "_to_copy copy _copy_from _copy_from_and_resize".split()  # `Op.host_copy`
 # The overloads csrc/fastpath.cpp has unboxed kernels for (`Op.fast`).
