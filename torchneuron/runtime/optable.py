@@ -178,8 +178,8 @@ _TABLE: list[Op] = [
             "sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh logit xlogy glu glu_backward "
             "log_sigmoid_forward log_sigmoid_backward threshold", fuse=True),
     *_group("scalar", "gelu_backward silu_backward", passes=3, fuse=True),
-    *_group("gpsimd", "index_select gather masked_select", rule=Rule.GATHER, exact=True),
-    *_group("gpsimd", "index", rule=Rule.GATHER, exact=True, host_tensors=True),
+    *_group("gpsimd", "index_select gather masked_select", rule=Rule.GATHER, exact=True, tp_linear="one"),
+    *_group("gpsimd", "index", rule=Rule.GATHER, exact=True, host_tensors=True, tp_linear="one"),
     *_group("gpsimd", "embedding embedding_bag _embedding_bag", rule=Rule.GATHER),
     *_group("gpsimd", "scatter index_copy", rule=Rule.SCATTER, exact=True),
     *_group("gpsimd", "index_put _index_put_impl", rule=Rule.SCATTER, exact=True, host_tensors=True),
