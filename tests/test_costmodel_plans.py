@@ -625,3 +625,14 @@ def test_a_router_whose_weight_is_cast_is_replicated_too():
     assert len(router) == 1 and router[0].outs[0].dtype == "float32" and router[0].shard is None
     assert [r.shard for r in tr.recs if r.op == "_grouped_mm"] == ["n", "k"]
     assert not any(r.op == "all_reduce" and 8 in r.ins[0].shape for r in tr.recs)
+
+
+def test_moe_training_reduces_layer_gradients_not_routed_rows():
+    """The backward of the same 2-layer model over 64 tokens, as Megatron's: each block's input gradient is reduced
+    once, 2 x 2 + 1 all-reduces of [64, 256] as in a dense model; the rest are the routing weights' gradients
+    ([64 x 2] values) and norm weights' ([256]), never the routed rows [128, 256] or [128, 2 x 96]."""
+    model = presets.hf_model(presets.config("qwen3-30b-a3b", **_SMALL_MOE))
+    tr = trace(model, presets.lm_inputs(model, seq=64, mode="train"), train=True, dtype=BF16)
+    sizes = [r.ins[0].numel for r in tr.recs if r.op == "all_reduce" and r.phase == "backward"]
+    assert sizes.count(64 * 256) == 5
+    assert all(n <= 256 for n in sizes if n != 64 * 256)

@@ -80,6 +80,9 @@ def _kind(op: str) -> str:
     return {Rule.MATMUL: "mm", Rule.CONV: "conv", Rule.ATTENTION: "attn"}.get(op_info(op).rule, "other")
 
 
+_FROM_SHAPE = frozenset("zeros_like ones_like full_like empty_like new_zeros new_ones new_full new_empty".split())
+
+
 class Recorder(TorchDispatchMode):
     """Records ATen ops with shapes, dtypes, producers/consumers and tensor-parallel layout."""
 
@@ -91,6 +94,7 @@ class Recorder(TorchDispatchMode):
         self.place: dict[int, str] = dict.fromkeys(weights, "W")  # by storage: the base tensor of views
         self.made: dict[int, list[Rec]] = {}  # tensor id -> the recs that wrote it (in-place ops too)
         self.routers: set[int] = set()  # sharded weights found routing rows to experts (trace replicates them)
+        self.zeros: set[int] = set()  # tensors made as zeros and not written since: valid partial sums too
         self.base: dict[int, int] = {}  # view id -> id of the tensor it views
         self.partial: dict[int, T] = {}  # P tensor -> the tensor whose reduction it stands for (narrowest)
         self.specs: dict[int, T] = {}
@@ -130,30 +134,43 @@ class Recorder(TorchDispatchMode):
                     self._note(o)
             return out
         kind = _kind(op)
+        if op in _FROM_SHAPE:  # reads its input's shape only: a partial input needs no reduction
+            pl = [("R" if p == "P" else p) for p in pl]
         linear = op_info(op).tp_linear  # how a partial sum passes through the op
+        parts = [x for x, p in zip(tins, pl, strict=True) if p == "P"]
+        if op == "mul" and len(parts) > 1 and "S" not in pl:  # linear in each factor: reduce all but the widest
+            widest = max(parts, key=lambda x: self.partial.get(self._key(x), self.specs[self._note(x)]).nbytes)
+            for x in parts:
+                if self._key(x) != self._key(widest):
+                    self._reduce(x)
+            pl = [self.place.get(self._key(x), "R") for x in tins]
         scaling = linear == "one" and pl.count("P") == 1 and "S" not in pl
-        if "P" in pl and not (scaling or (linear == "all" and all(p == "P" for p in pl))):
+        scatter = linear == "into" and pl[-1] == "P" and (pl[0] == "P" or self._key(tins[0]) in self.zeros) \
+            and "S" not in pl  # a gather's backward or an MoE combine: rows of partial sums added into zeros
+        summed = linear == "all" and set(pl) <= {"P", "R"}  # a replicated term is 1/tp of it on each rank
+        if "P" in pl and not (scaling or scatter or summed):
             for x, p in zip(tins, pl, strict=True):
                 if p == "P":
                     self._reduce(x)
             pl = [("R" if p == "P" else p) for p in pl]
         out = func(*args, **kwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        layout = self._layout(op, kind, tins, pl)
+        layout = self._layout(op, kind, tins, ["P", *pl[1:]] if scatter else pl)
         result, shard = layout.placement, layout.divides
         ids = [self._note(x) for x in tins]
         out_ids = [self._note(o, result) for o in outs]
         if result == "P":
             made = [self.partial.get(self._key(x), self.specs[i])
                     for x, i, p in zip(tins, ids, pl, strict=True) if p == "P"]
-            for o, i in zip(outs, out_ids, strict=True):
-                same = [t for t in made if t.numel == self.specs[i].numel]
+            for o, i in zip(outs, out_ids, strict=True):  # one partial input: reducing it first is as good
+                same = made if len(made) == 1 else [t for t in made if t.numel == self.specs[i].numel]
                 self.partial[self._key(o)] = min([*same, self.specs[i]], key=lambda t: t.nbytes)
         rec = Rec(op, self.phase, [self.specs[i] for i in ids], [self.specs[i] for i in out_ids], ids, out_ids,
                   _attrs(func, args, kwargs), shard)
         self.recs.append(rec)
         for o in outs:
             self.made.setdefault(self._key(o), []).append(rec)
+            (self.zeros.add if op in ("zeros", "zeros_like", "new_zeros") else self.zeros.discard)(self._key(o))
         if op == "_grouped_mm" and len(tins) > 2:
             self._find_routers(tins[2])
         return out
