@@ -583,3 +583,56 @@ def test_trainium_moe_estimates_print_the_moe_caveat(capsys):
     assert cli.run_estimate(p.parse_args(["--model", "mixtral-8x7b", "--mode", "decode", "--seq", "64", "--tp", "8",
                                           "--compare", "none", "--top", "0"])) == 0
     assert validation.MOE_CAVEAT in capsys.readouterr().out
+
+
+_SMALL_MOE = dict(num_hidden_layers=2, hidden_size=256, moe_intermediate_size=96, num_experts=8,
+                  num_experts_per_tok=2, num_attention_heads=8, num_key_value_heads=4, head_dim=32, vocab_size=1024)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("target", ["trn2", "h100"])
+def test_moe_layers_are_split_as_nxd_and_megatron_split_them(tp, target):
+    """NxD (S49, routing.py: the router an unsplit nn.Linear), Megatron and vLLM under tensor parallelism: the router
+    is replicated, each expert's gate/up GEMM column-parallel (2 x 96 / tp output columns per core), its down GEMM
+    row-parallel (96 / tp contraction rows), and the layer ends in one all-reduce of [tokens, hidden], none on the
+    router's [tokens, experts]. A 2-layer Qwen3-MoE forward over 64 tokens: 2 x (attention + MoE) + the
+    vocab-parallel embedding = 5 all-reduces of 64 x 256 bf16 values (32 KiB), whatever the TP degree."""
+    model = presets.hf_model(presets.config("qwen3-30b-a3b", **_SMALL_MOE))
+    inputs = presets.lm_inputs(model, seq=64, mode="forward")
+    tr = trace(model, inputs, train=False, dtype=BF16)
+    assert [r.ins[0].nbytes for r in tr.recs if r.op == "all_reduce"] == [64 * 256 * 2] * 5
+    router = [r for r in tr.recs if r.op == "mm" and r.outs[0].shape == (64, 8)]
+    experts = [r for r in tr.recs if r.op == "_grouped_mm"]
+    assert len(router) == 2 and all(r.shard is None for r in router)  # every core routes every token
+    assert [(r.ins[1].shape, r.shard) for r in experts] == [((8, 256, 192), "n"), ((8, 96, 256), "k")] * 2
+    r = estimate(model, inputs, target=target, mode="forward", tp=tp, dtype=BF16, compare=None, execution="eager")
+    assert sum(o.engine == "collective" for o in r.ops) == 5
+    flops = [o.flops for o in r.ops if o.op == "_grouped_mm"]
+    assert flops == [2 * 128 * 256 * 192 / tp, 2 * 128 * 96 * 256 / tp] * 2  # 64 tokens x 2 experts = 128 rows
+
+
+def test_a_router_whose_weight_is_cast_is_replicated_too():
+    """DeepSeek-V3's router casts its weight to float32 before the matmul (Hugging Face DeepseekV3TopkRouter): the
+    weight behind the cast is what stays unsplit, so the [tokens, experts] logits are whole on every core and the
+    expert GEMMs are column- then row-parallel."""
+    model = presets.hf_model(presets.config(
+        "deepseek-v3", num_hidden_layers=2, first_k_dense_replace=1, hidden_size=256, intermediate_size=384,
+        moe_intermediate_size=96, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, vocab_size=1024))
+    tr = trace(model, presets.lm_inputs(model, seq=64, mode="forward"), train=False, dtype=BF16)
+    router = [r for r in tr.recs if r.op == "mm" and r.outs[0].shape == (64, 8)]
+    assert len(router) == 1 and router[0].outs[0].dtype == "float32" and router[0].shard is None
+    assert [r.shard for r in tr.recs if r.op == "_grouped_mm"] == ["n", "k"]
+    assert not any(r.op == "all_reduce" and 8 in r.ins[0].shape for r in tr.recs)
+
+
+def test_moe_training_reduces_layer_gradients_not_routed_rows():
+    """The backward of the same 2-layer model over 64 tokens, as Megatron's: each block's input gradient is reduced
+    once, 2 x 2 + 1 all-reduces of [64, 256] as in a dense model; the rest are the routing weights' gradients
+    ([64 x 2] values) and norm weights' ([256]), never the routed rows [128, 256] or [128, 2 x 96]."""
+    model = presets.hf_model(presets.config("qwen3-30b-a3b", **_SMALL_MOE))
+    tr = trace(model, presets.lm_inputs(model, seq=64, mode="train"), train=True, dtype=BF16)
+    sizes = [r.ins[0].numel for r in tr.recs if r.op == "all_reduce" and r.phase == "backward"]
+    assert sizes.count(64 * 256) == 5
+    assert all(n <= 256 for n in sizes if n != 64 * 256)

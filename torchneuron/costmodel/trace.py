@@ -8,8 +8,10 @@ tensor parallelism:
 A matmul of a replicated activation with a weight shards the weight's output dimension (column parallel,
 result S); of a sharded activation, its contraction dimension (row parallel, result P). Activation x
 activation matmuls and attention on S inputs split heads / rows. A P tensor is reduced (an all-reduce record)
-before any op that is not linear in it. Backward follows from the same rules. The records are independent of
-the TP degree: costing applies it.
+before any op that is not linear in it. Backward follows from the same rules. A mixture-of-experts router (the
+matmul whose output decides the rows each expert GEMM gets) is replicated, as NxD's, Megatron's and vLLM's are:
+the routing and the dispatched rows are then R, each expert GEMM pair is column- then row-parallel and the layer
+has one reduction. The records are independent of the TP degree: costing applies it.
 """
 from __future__ import annotations
 
@@ -78,6 +80,9 @@ def _kind(op: str) -> str:
     return {Rule.MATMUL: "mm", Rule.CONV: "conv", Rule.ATTENTION: "attn"}.get(op_info(op).rule, "other")
 
 
+_FROM_SHAPE = frozenset("zeros_like ones_like full_like empty_like new_zeros new_ones new_full new_empty".split())
+
+
 class Recorder(TorchDispatchMode):
     """Records ATen ops with shapes, dtypes, producers/consumers and tensor-parallel layout."""
 
@@ -85,7 +90,11 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.recs: list[Rec] = []
         self.phase = "forward"
+        self.weights = weights
         self.place: dict[int, str] = dict.fromkeys(weights, "W")  # by storage: the base tensor of views
+        self.made: dict[int, list[Rec]] = {}  # tensor id -> the recs that wrote it (in-place ops too)
+        self.routers: set[int] = set()  # sharded weights found routing rows to experts (trace replicates them)
+        self.zeros: set[int] = set()  # tensors made as zeros and not written since: valid partial sums too
         self.base: dict[int, int] = {}  # view id -> id of the tensor it views
         self.partial: dict[int, T] = {}  # P tensor -> the tensor whose reduction it stands for (narrowest)
         self.specs: dict[int, T] = {}
@@ -125,28 +134,68 @@ class Recorder(TorchDispatchMode):
                     self._note(o)
             return out
         kind = _kind(op)
+        if op in _FROM_SHAPE:  # reads its input's shape only: a partial input needs no reduction
+            pl = [("R" if p == "P" else p) for p in pl]
         linear = op_info(op).tp_linear  # how a partial sum passes through the op
+        parts = [x for x, p in zip(tins, pl, strict=True) if p == "P"]
+        if op == "mul" and len(parts) > 1 and "S" not in pl:  # linear in each factor: reduce all but the widest
+            widest = max(parts, key=lambda x: self.partial.get(self._key(x), self.specs[self._note(x)]).nbytes)
+            for x in parts:
+                if self._key(x) != self._key(widest):
+                    self._reduce(x)
+            pl = [self.place.get(self._key(x), "R") for x in tins]
         scaling = linear == "one" and pl.count("P") == 1 and "S" not in pl
-        if "P" in pl and not (scaling or (linear == "all" and all(p == "P" for p in pl))):
+        scatter = linear == "into" and pl[-1] == "P" and (pl[0] == "P" or self._key(tins[0]) in self.zeros) \
+            and "S" not in pl  # a gather's backward or an MoE combine: rows of partial sums added into zeros
+        summed = linear == "all" and set(pl) <= {"P", "R"}  # a replicated term is 1/tp of it on each rank
+        if "P" in pl and not (scaling or scatter or summed):
             for x, p in zip(tins, pl, strict=True):
                 if p == "P":
                     self._reduce(x)
             pl = [("R" if p == "P" else p) for p in pl]
         out = func(*args, **kwargs)
         outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
-        layout = self._layout(op, kind, tins, pl)
+        layout = self._layout(op, kind, tins, ["P", *pl[1:]] if scatter else pl)
         result, shard = layout.placement, layout.divides
         ids = [self._note(x) for x in tins]
         out_ids = [self._note(o, result) for o in outs]
         if result == "P":
             made = [self.partial.get(self._key(x), self.specs[i])
                     for x, i, p in zip(tins, ids, pl, strict=True) if p == "P"]
-            for o, i in zip(outs, out_ids, strict=True):
-                same = [t for t in made if t.numel == self.specs[i].numel]
+            for o, i in zip(outs, out_ids, strict=True):  # one partial input: reducing it first is as good
+                same = made if len(made) == 1 else [t for t in made if t.numel == self.specs[i].numel]
                 self.partial[self._key(o)] = min([*same, self.specs[i]], key=lambda t: t.nbytes)
-        self.recs.append(Rec(op, self.phase, [self.specs[i] for i in ids], [self.specs[i] for i in out_ids],
-                             ids, out_ids, _attrs(func, args, kwargs), shard))
+        rec = Rec(op, self.phase, [self.specs[i] for i in ids], [self.specs[i] for i in out_ids], ids, out_ids,
+                  _attrs(func, args, kwargs), shard)
+        self.recs.append(rec)
+        for o in outs:
+            self.made.setdefault(self._key(o), []).append(rec)
+            (self.zeros.add if op in ("zeros", "zeros_like", "new_zeros") else self.zeros.discard)(self._key(o))
+        if op == "_grouped_mm" and len(tins) > 2:
+            self._find_routers(tins[2])
         return out
+
+    def _find_routers(self, offsets: torch.Tensor) -> None:
+        """The router of an expert GEMM: the nearest matmuls up the dataflow of its group offsets (through top-k,
+        sort and counting). Their weights, where sharded, join `routers` (traced params, through casts)."""
+        stack, seen = [self._key(offsets)], set()
+        while stack:
+            k = stack.pop()
+            if k in seen:
+                continue
+            seen.add(k)
+            for r in self.made.get(k, ()):
+                keys = [self.base.get(i, i) for i in r.in_ids]
+                if _kind(r.op) == "other":
+                    stack += keys
+                elif _kind(r.op) == "mm":
+                    self.routers |= {p for x in keys for p in self._params(x)}
+
+    def _params(self, k: int) -> set[int]:
+        """The sharded parameters a weight-placed tensor is made from (itself, or those a cast read)."""
+        if k in self.weights or self.place.get(k) != "W":
+            return {k} & self.weights
+        return {p for r in self.made.get(k, ()) for i in r.in_ids for p in self._params(self.base.get(i, i))}
 
     @staticmethod
     def _layout(op: str, kind: str, tins: list[torch.Tensor], pl: list[str]) -> OpLayout:
@@ -249,15 +298,22 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, train: bool = True,
             args, kwargs = (), inputs
         else:
             args, kwargs = ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)), {}
-        rec = Recorder({id(p) for p in params.values()})
-        was_training = model.training
-        model.train(train)  # no dropout when estimating inference
-        try:
+        def record(weights: set[int]) -> Recorder:
+            rec = Recorder(weights)
             with FusedAttention(), rec, torch.enable_grad() if train else torch.no_grad():
                 out = torch.func.functional_call(model, {**params, **buffers}, args, kwargs)
                 if train:
                     rec.phase = "backward"
                     _loss(out).backward()
+            return rec
+
+        weights = {id(p) for p in params.values()}
+        was_training = model.training
+        model.train(train)  # no dropout when estimating inference
+        try:
+            rec = record(weights)
+            if rec.routers:  # a router is known only once its expert GEMMs run: record again with it replicated
+                rec = record(weights - rec.routers)
         finally:
             model.train(was_training)
     input_leaves = [t for t in pytree.tree_leaves(raw) if isinstance(t, torch.Tensor)] + _cache_leaves(raw)

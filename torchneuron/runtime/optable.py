@@ -56,9 +56,10 @@ class Op:
     the kernel), "values" otherwise; `host_tensors`: takes CPU index tensors alongside device ones; `passes`:
     sweeps of the SWEEP rule (None: one per tensor input); `operands`: the two GEMM inputs (MATMUL);
     `tp_linear`: how a tensor-parallel partial sum passes through it ("all": linear in every input, "one": in one
-    input only); `decompose`: False keeps it whole in compiled graphs; `eager`: runs as its device kernel between
-    compiled kernels; `device_checked` (an overload row): ATen's composite for it refuses devices other than
-    CPU/CUDA/XPU, so the C++ core routes it to the fallback, where the CPU's entry runs it on host aliases;
+    input only, "into": in the values it writes into a zero or partial destination); `decompose`: False keeps it
+    whole in compiled graphs; `eager`: runs as its device kernel between compiled kernels; `device_checked` (an
+    overload row): ATen's composite for it refuses devices other than CPU/CUDA/XPU, so the C++ core routes it to
+    the fallback, where the CPU's entry runs it on host aliases;
     `fuse`: adaptive eager fusion may put it in a fused kernel (compiler/eager_fusion.py): deterministic
     elementwise ops and the reductions/normalisations Inductor fuses well; never a random draw, a view, a copy, a
     matmul, indexing or anything data-dependent (those end a fused run); `one_kernel`: a list op (`_foreach_*`) the
@@ -178,12 +179,14 @@ _TABLE: list[Op] = [
             "sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh logit xlogy glu glu_backward "
             "log_sigmoid_forward log_sigmoid_backward threshold", fuse=True),
     *_group("scalar", "gelu_backward silu_backward", passes=3, fuse=True),
-    *_group("gpsimd", "index_select gather masked_select", rule=Rule.GATHER, exact=True),
-    *_group("gpsimd", "index", rule=Rule.GATHER, exact=True, host_tensors=True),
+    *_group("gpsimd", "index_select gather masked_select", rule=Rule.GATHER, exact=True, tp_linear="one"),
+    *_group("gpsimd", "index", rule=Rule.GATHER, exact=True, host_tensors=True, tp_linear="one"),
     *_group("gpsimd", "embedding embedding_bag _embedding_bag", rule=Rule.GATHER),
     *_group("gpsimd", "scatter index_copy", rule=Rule.SCATTER, exact=True),
-    *_group("gpsimd", "index_put _index_put_impl", rule=Rule.SCATTER, exact=True, host_tensors=True),
-    *_group("gpsimd", "index_add index_fill scatter_add scatter_reduce", rule=Rule.SCATTER),
+    *_group("gpsimd", "index_put _index_put_impl", rule=Rule.SCATTER, exact=True, host_tensors=True,
+            tp_linear="into"),
+    *_group("gpsimd", "index_add scatter_add", rule=Rule.SCATTER, tp_linear="into"),
+    *_group("gpsimd", "index_fill scatter_reduce", rule=Rule.SCATTER),
     *_group("gpsimd", "masked_scatter", rule=Rule.SCATTER, exact=True, decompose=False),
     *_group("gpsimd", "sort topk", rule=Rule.SORT, exact=True),
     *_group("gpsimd", "argsort", rule=Rule.SORT),
