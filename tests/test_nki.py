@@ -1330,3 +1330,57 @@ def test_tensor_passed_by_keyword_on_neuron_runs_at_the_call_and_queued():
         r = k(a.to("neuron"), b=b.to("neuron"))
         assert r.device.type == "neuron"
         close(r, a + b, 0)
+
+
+# ----------------------------------------------------------------------------------------------- access patterns
+@nki.jit
+def ap_pool_kernel(x, pool):
+    """2-D max-pool through `.ap()` (AWS's index-case-3 / average_pool2d tutorials): a 5-D strided view of the
+    [C, H, W] tile, reduced over its two window axes; the HBM read is itself an `.ap()` with an offset."""
+    c, h, w = x.shape
+    out = nl.ndarray((c, h // pool, w // pool), dtype=x.dtype, buffer=nl.shared_hbm)
+    tile = nl.ndarray((c, h, w), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=x.ap([[h * w, c], [1, h * w]], offset=0))
+    view = tile.ap([[h * w, c], [pool * w, h // pool], [pool, w // pool], [w, pool], [1, pool]])
+    nl.store(out, value=nl.max(view, axis=[3, 4]))
+    return out
+
+
+@nki.jit
+def ap_cast_kernel(x):
+    """`.ap(dtype=)` reinterprets the allocation's bytes: an int32 [P, F] tile read as bfloat16 [P, 2F]."""
+    p, f = x.shape
+    out = nl.ndarray((p, 2 * f), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    tile = nl.load(x)
+    nisa.dma_copy(dst=out, src=tile.ap([[2 * f, p], [1, 2 * f]], offset=0, dtype=nl.bfloat16))
+    return out
+
+
+@nki.jit
+def ap_bad_partition_kernel(x):
+    """Every other partition: the partition step must be the allocation's elements per partition."""
+    tile = nl.load(x)
+    out = nl.ndarray((8, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+    nl.store(out, value=nl.exp(tile.ap([[2 * x.shape[1], 8], [1, x.shape[1]]])))
+    return out
+
+
+@nki.jit
+def ap_unaligned_kernel(x):
+    """A 32-partition view starting at partition 16 (offset 16 rows): compute engines refuse its start."""
+    tile = nl.load(x)
+    out = nl.ndarray((32, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+    nl.store(out, value=nl.exp(tile.ap([[x.shape[1], 32], [1, x.shape[1]]], offset=16 * x.shape[1])))
+    return out
+
+
+def test_access_pattern_views():
+    x = torch.randn(4, 8, 12)
+    close(ap_pool_kernel(x, 2), F.max_pool2d(x.unsqueeze(0), 2).squeeze(0), 0)
+    close(ap_pool_kernel(x.to("neuron"), 2), F.max_pool2d(x.unsqueeze(0), 2).squeeze(0), 0)
+    halves = torch.randn(16, 12).bfloat16()
+    assert torch.equal(ap_cast_kernel(halves.view(torch.int32)), halves)
+    with pytest.raises(ValueError, match="first pair walks whole partitions"):
+        ap_bad_partition_kernel(torch.randn(16, 4))
+    with pytest.raises(ValueError, match="partitions 16..47"):
+        ap_unaligned_kernel(torch.randn(64, 4))

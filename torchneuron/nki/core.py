@@ -221,7 +221,7 @@ class Allocation:
     """The memory behind one `nl.ndarray`: a torch tensor; on-chip memory is charged to the run while alive."""
 
     __slots__ = ("base", "buffer", "init", "run", "charge", "psum_charge", "written", "matmul_result", "mm_read",
-                 "mask", "__weakref__")
+                 "mask", "pdim", "__weakref__")
 
     def __init__(self, base: torch.Tensor, buffer: Buffer, run: Run | None, charge: int = 0, psum_charge: int = 0,
                  initialised: bool = False):
@@ -232,6 +232,7 @@ class Allocation:
         self.matmul_result = False  # a PSUM tile returned by the legacy nc_matmul form (`psum += ...`)
         self.mm_read = True  # read since the last matmul wrote it: the next matmul starts a new accumulation
         self.mask: torch.Tensor | None = None  # the mask= of the legacy call that returned this tile
+        self.pdim = 0  # the partition axis of `base` (after any nl.par_dim block axes)
 
     def __del__(self) -> None:
         run = getattr(self, "run", None)  # unset if __init__ did not finish
@@ -299,6 +300,7 @@ def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None =
     if data is None:
         data = torch.empty(sizes, dtype=dtype)
     alloc = Allocation(data, buffer, run, charge, psum_charge, initialised=buffer.is_hbm)
+    alloc.pdim = pdim if buffer.on_chip else 0
     if run is not None:
         run.sbuf_used += charge
         run.psum_used += psum_charge
@@ -447,7 +449,12 @@ class NkiTensor:
     def partitions(self) -> tuple[int, int]:
         """(first partition, partition count) of an on-chip tile."""
         if self.dims is None:
-            return 0, self.shape[0]
+            if isinstance(self, GatherTile):
+                return 0, self.shape[0]
+            # a reshape or .ap() view: its first element's partition in the allocation
+            base = self.alloc.base
+            offset = self.data.storage_offset() - base.storage_offset()
+            return (offset // base.stride(self.alloc.pdim)) % base.shape[self.alloc.pdim], self.shape[0]
         d, start, step, size = self.dims[0]
         return start, size
 
@@ -575,6 +582,43 @@ class NkiTensor:
         if len(shape) == 1 and not isinstance(shape[0], tuple | list | int):
             return self._bitcast(to_dtype(shape[0]))
         return self.reshape(*shape, **kw)
+
+    def ap(self, pattern: Any, offset: int | None = None, scalar_offset: Any = None, vector_offset: Any = None,
+           indirect_dim: int = 0, dtype: Any = None) -> NkiTensor:
+        """AWS's raw access pattern (`t.ap([[step, num], ...], offset)`): element `offset + sum(i_k * step_k)` of
+        the allocation flattened to 1-D, ignoring this view's shape and strides (`offset=None`: this view's start).
+        On SBUF/PSUM the first pair walks whole partitions and the rest stay inside each partition."""
+        if scalar_offset is not None or vector_offset is not None:
+            fail(NotImplementedError, "ap: dynamic offsets (scalar_offset, vector_offset) are not implemented")
+        if isinstance(self, GatherTile):
+            fail(TypeError, "ap: a tile indexed by general nl.arange expressions has no single access pattern")
+        base = self.alloc.base
+        if not base.is_contiguous():
+            fail(ValueError, "ap needs a contiguous allocation")
+        if offset is None:
+            offset = self.data.storage_offset() - base.storage_offset()
+        whole = self
+        if dtype is not None and to_dtype(dtype) != self.dtype:  # reinterpret the allocation's bytes
+            whole = NkiTensor(self.alloc, base, tuple((d, 0, 1, n) for d, n in enumerate(base.shape)),
+                              self.alloc.pdim)._bitcast(to_dtype(dtype))
+            whole.alloc.pdim = self.alloc.pdim
+            base = whole.alloc.base
+        pattern = [tuple(int(v) for v in pair) for pair in pattern]
+        if not pattern or any(len(pair) != 2 or pair[0] < 0 or pair[1] < 1 for pair in pattern) or offset < 0:
+            fail(ValueError, f"ap: pattern {pattern} must be [step >= 0, num >= 1] pairs and offset >= 0")
+        last = offset + sum(step * (num - 1) for step, num in pattern)
+        if last >= base.numel():
+            fail(IndexError, f"ap: pattern {pattern} at offset {offset} reaches element {last} of a tensor of "
+                             f"{base.numel()} ({tuple(base.shape)}, {self.buffer!r})")
+        if self.buffer.on_chip:
+            pstride, parts = base.stride(whole.alloc.pdim), base.shape[whole.alloc.pdim]
+            (step, num), inner = pattern[0], offset % pstride + sum(s * (n - 1) for s, n in pattern[1:])
+            if step != pstride or (offset % (pstride * parts)) // pstride + num > parts or inner >= pstride:
+                fail(ValueError, f"ap: on {self.buffer.name} the first pair walks whole partitions (step {pstride}, "
+                                 f"at most {parts} from the start) and the others stay within a partition: "
+                                 f"pattern {pattern}, offset {offset}")
+        data = torch.as_strided(base, [n for _, n in pattern], [s for s, _ in pattern], base.storage_offset() + offset)
+        return NkiTensor(whole.alloc, data, None, 0)
 
     def _bitcast(self, dtype: torch.dtype) -> NkiTensor:
         if self.data.stride()[-1] != 1:
