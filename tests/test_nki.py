@@ -1384,3 +1384,113 @@ def test_access_pattern_views():
         ap_bad_partition_kernel(torch.randn(16, 4))
     with pytest.raises(ValueError, match="partitions 16..47"):
         ap_unaligned_kernel(torch.randn(64, 4))
+
+
+# --------------------------------------------------------------------------------- ALU unary ops, nl functions
+@nki.jit
+def alu_unary_kernel(x, bits):
+    """`nisa.tensor_scalar` with AWS's unary ALU operators (operand 0 / None, unused): rsqrt on GpSimd (as
+    Qwen3.5's DeltaNet kernel writes it), square then reciprocal, and bitwise NOT of integers."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    out2 = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    out3 = nl.ndarray(bits.shape, dtype=bits.dtype, buffer=nl.shared_hbm)
+    t, b = nl.load(x), nl.load(bits)
+    r = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=r, data=t, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
+    nl.store(out, value=r)
+    nisa.tensor_scalar(dst=r, data=t, op0=nl.square, operand0=None, op1=nl.reciprocal, operand1=0)
+    nl.store(out2, value=r)
+    nl.store(out3, value=nl.invert(b))
+    return out, out2, out3
+
+
+@nki.jit
+def unary_operand_kernel(x):
+    t = nl.load(x)
+    nisa.tensor_scalar(dst=t, data=t, op0=nl.rsqrt, operand0=2.0)
+    return x
+
+
+@nki.jit
+def nl_functions_kernel(x, w):
+    """nl.tan, fmod, the activation derivatives, all, logical_not, var, rms_norm (masked tail rows, w one
+    partition), in one kernel; expand_dims of an HBM argument; no_reorder and dynamic_range."""
+    rows, d = x.shape
+    names = ("tan", "erf_dx", "gelu_dx", "gelu_apprx_sigmoid_dx", "silu_dx")
+    outs = [nl.ndarray((128, d), dtype=x.dtype, buffer=nl.shared_hbm) for _ in range(len(names) + 6)]
+    i_p, i_f = nl.arange(128)[:, None], nl.arange(d)[None, :]
+    with nl.no_reorder():
+        t = nl.load(x[0:128, :])
+        for o, name in zip(outs, names, strict=False):
+            nl.store(o, value=getattr(nl, name)(t))
+        nl.store(outs[5], value=nl.fmod(t, 0.7))
+        nl.store(outs[6][:, 0:1], value=nl.all(nl.greater(t, -2.0), axis=1, dtype=nl.float32))
+        nl.store(outs[7], value=nl.logical_not(nl.greater(t, 0.0)))
+        nl.store(outs[8][:, 0:1], value=nl.var(t, axis=1))
+    w_tile = nl.load(nl.expand_dims(w, 0))
+    for i in nl.dynamic_range(2):
+        tile = nl.load(x[i * 128 + i_p, i_f], mask=(i * 128 + i_p < rows))
+        normed = nl.rms_norm(tile, w_tile, 1, d, 1e-6, mask=(i * 128 + i_p < rows))
+        nl.store(outs[9 + i][i_p, i_f], value=normed, mask=(i * 128 + i_p < rows))
+    assert nl.is_hbm(x.buffer) and nl.is_sbuf(w_tile.buffer) and nl.is_on_chip(w_tile.buffer)
+    assert not nl.is_psum(w_tile.buffer)
+    return outs
+
+
+@nki.jit(target="trn3")
+def abs_max_kernel(x, y):
+    return _abs_extremes(x, y)
+
+
+@nki.jit(target="trn2")
+def abs_max_trn2_kernel(x, y):
+    return _abs_extremes(x, y)
+
+
+def _abs_extremes(x, y):
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    out2 = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    a, b = nl.load(x), nl.load(y)
+    nl.store(out, value=nl.abs_max(a, b))
+    nl.store(out2, value=nl.abs_min(a, b))
+    return out, out2
+
+
+def test_alu_unary_operators():
+    x = torch.rand(64, 32) + 0.5
+    bits = torch.randint(-1000, 1000, (64, 32), dtype=torch.int32)
+    r, inv_sq, nots = alu_unary_kernel(x, bits)
+    close(r, 1 / x.sqrt(), 1e-6)
+    close(inv_sq, 1 / (x * x), 1e-6)
+    assert torch.equal(nots, -bits - 1)  # two's complement: ~b == -b - 1
+    with pytest.raises(ValueError, match="operand0 must be None or 0 for the unary operator nl.rsqrt"):
+        unary_operand_kernel(x)
+
+
+def test_abs_max_min_need_neuroncore_v4():
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    y[0, :4] = -x[0, :4]  # ties return y
+    hi, lo = abs_max_kernel(x, y)
+    assert torch.equal(hi, torch.where(x.abs() > y.abs(), x, y))
+    assert torch.equal(lo, torch.where(x.abs() < y.abs(), x, y))
+    assert torch.equal(hi[0, :4], y[0, :4]) and torch.equal(lo[0, :4], y[0, :4])
+    with pytest.raises(ValueError, match="abs_max needs NeuronCore-v4"):
+        abs_max_trn2_kernel(x, y)
+
+
+def test_nl_functions_against_torch():
+    rows, d = 200, 64
+    x, w = torch.randn(rows, d), torch.randn(d)
+    outs = nl_functions_kernel(x, w)
+    t = x[:128].clone().requires_grad_()
+    for o, fn in zip(outs, (torch.tan, torch.erf, F.gelu, lambda v: v * torch.sigmoid(1.702 * v), F.silu),
+                     strict=False):
+        (grad,) = torch.autograd.grad(fn(t).sum(), t) if fn is not torch.tan else (None,)
+        close(o, torch.tan(x[:128]) if grad is None else grad, 1e-5)
+    close(outs[5], torch.fmod(x[:128], 0.7), 1e-6)
+    close(outs[6][:, 0], (x[:128] > -2).all(1).float(), 0)
+    close(outs[7], (x[:128] <= 0).float(), 0)
+    close(outs[8][:, 0], x[:128].var(1, unbiased=False), 1e-5)
+    rms = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6) * w
+    close(outs[9], rms[:128], 1e-5)
+    close(outs[10][:rows - 128], rms[128:], 1e-5)

@@ -16,7 +16,7 @@ import torch
 from . import core
 from .core import PMAX, PSUM, PSUM_FREE_MAX, SBUF, SBUF_FREE_MAX, NkiTensor, fail
 from .cost import engine_cycles, matmul_cycles, row_bytes
-from .ops import OPS, Op, as_op
+from .ops import ALU_UNARY, OPS, Op, as_op
 
 
 class engine(enum.Enum):  # noqa: N801 (AWS's name)
@@ -524,14 +524,15 @@ def activation_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, 
 # --------------------------------------------------------------------------------------------- Vector engine
 def _arith(op: Any, instr: str) -> Op:
     op = as_op(op)
-    if isinstance(op, Op) and op.name == "abs":  # the ALU's abs: |data|, the operand (0.0 by convention) unused
-        return _ABS
+    if isinstance(op, Op) and op.name in ALU_UNARY:  # |data|, rsqrt(data), ...: the operand unused
+        return ALU_UNARY[op.name]
     if not isinstance(op, Op) or op.kind == "act":
-        fail(ValueError, f"{instr}: op must be a binary operator (nl.add, nl.multiply, nl.maximum, ...), got {op!r}")
+        fail(ValueError, f"{instr}: op must be a binary or ALU unary operator (nl.add, nl.multiply, nl.rsqrt, ...), "
+                         f"got {op!r}")
+    if op.name in ("abs_max", "abs_min") and core.current_run().chip.core_version in ("NeuronCore-v2",
+                                                                                       "NeuronCore-v3"):
+        fail(ValueError, f"{instr}: nl.{op.name} needs NeuronCore-v4 or newer (trn3)")
     return op
-
-
-_ABS = Op("abs", "arith", lambda a, b: a.abs())
 
 
 def reset() -> None:
@@ -611,13 +612,17 @@ def tensor_scalar(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | No
     ops = [(_arith(op0, "tensor_scalar"), operand0, reverse0)]
     if op1 is not None:
         ops.append((_arith(op1, "tensor_scalar"), operand1, reverse1))
+    for i, (op, operand, _) in enumerate(ops):
+        if op in ALU_UNARY.values() and operand is not None and not (isinstance(operand, int | float) and operand == 0):
+            fail(ValueError, f"tensor_scalar: operand{i} must be None or 0 for the unary operator nl.{op.name}")
     reads = [("data", data)] + [(f"operand{i}", o) for i, (_, o, _) in enumerate(ops) if isinstance(o, NkiTensor)]
     cycles = engine_cycles(run.chip, eng, data.free_size, data.dtype.itemsize)
     _issue("tensor_scalar", eng, cycles, reads, [("dst", dst)])
     if run.compute:
         x = _rows(data)
         for i, (op, operand, rev) in enumerate(ops):
-            x = _binary(op, x, _vector(operand, p, "tensor_scalar", f"operand{i}"), rev)
+            unary = op in ALU_UNARY.values()
+            x = _binary(op, x, 0 if unary else _vector(operand, p, "tensor_scalar", f"operand{i}"), rev)
         _store(run, dst, x)
     _mark_written([("dst", dst)])
     return dst if legacy else None
@@ -658,7 +663,7 @@ def scalar_tensor_tensor(*args: Any, dst: NkiTensor | None = None, data: NkiTens
 
 # what a masked-off element contributes to a reduction
 _IDENTITY = {"add": 0.0, "sum": 0.0, "mean": 0.0, "multiply": 1.0, "prod": 1.0, "max": -math.inf,
-             "maximum": -math.inf, "min": math.inf, "minimum": math.inf}
+             "maximum": -math.inf, "min": math.inf, "minimum": math.inf, "logical_and": 1.0, "logical_or": 0.0}
 
 
 def tensor_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: NkiTensor | None = None,

@@ -5,8 +5,10 @@ by DMA)."""
 from __future__ import annotations
 
 import builtins
+import contextlib
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -337,6 +339,8 @@ def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: 
             n = x.data[(0,) + (slice(None),) * (x.ndim - 1)].numel() // s.data[0].numel()
             return isa.tensor_scalar(s, OPS["multiply"], 1.0 / n)
         return isa.tensor_reduce(op, x, axis, keepdims=keepdims, dtype=dtype)
+    if op.name == "invert":  # the ALU's unary bitwise NOT (a Vector-engine tensor_scalar, operand unused)
+        return isa.tensor_scalar(args[0], op, 0, dtype=dtype)
     a, b = args[:2]
     if not isinstance(a, NkiTensor) and not isinstance(b, NkiTensor):
         return op.fn(torch.tensor(a), torch.tensor(b)).item()
@@ -365,7 +369,7 @@ def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: 
 
 
 def _broadcastable(x: tuple, y: tuple) -> bool:
-    return all(m == n or 1 in (m, n) for m, n in zip(x, y, strict=True))
+    return builtins.all(m == n or 1 in (m, n) for m, n in zip(x, y, strict=True))
 
 
 def _promoted(a: Any, b: Any, op: Op) -> torch.dtype | None:
@@ -377,6 +381,74 @@ def _promoted(a: Any, b: Any, op: Op) -> torch.dtype | None:
     if op.name == "divide" or any(isinstance(x, float) for x in (a, b)):
         return torch.float32
     return None
+
+
+def all(x: NkiTensor, axis: Any, dtype: Any = None, keepdims: bool = False, **_: Any) -> NkiTensor:  # noqa: A001
+    """Whether every element along the free axes is non-zero (a logical-and reduction, Vector engine)."""
+    return OPS["logical_and"](x, axis=axis, dtype=dtype, keepdims=keepdims)
+
+
+def logical_not(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
+    """1 where x is 0, else 0 (AWS's XOR with 1, for 0/1 inputs; a Vector-engine tensor_scalar)."""
+    return OPS["logical_xor"](x, 1, dtype=dtype or x.dtype)
+
+
+def var(x: NkiTensor, axis: Any, dtype: Any = None, keepdims: bool = False, **_: Any) -> NkiTensor:
+    """Population variance over free axes, mean((x - mean(x))^2); AWS's result keeps the reduced axes (keepdims
+    is ignored there too)."""
+    d = x - OPS["mean"](x, axis=axis, keepdims=True)
+    return OPS["mean"](OPS["square"](d), axis=axis, keepdims=True, dtype=dtype)
+
+
+def rms_norm(x: NkiTensor, w: NkiTensor, axis: Any, n: int, epsilon: float = 1e-6, dtype: Any = None,
+             compute_dtype: Any = None, **_: Any) -> NkiTensor:
+    """x / sqrt(sum(x^2 over axis) / n + epsilon) * w: the square and its row sum on the Scalar engine, the scale on
+    the Vector engine; w broadcasts from one partition."""
+    if axis not in (1, -1, (1,), [1]) or x.ndim != 2:
+        fail(ValueError, f"nl.rms_norm: normalises the free axis of a 2-D tile (axis 1), got axis {axis} of {x.shape}")
+    sq = ndarray(x.shape, compute_dtype or torch.float32, SBUF)
+    ss = ndarray((x.shape[0], 1), torch.float32, SBUF)
+    isa.activation(dst=sq, op=OPS["square"], data=x, reduce_op=OPS["add"], reduce_res=ss)
+    inv = isa.tensor_scalar(ss, OPS["multiply"], 1.0 / n, op1=OPS["add"], operand1=float(epsilon))
+    inv = isa.activation(OPS["rsqrt"], inv)
+    return OPS["multiply"](OPS["multiply"](x, inv), w, dtype=dtype or x.dtype)
+
+
+def expand_dims(x: NkiTensor, axis: int) -> NkiTensor:
+    """A view of x with a size-1 axis inserted at `axis`."""
+    axis = axis % (x.ndim + 1)
+    pdim = x.pdim + 1 if x.buffer.on_chip and axis <= x.pdim else x.pdim
+    return NkiTensor(x.alloc, x.data.unsqueeze(axis), None, pdim)
+
+
+def is_hbm(buffer: core.Buffer) -> bool:
+    return buffer.is_hbm
+
+
+def is_on_chip(buffer: core.Buffer) -> bool:
+    return buffer.on_chip
+
+
+def is_psum(buffer: core.Buffer) -> bool:
+    return buffer is PSUM
+
+
+def is_sbuf(buffer: core.Buffer) -> bool:
+    return buffer is SBUF
+
+
+@contextlib.contextmanager
+def no_reorder() -> Iterator[None]:
+    """A region the compiler keeps in program order: accepted; the timeline keeps each engine's program order and
+    orders engines only by data dependencies (as outside the region)."""
+    yield
+
+
+def dynamic_range(start: int, stop: int | None = None, step: int = 1) -> range:
+    """A loop with runtime bounds on hardware; here bounds are Python ints (registers are not implemented)."""
+    if not builtins.all(isinstance(v, int) for v in (start, stop if stop is not None else 0, step)):
+        fail(NotImplementedError, "nl.dynamic_range: bounds held in registers are not implemented; use ints")
+    return range(start, stop, step) if stop is not None else range(start)
 
 
 def softmax(x: NkiTensor, axis: int = -1, dtype: Any = None, **_: Any) -> NkiTensor:
