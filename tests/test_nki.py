@@ -1494,3 +1494,19 @@ def test_nl_functions_against_torch():
     rms = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6) * w
     close(outs[9], rms[:128], 1e-5)
     close(outs[10][:rows - 128], rms[128:], 1e-5)
+
+
+class _ScaleConfig(nl.NKIObject):
+    """A kernel configuration object, as AWS's nki-library kernels subclass nl.NKIObject."""
+
+
+@nki.jit
+def config_kernel(x, config):
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    nl.store(out, value=nl.multiply(nl.load(x), config.scale))
+    return out
+
+
+def test_nki_object_configuration():
+    x = torch.randn(8, 16)
+    close(config_kernel(x, _ScaleConfig(scale=3.0)), x * 3, 1e-6)

@@ -175,6 +175,15 @@ def static_cast(x: Any, dtype: Any) -> Any:
     return t.to(d).numpy()
 
 
+class NKIObject:
+    """The base class of kernels' configuration objects and dataclasses (AWS's nl.NKIObject): a plain object here,
+    its keyword arguments set as attributes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+
 finfo = torch.finfo  # nl.finfo(dtype).min / .max
 fp32 = torch.finfo(torch.float32)  # nl.fp32.min: the most negative float32 (the -inf stand-in of kernels)
 Tensor = NkiTensor  # the type of tiles (annotations)
