@@ -1510,3 +1510,19 @@ def config_kernel(x, config):
 def test_nki_object_configuration():
     x = torch.randn(8, 16)
     close(config_kernel(x, _ScaleConfig(scale=3.0)), x * 3, 1e-6)
+
+
+@nki.jit
+def grid_size_kernel(x):
+    """Every program writes the grid sizes nl.num_programs reports (AWS's `axes=`, a tuple, None, and `axis=`)."""
+    out = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+    for j, n in enumerate((nl.num_programs(axes=1), nl.num_programs(axes=(0, 1)), nl.num_programs(axes=None),
+                           nl.num_programs(axis=0))):
+        nisa.memset(dst=t[:, j:j + 1], value=float(n))
+    nl.store(out, value=t)
+    return out
+
+
+def test_num_programs_axes():
+    assert grid_size_kernel[2, 3](torch.zeros(1)).tolist() == [[3.0, 6.0, 6.0, 2.0]]

@@ -238,14 +238,18 @@ def program_id(axis: int = 0) -> int:
     return run.program[axis]
 
 
-def num_programs(axis: int = 0) -> int:
-    """Programs along `axis` of the launch grid."""
+def num_programs(axes: int | tuple[int, ...] | None = 0, axis: int | None = None) -> int:
+    """Programs along `axes` of the launch grid (AWS's keyword; `axis=` as earlier kernels write it): one axis, the
+    product over a tuple of axes, or the whole grid for None."""
     run = core.current_run()
+    axes = axes if axis is None else axis
     if not run.grid:
         return 1
-    if not 0 <= axis < len(run.grid):
-        fail(ValueError, f"num_programs({axis}): the launch grid has {len(run.grid)} axes")
-    return run.grid[axis]
+    picked = range(len(run.grid)) if axes is None else (axes,) if isinstance(axes, int) else tuple(axes)
+    for a in picked:
+        if not 0 <= a < len(run.grid):
+            fail(ValueError, f"num_programs({a}): the launch grid has {len(run.grid)} axes")
+    return math.prod(run.grid[a] for a in picked)
 
 
 def program_ndim() -> int:
