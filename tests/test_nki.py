@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -1526,3 +1527,61 @@ def grid_size_kernel(x):
 
 def test_num_programs_axes():
     assert grid_size_kernel[2, 3](torch.zeros(1)).tolist() == [[3.0, 6.0, 6.0, 2.0]]
+
+
+@dataclass
+class _SectionParams(nl.NKIObject):
+    """Unannotated fields, constructed with keywords (as nki-library's attention_cte SectionParams is)."""
+    index = None
+    offset = None
+
+
+@nki.jit
+def placed_psum_kernel(x):
+    """Twelve [128, 512] float32 PSUM tiles (24 KiB per partition, more than PSUM's 16 KiB) at explicit addresses
+    in four banks, as kernels that manage PSUM themselves place them; each holds a transpose of a column block."""
+    out = nl.ndarray((12, 128, 128), dtype=x.dtype, buffer=nl.shared_hbm)
+    tiles = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum, address=(0, (i % 4) * 2048)) for i in range(12)]
+    src = nl.load(x)
+    for i, t in enumerate(tiles):
+        p = _SectionParams(index=i, offset=i * 128)
+        nisa.nc_transpose(dst=t[:, 0:128], data=src[:, p.offset:p.offset + 128])
+        nl.store(out[p.index], value=nl.copy(t[:, 0:128]))
+    return out
+
+
+@nki.jit
+def bad_address_kernel(x):
+    nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum, address=(0, 1024))
+    return x
+
+
+@nki.jit
+def dma_transpose_nd_kernel(x3, x4):
+    """AWS's N-d DMA transposes: 3-d permuted [2, 1, 0], 4-d [3, 1, 2, 0]."""
+    a, b, c = x3.shape
+    out3 = nl.ndarray((c, b, a), dtype=x3.dtype, buffer=nl.shared_hbm)
+    t3 = nl.ndarray((c, b, a), dtype=x3.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t3, src=x3)
+    nl.store(out3, value=t3)
+    p, q, r, s = x4.shape
+    out4 = nl.ndarray((s, q, r, p), dtype=x4.dtype, buffer=nl.shared_hbm)
+    t4 = nl.ndarray((s, q, r, p), dtype=x4.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t4, src=x4)
+    nl.store(out4, value=t4)
+    return out3, out4
+
+
+def test_explicit_addresses_and_keyword_dataclasses():
+    x = torch.randn(128, 12 * 128)
+    close(placed_psum_kernel(x), x.view(128, 12, 128).permute(1, 2, 0), 0)
+    with pytest.raises(ValueError, match="crosses a 2 KiB bank boundary"):
+        bad_address_kernel(torch.zeros(1))
+    p = _SectionParams(index=3, offset=7)
+    assert (p.index, p.offset) == (3, 7)
+
+
+def test_dma_transpose_nd():
+    x3, x4 = torch.randn(16, 2, 32).bfloat16(), torch.randn(16, 1, 4, 64).bfloat16()
+    o3, o4 = dma_transpose_nd_kernel(x3, x4)
+    assert torch.equal(o3, x3.permute(2, 1, 0)) and torch.equal(o4, x4.permute(3, 1, 2, 0))

@@ -221,7 +221,7 @@ class Allocation:
     """The memory behind one `nl.ndarray`: a torch tensor; on-chip memory is charged to the run while alive."""
 
     __slots__ = ("base", "buffer", "init", "run", "charge", "psum_charge", "written", "matmul_result", "mm_read",
-                 "mask", "pdim", "__weakref__")
+                 "mask", "pdim", "poffset", "__weakref__")
 
     def __init__(self, base: torch.Tensor, buffer: Buffer, run: Run | None, charge: int = 0, psum_charge: int = 0,
                  initialised: bool = False):
@@ -233,6 +233,7 @@ class Allocation:
         self.mm_read = True  # read since the last matmul wrote it: the next matmul starts a new accumulation
         self.mask: torch.Tensor | None = None  # the mask= of the legacy call that returned this tile
         self.pdim = 0  # the partition axis of `base` (after any nl.par_dim block axes)
+        self.poffset = 0  # the first physical partition (`nl.ndarray(address=(partition, byte))`)
 
     def __del__(self) -> None:
         run = getattr(self, "run", None)  # unset if __init__ did not finish
@@ -253,8 +254,12 @@ def _shape_of(shape: Any) -> tuple[tuple[int, ...], int]:
     return tuple(sizes), pdim
 
 
-def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None = None) -> NkiTensor:
-    """A new tensor in `buffer` (checked against the chip's partition count and capacities)."""
+def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None = None,
+             address: tuple[int, int] | None = None) -> NkiTensor:
+    """A new tensor in `buffer` (checked against the chip's partition count and capacities). At an explicit
+    `address` (partition, byte offset per partition) the kernel manages the memory: the tensor must fit inside
+    the buffer (a PSUM tile inside one bank) and is not charged to the allocator's running total, since such
+    tensors may deliberately share space."""
     dtype = to_dtype(dtype)
     sizes, pdim = _shape_of(shape)
     check_dtype(dtype, f"nl.ndarray{sizes}")
@@ -280,6 +285,8 @@ def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None =
         # Block axes (before an nl.par_dim): AWS's allocator may rotate fewer physical buffers than blocks, so one
         # block is charged (docs/nki.md).
         blocks = 1
+        if address is not None:
+            return _placed(sizes, pdim, dtype, buffer, run, free, address)
         if run is not None and buffer is SBUF:
             charge = free * blocks
             if run.sbuf_used + charge > run.sbuf_partition_bytes:
@@ -305,6 +312,22 @@ def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None =
         run.sbuf_used += charge
         run.psum_used += psum_charge
     return NkiTensor(alloc, data, tuple((d, 0, 1, s) for d, s in enumerate(sizes)), pdim if buffer.on_chip else 0)
+
+
+def _placed(sizes: tuple, pdim: int, dtype: torch.dtype, buffer: Buffer, run: Run | None, free: int,
+            address: Any) -> NkiTensor:
+    """An on-chip tensor at a kernel-chosen address (see `allocate`)."""
+    part, byte = (int(a) for a in address)
+    limit = PSUM_BANK_BYTES * 8 if buffer is PSUM else (run.sbuf_partition_bytes if run is not None else None)
+    if part < 0 or part + sizes[pdim] > PMAX or byte < 0 or (limit is not None and byte + free > limit):
+        fail(ValueError, f"address {address} places {free} B per partition on partitions {part}..."
+                         f"{part + sizes[pdim] - 1}, outside {buffer.name} ({PMAX} partitions x {limit} B)")
+    if buffer is PSUM and byte // PSUM_BANK_BYTES != (byte + free - 1) // PSUM_BANK_BYTES:
+        fail(ValueError, f"address {address}: a PSUM tile of {free} B per partition crosses a 2 KiB bank boundary")
+    data = torch.empty(sizes, dtype=dtype)
+    alloc = Allocation(data, buffer, None)
+    alloc.pdim, alloc.poffset = pdim, part
+    return NkiTensor(alloc, data, tuple((d, 0, 1, s) for d, s in enumerate(sizes)), pdim)
 
 
 def _dn(dtype: torch.dtype) -> str:
@@ -454,9 +477,10 @@ class NkiTensor:
             # a reshape or .ap() view: its first element's partition in the allocation
             base = self.alloc.base
             offset = self.data.storage_offset() - base.storage_offset()
-            return (offset // base.stride(self.alloc.pdim)) % base.shape[self.alloc.pdim], self.shape[0]
+            start = (offset // base.stride(self.alloc.pdim)) % base.shape[self.alloc.pdim]
+            return self.alloc.poffset + start, self.shape[0]
         d, start, step, size = self.dims[0]
-        return start, size
+        return self.alloc.poffset + start, size
 
     @property
     def free_size(self) -> int:

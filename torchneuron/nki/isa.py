@@ -1320,7 +1320,7 @@ def dma_copy(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = N
 
 
 def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, skip: list = (),
-         transpose: bool = False) -> None:
+         transpose: bool | tuple[int, ...] = False) -> None:
     run = core.current_run()
     _operand_masks([dst, src], list(skip))
     _check_access("dma", instr, [("src", src)], [("dst", dst)])
@@ -1341,7 +1341,9 @@ def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, skip: list
         run.timeline.dma(instr, nbytes, min(row_bytes(src), row_bytes(dst)), reads, [dst], line, eff)
     if run.compute:
         v = value(src)
-        if transpose:
+        if isinstance(transpose, tuple):  # an N-d dma_transpose's axis permutation
+            v = v.permute(transpose)
+        elif transpose:
             v = v.reshape(src.shape[0], -1).T
         v = v.reshape(dst.shape)
         if rmw is not None:
@@ -1359,6 +1361,14 @@ def dma_transpose(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | Non
         dst = _new((src.free_size, src.shape[0]), src.dtype)
     else:
         dst, src = (list(args) + [dst, src])[:2] if len(args) >= 2 else (args[0] if args else dst, src)
+    if src.ndim in (3, 4) and dst.ndim == src.ndim:  # AWS's permutations: 3-d [2, 1, 0], 4-d [3, 1, 2, 0]
+        perm = (2, 1, 0) if src.ndim == 3 else (3, 1, 2, 0)
+        want = tuple(src.shape[i] for i in perm)
+        if dst.shape != want:
+            fail(ValueError, f"dma_transpose: a {src.ndim}-d src {src.shape} permuted by {list(perm)} is {want}; "
+                             f"dst is {dst.shape}")
+        _dma("dma_transpose", dst, src, transpose=perm)
+        return None
     if dst.shape[0] != src.free_size or dst.free_size != src.shape[0]:
         fail(ValueError, f"dma_transpose: dst must be [{src.free_size}, {src.shape[0]}], got {dst.shape}")
     _dma("dma_transpose", dst, src, transpose=True)

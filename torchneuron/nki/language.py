@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import inspect
 import itertools
 import math
 from collections.abc import Iterator
@@ -64,9 +65,10 @@ def par_dim(size: int) -> ParDim:
     return ParDim(size)
 
 
-def ndarray(shape: Any, dtype: Any, buffer: core.Buffer = SBUF, name: str = "", **_: Any) -> NkiTensor:
-    """A new (uninitialised) tensor in `buffer`."""
-    return core.allocate(shape, dtype, buffer)
+def ndarray(shape: Any, dtype: Any, buffer: core.Buffer = SBUF, name: str = "", address: Any = None,
+            **_: Any) -> NkiTensor:
+    """A new (uninitialised) tensor in `buffer`, optionally at `address` (partition, byte offset)."""
+    return core.allocate(shape, dtype, buffer, address=address if buffer.on_chip else None)
 
 
 def empty_like(t: NkiTensor, dtype: Any = None, buffer: core.Buffer | None = None, **_: Any) -> NkiTensor:
@@ -175,7 +177,23 @@ def static_cast(x: Any, dtype: Any) -> Any:
     return t.to(d).numpy()
 
 
-class NKIObject:
+class _NKIObjectType(type):
+    """Construction of an NKIObject class: keyword arguments its __init__ does not take become attributes. AWS's
+    kernels construct `@dataclass` subclasses whose fields are unannotated class attributes (no __init__
+    parameters) with keyword arguments, e.g. nki-library's attention_cte `SectionParams(section_idx=...)`."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        params = inspect.signature(cls.__init__).parameters
+        if builtins.any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return super().__call__(*args, **kwargs)
+        obj = super().__call__(*args, **{k: v for k, v in kwargs.items() if k in params})
+        for name, value in kwargs.items():
+            if name not in params:
+                setattr(obj, name, value)
+        return obj
+
+
+class NKIObject(metaclass=_NKIObjectType):
     """The base class of kernels' configuration objects and dataclasses (AWS's nl.NKIObject): a plain object here,
     its keyword arguments set as attributes."""
 
