@@ -326,6 +326,9 @@ def test_import_nki_alias():
 
     if importlib.machinery.PathFinder.find_spec("nki") is None:
         assert aliased is nki_package() and nki.language is nl and nki.isa is nisa
+        from neuronxcc.nki.isa.constants import matmul_perf_mode
+        from nki.isa.constants import dge_mode, oob_mode  # the path nki-library imports the enums from
+        assert (dge_mode, oob_mode, matmul_perf_mode) == (nisa.dge_mode, nisa.oob_mode, nisa.matmul_perf_mode)
 
 
 def nki_package():
@@ -1585,3 +1588,19 @@ def test_dma_transpose_nd():
     x3, x4 = torch.randn(16, 2, 32).bfloat16(), torch.randn(16, 1, 4, 64).bfloat16()
     o3, o4 = dma_transpose_nd_kernel(x3, x4)
     assert torch.equal(o3, x3.permute(2, 1, 0)) and torch.equal(o4, x4.permute(3, 1, 2, 0))
+
+
+@nki.jit
+def tile_size_kernel(x):
+    """nl.tile_size's capacities, read inside a kernel (they are the modelled chip's)."""
+    ts = nl.tile_size
+    assert (ts.psum_bank_fmax, ts.psum_bank_fmax_bytes, ts.psum_num_banks) == (512, 2048, 8)
+    assert ts.total_available_sbuf_size == ts.sbuf_fmax_bytes == ts.sbuf_fmax * 4 == ts.sbuf_size_bytes // 128
+    return nl.ndarray((128, ts.sbuf_fmax_bytes // 4), dtype=nl.float32, buffer=nl.sbuf).shape
+
+
+def test_tile_size_capacities():
+    """SBUF per partition is the chip's (192 / 224 KiB on trn1 / trn2, docs/hardware.md S12-S13): a tile of all of
+    it fits."""
+    assert nki.jit(tile_size_kernel.fn, target="trn1")(torch.zeros(1)) == (128, 192 * 1024 // 4)
+    assert nki.jit(tile_size_kernel.fn, target="trn2")(torch.zeros(1)) == (128, 224 * 1024 // 4)

@@ -28,7 +28,10 @@ _ALIASED = {"nki": "torchneuron.nki", "nki.language": "torchneuron.nki.language"
             "nki.typing": "torchneuron.nki.typing", "neuronxcc": "", "neuronxcc.nki": "torchneuron.nki",
             "neuronxcc.nki.language": "torchneuron.nki.language", "neuronxcc.nki.isa": "torchneuron.nki.isa",
             "neuronxcc.nki.typing": "torchneuron.nki.typing", "nki.compiler": "torchneuron.nki.compiler",
-            "neuronxcc.nki.compiler": "torchneuron.nki.compiler"}
+            "neuronxcc.nki.compiler": "torchneuron.nki.compiler",
+            # the isa enums (oob_mode, dge_mode, matmul_perf_mode, ...) under the module path AWS's nki-library and
+            # AWS's own doc tests import them from
+            "nki.isa.constants": "torchneuron.nki.isa", "neuronxcc.nki.isa.constants": "torchneuron.nki.isa"}
 _ROOTS = ("nki", "neuronxcc")
 
 

@@ -18,6 +18,9 @@ from .core import PMAX, PSUM, PSUM_FREE_MAX, SBUF, SBUF_FREE_MAX, NkiTensor, fai
 from .cost import engine_cycles, matmul_cycles, row_bytes
 from .ops import ALU_UNARY, OPS, Op, as_op
 
+# A package path, so `nki.isa.constants` (served by NkiAlias as this module) imports as a submodule.
+__path__: list[str] = []
+
 
 class engine(enum.Enum):  # noqa: N801 (AWS's name)
     unknown = "unknown"

@@ -44,6 +44,27 @@ class _TileSize:
     gemm_moving_fmax: int = 512
     bn_stats_fmax: int = 512
     psum_partition_max: int = 128
+    psum_bank_fmax: int = core.PSUM_BANK_BYTES // 4  # float32 elements per partition in one PSUM bank
+    psum_bank_fmax_bytes: int = core.PSUM_BANK_BYTES
+
+    @property
+    def psum_num_banks(self) -> int:
+        return core.current_run().psum_bank_count
+
+    @property
+    def sbuf_fmax_bytes(self) -> int:
+        """Usable SBUF bytes per partition of the modelled chip."""
+        return core.current_run().sbuf_partition_bytes
+
+    total_available_sbuf_size = sbuf_fmax_bytes  # AWS's deprecated name (per partition, despite it)
+
+    @property
+    def sbuf_fmax(self) -> int:
+        return self.sbuf_fmax_bytes // 4
+
+    @property
+    def sbuf_size_bytes(self) -> int:
+        return self.sbuf_fmax_bytes * core.PMAX
 
 
 tile_size = _TileSize()
