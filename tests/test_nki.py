@@ -1604,3 +1604,38 @@ def test_tile_size_capacities():
     it fits."""
     assert nki.jit(tile_size_kernel.fn, target="trn1")(torch.zeros(1)) == (128, 192 * 1024 // 4)
     assert nki.jit(tile_size_kernel.fn, target="trn2")(torch.zeros(1)) == (128, 224 * 1024 // 4)
+
+
+@nki.jit
+def step0_dst_kernel(x):
+    """A step-0 access pattern as dst (nki-library's qkv_cte: a [P, 1] scratch tile standing in for a [P, H]
+    result whose only use is activation_reduce's row sum): the sum covers every computed element, and memory keeps
+    the last one written; a tensor_copy through a step-0 dst likewise leaves the last column."""
+    p, h = x.shape
+    out = nl.ndarray((p, 2), dtype=nl.float32, buffer=nl.shared_hbm)
+    t = nl.load(x)
+    scratch = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    res = nl.ndarray((p, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation_reduce(dst=scratch.ap(pattern=[[1, p], [0, h]]), op=nl.square, data=t, reduce_op=nl.add,
+                           reduce_res=res[:, 0:1])
+    nisa.tensor_copy(dst=res[:, 1:2].ap(pattern=[[2, p], [0, h]], offset=1), src=t)
+    nl.store(out, value=res)
+    return out
+
+
+def test_step_zero_destination():
+    x = torch.randn(64, 48)
+    out = step0_dst_kernel(x)
+    close(out[:, 0], x.pow(2).sum(1), 1e-5)
+    close(out[:, 1], x[:, -1], 0)
+
+
+def test_mx_packed_dtypes_are_named_not_implemented():
+    assert nl.float8_e4m3fn_x4 in [nl.bfloat16, nl.float8_e4m3fn_x4] and nki.dtype is torch.dtype
+
+    @nki.jit
+    def packed(x):
+        return nl.ndarray((128, 4), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+
+    with pytest.raises(NotImplementedError, match="MX packed dtypes"):
+        packed(torch.zeros(1))

@@ -20,6 +20,7 @@ _LAZY = {
     "Kernel": ("kernel", "Kernel"), "simulate_kernel": ("kernel", "simulate_kernel"),
     "benchmark": ("kernel", "benchmark"), "profile": ("kernel", "profile"), "tensor": ("core", "NkiTensor"),
     "nki_op": ("torch_op", "nki_op"), "KernelProfile": ("cost", "KernelProfile"),
+    "dtype": ("language", "DType"),  # the type of dtypes (annotations such as `output_dtype: nki.dtype`)
 }
 _SUBMODULES = ("language", "isa", "core", "cost", "kernel", "ops", "torch_op", "typing", "validation", "compiler")
 # `nki` is AWS's current package; `neuronxcc.nki` the earlier one inside the compiler wheel (its kernels use the

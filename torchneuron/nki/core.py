@@ -52,10 +52,24 @@ _BY_NAME = {"float32": torch.float32, "tfloat32": torch.float32, "bfloat16": tor
             "bool_": torch.bool, "float64": torch.float64, "int64": torch.int64}
 
 
+@dataclass(frozen=True)
+class PackedDType:
+    """AWS's MX packed dtypes (`nl.float8_e4m3fn_x4`, `float8_e5m2_x4`, `float4_e2m1fn_x4`: four elements in one
+    value, for nki.isa.nc_matmul_mx on NeuronCore-v4). Kernels may name them (dtype lists, comparisons); tensors
+    of them are not implemented, as nc_matmul_mx / quantize_mx are not."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+
 def to_dtype(d: Any) -> torch.dtype:
     """A torch dtype from a torch dtype, numpy dtype or type, ml_dtypes type, or name."""
     if isinstance(d, torch.dtype):
         return d
+    if isinstance(d, PackedDType):
+        fail(NotImplementedError, f"{d!r}: MX packed dtypes (nki.isa.nc_matmul_mx, NeuronCore-v4) are not implemented")
     name = getattr(d, "name", None) or getattr(d, "__name__", None) or str(d)
     try:
         import numpy as np

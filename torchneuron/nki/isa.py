@@ -299,10 +299,14 @@ def _store(run: core.Run, dst: NkiTensor, v: torch.Tensor) -> None:
     m = core.mask_for(dst)
     if isinstance(dst, core.GatherTile):
         dst.write(v, m)
-    elif m is None:
-        dst.data.copy_(v)
-    else:  # only the mask's elements are written
-        dst.data.copy_(torch.where(m, v, dst.data))
+        return
+    out = dst.data
+    if m is not None:  # only the mask's elements are written
+        v = torch.where(m, v, out)
+    for axis, (stride, n) in enumerate(zip(out.stride(), out.shape, strict=True)):
+        if stride == 0 and n > 1:  # a step-0 access pattern writes one place repeatedly: the last write stays
+            out, v = out.narrow(axis, n - 1, 1), v.narrow(axis, n - 1, 1)
+    out.copy_(v)
 
 
 def _new(shape: tuple, dtype: Any, buffer: Any = SBUF) -> NkiTensor:
@@ -496,7 +500,10 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
         x = _rows(data) * _vector(scale, p, "activation", "scale")
         if bias is not None:
             x = x + _vector(bias, p, "activation", "bias")
+        # the values written, as the reduction sees them (a step-0 dst keeps only its last write in memory)
         y = fn.fn(x)
+        y = y.reshape(dst.shape) if y.numel() == dst.data.numel() else y.expand(dst.shape)
+        y = round_to(y, dst.dtype, run.stochastic_rounding, run.generator)
         _store(run, dst, y)
         cmd = reduce_cmd
         if reduce_res is not None and cmd == type(cmd).idle:
@@ -506,8 +513,8 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
             if regs is None or cmd in (type(cmd).reset, type(cmd).reset_reduce):
                 regs = torch.zeros(p, 1)
             if cmd != type(cmd).reset:
-                y, m = value(dst), core.mask_for(dst)
-                y = y if m is None else torch.where(m, y, torch.tensor(0.0))
+                m = core.mask_for(dst)
+                y = y.float() if m is None else torch.where(m, y.float(), torch.tensor(0.0))
                 regs = regs + y.reshape(p, -1).sum(1, keepdim=True)
             run.act_regs = regs
             if reduce_res is not None:

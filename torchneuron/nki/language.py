@@ -29,6 +29,10 @@ float8_e5m2 = torch.float8_e5m2
 int8, uint8, int16, uint16, int32, uint32 = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32,
                                              torch.uint32)
 bool_ = torch.bool
+DType = torch.dtype  # dtypes here are torch dtypes
+float8_e4m3fn_x4, float8_e5m2_x4, float4_e2m1fn_x4 = (core.PackedDType("float8_e4m3fn_x4"),
+                                                     core.PackedDType("float8_e5m2_x4"),
+                                                     core.PackedDType("float4_e2m1fn_x4"))
 
 # buffers
 hbm, shared_hbm, private_hbm, sbuf, psum = HBM, SHARED_HBM, PRIVATE_HBM, SBUF, PSUM
