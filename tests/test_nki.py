@@ -1639,3 +1639,25 @@ def test_mx_packed_dtypes_are_named_not_implemented():
 
     with pytest.raises(NotImplementedError, match="MX packed dtypes"):
         packed(torch.zeros(1))
+
+
+@nki.jit
+def scalar_offset_kernel(table, idx):
+    """Rows of an HBM table picked by runtime indices (`.ap(scalar_offset=, indirect_dim=0)`, one DMA per row,
+    as nki-library's cross_entropy reads each target's logit)."""
+    n, d = table.shape
+    k = idx.shape[0]
+    out = nl.ndarray((k, d), dtype=table.dtype, buffer=nl.shared_hbm)
+    ids = nl.load(idx)
+    rows = nl.ndarray((k, d), dtype=table.dtype, buffer=nl.sbuf)
+    for j in range(k):
+        nisa.dma_copy(dst=rows[j:j + 1, :], src=table.ap(pattern=[[d, 1], [1, d]], offset=0,
+                                                        scalar_offset=ids.ap(pattern=[[1, 1], [1, 1]], offset=j),
+                                                        indirect_dim=0))
+    nl.store(out, value=rows)
+    return out
+
+
+def test_ap_scalar_offset():
+    table, idx = torch.randn(50, 24), torch.tensor([[7], [0], [49], [7]], dtype=torch.int32)
+    close(scalar_offset_kernel(table, idx), table[idx[:, 0].long()], 0)

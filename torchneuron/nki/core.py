@@ -626,8 +626,8 @@ class NkiTensor:
         """AWS's raw access pattern (`t.ap([[step, num], ...], offset)`): element `offset + sum(i_k * step_k)` of
         the allocation flattened to 1-D, ignoring this view's shape and strides (`offset=None`: this view's start).
         On SBUF/PSUM the first pair walks whole partitions and the rest stay inside each partition."""
-        if scalar_offset is not None or vector_offset is not None:
-            fail(NotImplementedError, "ap: dynamic offsets (scalar_offset, vector_offset) are not implemented")
+        if vector_offset is not None:
+            fail(NotImplementedError, "ap: vector_offset (a per-partition dynamic offset) is not implemented")
         if isinstance(self, GatherTile):
             fail(TypeError, "ap: a tile indexed by general nl.arange expressions has no single access pattern")
         base = self.alloc.base
@@ -635,6 +635,13 @@ class NkiTensor:
             fail(ValueError, "ap needs a contiguous allocation")
         if offset is None:
             offset = self.data.storage_offset() - base.storage_offset()
+        if scalar_offset is not None:  # a runtime index on axis indirect_dim of the tensor, read from SBUF
+            if not isinstance(scalar_offset, NkiTensor) or scalar_offset.buffer is not SBUF or \
+                    scalar_offset.dtype.is_floating_point or scalar_offset.data.numel() != 1:
+                fail(TypeError, f"ap: scalar_offset must be a (1, 1) integer SBUF tile, got {scalar_offset!r}")
+            run = CURRENT.run
+            index = int(scalar_offset.data.reshape(-1)[0]) if run is None or run.compute else 0
+            offset += index * math.prod(base.shape[indirect_dim + 1:])
         whole = self
         if dtype is not None and to_dtype(dtype) != self.dtype:  # reinterpret the allocation's bytes
             whole = NkiTensor(self.alloc, base, tuple((d, 0, 1, n) for d, n in enumerate(base.shape)),
