@@ -1661,3 +1661,14 @@ def scalar_offset_kernel(table, idx):
 def test_ap_scalar_offset():
     table, idx = torch.randn(50, 24), torch.tensor([[7], [0], [49], [7]], dtype=torch.int32)
     close(scalar_offset_kernel(table, idx), table[idx[:, 0].long()], 0)
+
+
+def test_platform_target_override(monkeypatch):
+    """AWS's NEURON_PLATFORM_TARGET_OVERRIDE picks the modelled chip of a kernel without an explicit target (its
+    SBUF per partition: 192 KiB on trn1), an explicit target still wins, and an unknown name is refused."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "gen2")
+    assert tile_size_kernel(torch.zeros(1)) == (128, 192 * 1024 // 4)
+    assert nki.jit(tile_size_kernel.fn, target="trn3")(torch.zeros(1)) == (128, 256 * 1024 // 4)
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "inf9")
+    with pytest.raises(ValueError, match="NEURON_PLATFORM_TARGET_OVERRIDE"):
+        tile_size_kernel(torch.zeros(1))
