@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -325,6 +326,9 @@ def test_import_nki_alias():
 
     if importlib.machinery.PathFinder.find_spec("nki") is None:
         assert aliased is nki_package() and nki.language is nl and nki.isa is nisa
+        from neuronxcc.nki.isa.constants import matmul_perf_mode
+        from nki.isa.constants import dge_mode, oob_mode  # the path nki-library imports the enums from
+        assert (dge_mode, oob_mode, matmul_perf_mode) == (nisa.dge_mode, nisa.oob_mode, nisa.matmul_perf_mode)
 
 
 def nki_package():
@@ -1330,3 +1334,341 @@ def test_tensor_passed_by_keyword_on_neuron_runs_at_the_call_and_queued():
         r = k(a.to("neuron"), b=b.to("neuron"))
         assert r.device.type == "neuron"
         close(r, a + b, 0)
+
+
+# ----------------------------------------------------------------------------------------------- access patterns
+@nki.jit
+def ap_pool_kernel(x, pool):
+    """2-D max-pool through `.ap()` (AWS's index-case-3 / average_pool2d tutorials): a 5-D strided view of the
+    [C, H, W] tile, reduced over its two window axes; the HBM read is itself an `.ap()` with an offset."""
+    c, h, w = x.shape
+    out = nl.ndarray((c, h // pool, w // pool), dtype=x.dtype, buffer=nl.shared_hbm)
+    tile = nl.ndarray((c, h, w), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=tile, src=x.ap([[h * w, c], [1, h * w]], offset=0))
+    view = tile.ap([[h * w, c], [pool * w, h // pool], [pool, w // pool], [w, pool], [1, pool]])
+    nl.store(out, value=nl.max(view, axis=[3, 4]))
+    return out
+
+
+@nki.jit
+def ap_cast_kernel(x):
+    """`.ap(dtype=)` reinterprets the allocation's bytes: an int32 [P, F] tile read as bfloat16 [P, 2F]."""
+    p, f = x.shape
+    out = nl.ndarray((p, 2 * f), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    tile = nl.load(x)
+    nisa.dma_copy(dst=out, src=tile.ap([[2 * f, p], [1, 2 * f]], offset=0, dtype=nl.bfloat16))
+    return out
+
+
+@nki.jit
+def ap_bad_partition_kernel(x):
+    """Every other partition: the partition step must be the allocation's elements per partition."""
+    tile = nl.load(x)
+    out = nl.ndarray((8, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+    nl.store(out, value=nl.exp(tile.ap([[2 * x.shape[1], 8], [1, x.shape[1]]])))
+    return out
+
+
+@nki.jit
+def ap_unaligned_kernel(x):
+    """A 32-partition view starting at partition 16 (offset 16 rows): compute engines refuse its start."""
+    tile = nl.load(x)
+    out = nl.ndarray((32, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+    nl.store(out, value=nl.exp(tile.ap([[x.shape[1], 32], [1, x.shape[1]]], offset=16 * x.shape[1])))
+    return out
+
+
+def test_access_pattern_views():
+    x = torch.randn(4, 8, 12)
+    close(ap_pool_kernel(x, 2), F.max_pool2d(x.unsqueeze(0), 2).squeeze(0), 0)
+    close(ap_pool_kernel(x.to("neuron"), 2), F.max_pool2d(x.unsqueeze(0), 2).squeeze(0), 0)
+    halves = torch.randn(16, 12).bfloat16()
+    assert torch.equal(ap_cast_kernel(halves.view(torch.int32)), halves)
+    with pytest.raises(ValueError, match="first pair walks whole partitions"):
+        ap_bad_partition_kernel(torch.randn(16, 4))
+    with pytest.raises(ValueError, match="partitions 16..47"):
+        ap_unaligned_kernel(torch.randn(64, 4))
+
+
+# --------------------------------------------------------------------------------- ALU unary ops, nl functions
+@nki.jit
+def alu_unary_kernel(x, bits):
+    """`nisa.tensor_scalar` with AWS's unary ALU operators (operand 0 / None, unused): rsqrt on GpSimd (as
+    Qwen3.5's DeltaNet kernel writes it), square then reciprocal, and bitwise NOT of integers."""
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    out2 = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    out3 = nl.ndarray(bits.shape, dtype=bits.dtype, buffer=nl.shared_hbm)
+    t, b = nl.load(x), nl.load(bits)
+    r = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_scalar(dst=r, data=t, op0=nl.rsqrt, operand0=0.0, engine=nisa.gpsimd_engine)
+    nl.store(out, value=r)
+    nisa.tensor_scalar(dst=r, data=t, op0=nl.square, operand0=None, op1=nl.reciprocal, operand1=0)
+    nl.store(out2, value=r)
+    nl.store(out3, value=nl.invert(b))
+    return out, out2, out3
+
+
+@nki.jit
+def unary_operand_kernel(x):
+    t = nl.load(x)
+    nisa.tensor_scalar(dst=t, data=t, op0=nl.rsqrt, operand0=2.0)
+    return x
+
+
+@nki.jit
+def nl_functions_kernel(x, w):
+    """nl.tan, fmod, the activation derivatives, all, logical_not, var, rms_norm (masked tail rows, w one
+    partition), in one kernel; expand_dims of an HBM argument; no_reorder and dynamic_range."""
+    rows, d = x.shape
+    names = ("tan", "erf_dx", "gelu_dx", "gelu_apprx_sigmoid_dx", "silu_dx")
+    outs = [nl.ndarray((128, d), dtype=x.dtype, buffer=nl.shared_hbm) for _ in range(len(names) + 6)]
+    i_p, i_f = nl.arange(128)[:, None], nl.arange(d)[None, :]
+    with nl.no_reorder():
+        t = nl.load(x[0:128, :])
+        for o, name in zip(outs, names, strict=False):
+            nl.store(o, value=getattr(nl, name)(t))
+        nl.store(outs[5], value=nl.fmod(t, 0.7))
+        nl.store(outs[6][:, 0:1], value=nl.all(nl.greater(t, -2.0), axis=1, dtype=nl.float32))
+        nl.store(outs[7], value=nl.logical_not(nl.greater(t, 0.0)))
+        nl.store(outs[8][:, 0:1], value=nl.var(t, axis=1))
+    w_tile = nl.load(nl.expand_dims(w, 0))
+    for i in nl.dynamic_range(2):
+        tile = nl.load(x[i * 128 + i_p, i_f], mask=(i * 128 + i_p < rows))
+        normed = nl.rms_norm(tile, w_tile, 1, d, 1e-6, mask=(i * 128 + i_p < rows))
+        nl.store(outs[9 + i][i_p, i_f], value=normed, mask=(i * 128 + i_p < rows))
+    assert nl.is_hbm(x.buffer) and nl.is_sbuf(w_tile.buffer) and nl.is_on_chip(w_tile.buffer)
+    assert not nl.is_psum(w_tile.buffer)
+    return outs
+
+
+@nki.jit(target="trn3")
+def abs_max_kernel(x, y):
+    return _abs_extremes(x, y)
+
+
+@nki.jit(target="trn2")
+def abs_max_trn2_kernel(x, y):
+    return _abs_extremes(x, y)
+
+
+def _abs_extremes(x, y):
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    out2 = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    a, b = nl.load(x), nl.load(y)
+    nl.store(out, value=nl.abs_max(a, b))
+    nl.store(out2, value=nl.abs_min(a, b))
+    return out, out2
+
+
+def test_alu_unary_operators():
+    x = torch.rand(64, 32) + 0.5
+    bits = torch.randint(-1000, 1000, (64, 32), dtype=torch.int32)
+    r, inv_sq, nots = alu_unary_kernel(x, bits)
+    close(r, 1 / x.sqrt(), 1e-6)
+    close(inv_sq, 1 / (x * x), 1e-6)
+    assert torch.equal(nots, -bits - 1)  # two's complement: ~b == -b - 1
+    with pytest.raises(ValueError, match="operand0 must be None or 0 for the unary operator nl.rsqrt"):
+        unary_operand_kernel(x)
+
+
+def test_abs_max_min_need_neuroncore_v4():
+    x, y = torch.randn(32, 16), torch.randn(32, 16)
+    y[0, :4] = -x[0, :4]  # ties return y
+    hi, lo = abs_max_kernel(x, y)
+    assert torch.equal(hi, torch.where(x.abs() > y.abs(), x, y))
+    assert torch.equal(lo, torch.where(x.abs() < y.abs(), x, y))
+    assert torch.equal(hi[0, :4], y[0, :4]) and torch.equal(lo[0, :4], y[0, :4])
+    with pytest.raises(ValueError, match="abs_max needs NeuronCore-v4"):
+        abs_max_trn2_kernel(x, y)
+
+
+def test_nl_functions_against_torch():
+    rows, d = 200, 64
+    x, w = torch.randn(rows, d), torch.randn(d)
+    outs = nl_functions_kernel(x, w)
+    t = x[:128].clone().requires_grad_()
+    for o, fn in zip(outs, (torch.tan, torch.erf, F.gelu, lambda v: v * torch.sigmoid(1.702 * v), F.silu),
+                     strict=False):
+        (grad,) = torch.autograd.grad(fn(t).sum(), t) if fn is not torch.tan else (None,)
+        close(o, torch.tan(x[:128]) if grad is None else grad, 1e-5)
+    close(outs[5], torch.fmod(x[:128], 0.7), 1e-6)
+    close(outs[6][:, 0], (x[:128] > -2).all(1).float(), 0)
+    close(outs[7], (x[:128] <= 0).float(), 0)
+    close(outs[8][:, 0], x[:128].var(1, unbiased=False), 1e-5)
+    rms = x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6) * w
+    close(outs[9], rms[:128], 1e-5)
+    close(outs[10][:rows - 128], rms[128:], 1e-5)
+
+
+class _ScaleConfig(nl.NKIObject):
+    """A kernel configuration object, as AWS's nki-library kernels subclass nl.NKIObject."""
+
+
+@nki.jit
+def config_kernel(x, config):
+    out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+    nl.store(out, value=nl.multiply(nl.load(x), config.scale))
+    return out
+
+
+def test_nki_object_configuration():
+    x = torch.randn(8, 16)
+    close(config_kernel(x, _ScaleConfig(scale=3.0)), x * 3, 1e-6)
+
+
+@nki.jit
+def grid_size_kernel(x):
+    """Every program writes the grid sizes nl.num_programs reports (AWS's `axes=`, a tuple, None, and `axis=`)."""
+    out = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((1, 4), dtype=nl.float32, buffer=nl.sbuf)
+    for j, n in enumerate((nl.num_programs(axes=1), nl.num_programs(axes=(0, 1)), nl.num_programs(axes=None),
+                           nl.num_programs(axis=0))):
+        nisa.memset(dst=t[:, j:j + 1], value=float(n))
+    nl.store(out, value=t)
+    return out
+
+
+def test_num_programs_axes():
+    assert grid_size_kernel[2, 3](torch.zeros(1)).tolist() == [[3.0, 6.0, 6.0, 2.0]]
+
+
+@dataclass
+class _SectionParams(nl.NKIObject):
+    """Unannotated fields, constructed with keywords (as nki-library's attention_cte SectionParams is)."""
+    index = None
+    offset = None
+
+
+@nki.jit
+def placed_psum_kernel(x):
+    """Twelve [128, 512] float32 PSUM tiles (24 KiB per partition, more than PSUM's 16 KiB) at explicit addresses
+    in four banks, as kernels that manage PSUM themselves place them; each holds a transpose of a column block."""
+    out = nl.ndarray((12, 128, 128), dtype=x.dtype, buffer=nl.shared_hbm)
+    tiles = [nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum, address=(0, (i % 4) * 2048)) for i in range(12)]
+    src = nl.load(x)
+    for i, t in enumerate(tiles):
+        p = _SectionParams(index=i, offset=i * 128)
+        nisa.nc_transpose(dst=t[:, 0:128], data=src[:, p.offset:p.offset + 128])
+        nl.store(out[p.index], value=nl.copy(t[:, 0:128]))
+    return out
+
+
+@nki.jit
+def bad_address_kernel(x):
+    nl.ndarray((128, 512), dtype=nl.float32, buffer=nl.psum, address=(0, 1024))
+    return x
+
+
+@nki.jit
+def dma_transpose_nd_kernel(x3, x4):
+    """AWS's N-d DMA transposes: 3-d permuted [2, 1, 0], 4-d [3, 1, 2, 0]."""
+    a, b, c = x3.shape
+    out3 = nl.ndarray((c, b, a), dtype=x3.dtype, buffer=nl.shared_hbm)
+    t3 = nl.ndarray((c, b, a), dtype=x3.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t3, src=x3)
+    nl.store(out3, value=t3)
+    p, q, r, s = x4.shape
+    out4 = nl.ndarray((s, q, r, p), dtype=x4.dtype, buffer=nl.shared_hbm)
+    t4 = nl.ndarray((s, q, r, p), dtype=x4.dtype, buffer=nl.sbuf)
+    nisa.dma_transpose(dst=t4, src=x4)
+    nl.store(out4, value=t4)
+    return out3, out4
+
+
+def test_explicit_addresses_and_keyword_dataclasses():
+    x = torch.randn(128, 12 * 128)
+    close(placed_psum_kernel(x), x.view(128, 12, 128).permute(1, 2, 0), 0)
+    with pytest.raises(ValueError, match="crosses a 2 KiB bank boundary"):
+        bad_address_kernel(torch.zeros(1))
+    p = _SectionParams(index=3, offset=7)
+    assert (p.index, p.offset) == (3, 7)
+
+
+def test_dma_transpose_nd():
+    x3, x4 = torch.randn(16, 2, 32).bfloat16(), torch.randn(16, 1, 4, 64).bfloat16()
+    o3, o4 = dma_transpose_nd_kernel(x3, x4)
+    assert torch.equal(o3, x3.permute(2, 1, 0)) and torch.equal(o4, x4.permute(3, 1, 2, 0))
+
+
+@nki.jit
+def tile_size_kernel(x):
+    """nl.tile_size's capacities, read inside a kernel (they are the modelled chip's)."""
+    ts = nl.tile_size
+    assert (ts.psum_bank_fmax, ts.psum_bank_fmax_bytes, ts.psum_num_banks) == (512, 2048, 8)
+    assert ts.total_available_sbuf_size == ts.sbuf_fmax_bytes == ts.sbuf_fmax * 4 == ts.sbuf_size_bytes // 128
+    return nl.ndarray((128, ts.sbuf_fmax_bytes // 4), dtype=nl.float32, buffer=nl.sbuf).shape
+
+
+def test_tile_size_capacities():
+    """SBUF per partition is the chip's (192 / 224 KiB on trn1 / trn2, docs/hardware.md S12-S13): a tile of all of
+    it fits."""
+    assert nki.jit(tile_size_kernel.fn, target="trn1")(torch.zeros(1)) == (128, 192 * 1024 // 4)
+    assert nki.jit(tile_size_kernel.fn, target="trn2")(torch.zeros(1)) == (128, 224 * 1024 // 4)
+
+
+@nki.jit
+def step0_dst_kernel(x):
+    """A step-0 access pattern as dst (nki-library's qkv_cte: a [P, 1] scratch tile standing in for a [P, H]
+    result whose only use is activation_reduce's row sum): the sum covers every computed element, and memory keeps
+    the last one written; a tensor_copy through a step-0 dst likewise leaves the last column."""
+    p, h = x.shape
+    out = nl.ndarray((p, 2), dtype=nl.float32, buffer=nl.shared_hbm)
+    t = nl.load(x)
+    scratch = nl.ndarray((p, 1), dtype=nl.float32, buffer=nl.sbuf)
+    res = nl.ndarray((p, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.activation_reduce(dst=scratch.ap(pattern=[[1, p], [0, h]]), op=nl.square, data=t, reduce_op=nl.add,
+                           reduce_res=res[:, 0:1])
+    nisa.tensor_copy(dst=res[:, 1:2].ap(pattern=[[2, p], [0, h]], offset=1), src=t)
+    nl.store(out, value=res)
+    return out
+
+
+def test_step_zero_destination():
+    x = torch.randn(64, 48)
+    out = step0_dst_kernel(x)
+    close(out[:, 0], x.pow(2).sum(1), 1e-5)
+    close(out[:, 1], x[:, -1], 0)
+
+
+def test_mx_packed_dtypes_are_named_not_implemented():
+    assert nl.float8_e4m3fn_x4 in [nl.bfloat16, nl.float8_e4m3fn_x4] and nki.dtype is torch.dtype
+
+    @nki.jit
+    def packed(x):
+        return nl.ndarray((128, 4), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf)
+
+    with pytest.raises(NotImplementedError, match="MX packed dtypes"):
+        packed(torch.zeros(1))
+
+
+@nki.jit
+def scalar_offset_kernel(table, idx):
+    """Rows of an HBM table picked by runtime indices (`.ap(scalar_offset=, indirect_dim=0)`, one DMA per row,
+    as nki-library's cross_entropy reads each target's logit)."""
+    n, d = table.shape
+    k = idx.shape[0]
+    out = nl.ndarray((k, d), dtype=table.dtype, buffer=nl.shared_hbm)
+    ids = nl.load(idx)
+    rows = nl.ndarray((k, d), dtype=table.dtype, buffer=nl.sbuf)
+    for j in range(k):
+        nisa.dma_copy(dst=rows[j:j + 1, :], src=table.ap(pattern=[[d, 1], [1, d]], offset=0,
+                                                        scalar_offset=ids.ap(pattern=[[1, 1], [1, 1]], offset=j),
+                                                        indirect_dim=0))
+    nl.store(out, value=rows)
+    return out
+
+
+def test_ap_scalar_offset():
+    table, idx = torch.randn(50, 24), torch.tensor([[7], [0], [49], [7]], dtype=torch.int32)
+    close(scalar_offset_kernel(table, idx), table[idx[:, 0].long()], 0)
+
+
+def test_platform_target_override(monkeypatch):
+    """AWS's NEURON_PLATFORM_TARGET_OVERRIDE picks the modelled chip of a kernel without an explicit target (its
+    SBUF per partition: 192 KiB on trn1), an explicit target still wins, and an unknown name is refused."""
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "gen2")
+    assert tile_size_kernel(torch.zeros(1)) == (128, 192 * 1024 // 4)
+    assert nki.jit(tile_size_kernel.fn, target="trn3")(torch.zeros(1)) == (128, 256 * 1024 // 4)
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "inf9")
+    with pytest.raises(ValueError, match="NEURON_PLATFORM_TARGET_OVERRIDE"):
+        tile_size_kernel(torch.zeros(1))

@@ -20,6 +20,7 @@ _LAZY = {
     "Kernel": ("kernel", "Kernel"), "simulate_kernel": ("kernel", "simulate_kernel"),
     "benchmark": ("kernel", "benchmark"), "profile": ("kernel", "profile"), "tensor": ("core", "NkiTensor"),
     "nki_op": ("torch_op", "nki_op"), "KernelProfile": ("cost", "KernelProfile"),
+    "dtype": ("language", "DType"),  # the type of dtypes (annotations such as `output_dtype: nki.dtype`)
 }
 _SUBMODULES = ("language", "isa", "core", "cost", "kernel", "ops", "torch_op", "typing", "validation", "compiler")
 # `nki` is AWS's current package; `neuronxcc.nki` the earlier one inside the compiler wheel (its kernels use the
@@ -28,7 +29,10 @@ _ALIASED = {"nki": "torchneuron.nki", "nki.language": "torchneuron.nki.language"
             "nki.typing": "torchneuron.nki.typing", "neuronxcc": "", "neuronxcc.nki": "torchneuron.nki",
             "neuronxcc.nki.language": "torchneuron.nki.language", "neuronxcc.nki.isa": "torchneuron.nki.isa",
             "neuronxcc.nki.typing": "torchneuron.nki.typing", "nki.compiler": "torchneuron.nki.compiler",
-            "neuronxcc.nki.compiler": "torchneuron.nki.compiler"}
+            "neuronxcc.nki.compiler": "torchneuron.nki.compiler",
+            # the isa enums (oob_mode, dge_mode, matmul_perf_mode, ...) under the module path AWS's nki-library and
+            # AWS's own doc tests import them from
+            "nki.isa.constants": "torchneuron.nki.isa", "neuronxcc.nki.isa.constants": "torchneuron.nki.isa"}
 _ROOTS = ("nki", "neuronxcc")
 
 

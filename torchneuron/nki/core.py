@@ -52,10 +52,24 @@ _BY_NAME = {"float32": torch.float32, "tfloat32": torch.float32, "bfloat16": tor
             "bool_": torch.bool, "float64": torch.float64, "int64": torch.int64}
 
 
+@dataclass(frozen=True)
+class PackedDType:
+    """AWS's MX packed dtypes (`nl.float8_e4m3fn_x4`, `float8_e5m2_x4`, `float4_e2m1fn_x4`: four elements in one
+    value, for nki.isa.nc_matmul_mx on NeuronCore-v4). Kernels may name them (dtype lists, comparisons); tensors
+    of them are not implemented, as nc_matmul_mx / quantize_mx are not."""
+
+    name: str
+
+    def __repr__(self) -> str:
+        return f"nl.{self.name}"
+
+
 def to_dtype(d: Any) -> torch.dtype:
     """A torch dtype from a torch dtype, numpy dtype or type, ml_dtypes type, or name."""
     if isinstance(d, torch.dtype):
         return d
+    if isinstance(d, PackedDType):
+        fail(NotImplementedError, f"{d!r}: MX packed dtypes (nki.isa.nc_matmul_mx, NeuronCore-v4) are not implemented")
     name = getattr(d, "name", None) or getattr(d, "__name__", None) or str(d)
     try:
         import numpy as np
@@ -221,7 +235,7 @@ class Allocation:
     """The memory behind one `nl.ndarray`: a torch tensor; on-chip memory is charged to the run while alive."""
 
     __slots__ = ("base", "buffer", "init", "run", "charge", "psum_charge", "written", "matmul_result", "mm_read",
-                 "mask", "__weakref__")
+                 "mask", "pdim", "poffset", "__weakref__")
 
     def __init__(self, base: torch.Tensor, buffer: Buffer, run: Run | None, charge: int = 0, psum_charge: int = 0,
                  initialised: bool = False):
@@ -232,6 +246,8 @@ class Allocation:
         self.matmul_result = False  # a PSUM tile returned by the legacy nc_matmul form (`psum += ...`)
         self.mm_read = True  # read since the last matmul wrote it: the next matmul starts a new accumulation
         self.mask: torch.Tensor | None = None  # the mask= of the legacy call that returned this tile
+        self.pdim = 0  # the partition axis of `base` (after any nl.par_dim block axes)
+        self.poffset = 0  # the first physical partition (`nl.ndarray(address=(partition, byte))`)
 
     def __del__(self) -> None:
         run = getattr(self, "run", None)  # unset if __init__ did not finish
@@ -252,8 +268,12 @@ def _shape_of(shape: Any) -> tuple[tuple[int, ...], int]:
     return tuple(sizes), pdim
 
 
-def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None = None) -> NkiTensor:
-    """A new tensor in `buffer` (checked against the chip's partition count and capacities)."""
+def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None = None,
+             address: tuple[int, int] | None = None) -> NkiTensor:
+    """A new tensor in `buffer` (checked against the chip's partition count and capacities). At an explicit
+    `address` (partition, byte offset per partition) the kernel manages the memory: the tensor must fit inside
+    the buffer (a PSUM tile inside one bank) and is not charged to the allocator's running total, since such
+    tensors may deliberately share space."""
     dtype = to_dtype(dtype)
     sizes, pdim = _shape_of(shape)
     check_dtype(dtype, f"nl.ndarray{sizes}")
@@ -279,6 +299,8 @@ def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None =
         # Block axes (before an nl.par_dim): AWS's allocator may rotate fewer physical buffers than blocks, so one
         # block is charged (docs/nki.md).
         blocks = 1
+        if address is not None:
+            return _placed(sizes, pdim, dtype, buffer, run, free, address)
         if run is not None and buffer is SBUF:
             charge = free * blocks
             if run.sbuf_used + charge > run.sbuf_partition_bytes:
@@ -299,10 +321,27 @@ def allocate(shape: Any, dtype: Any, buffer: Buffer, data: torch.Tensor | None =
     if data is None:
         data = torch.empty(sizes, dtype=dtype)
     alloc = Allocation(data, buffer, run, charge, psum_charge, initialised=buffer.is_hbm)
+    alloc.pdim = pdim if buffer.on_chip else 0
     if run is not None:
         run.sbuf_used += charge
         run.psum_used += psum_charge
     return NkiTensor(alloc, data, tuple((d, 0, 1, s) for d, s in enumerate(sizes)), pdim if buffer.on_chip else 0)
+
+
+def _placed(sizes: tuple, pdim: int, dtype: torch.dtype, buffer: Buffer, run: Run | None, free: int,
+            address: Any) -> NkiTensor:
+    """An on-chip tensor at a kernel-chosen address (see `allocate`)."""
+    part, byte = (int(a) for a in address)
+    limit = PSUM_BANK_BYTES * 8 if buffer is PSUM else (run.sbuf_partition_bytes if run is not None else None)
+    if part < 0 or part + sizes[pdim] > PMAX or byte < 0 or (limit is not None and byte + free > limit):
+        fail(ValueError, f"address {address} places {free} B per partition on partitions {part}..."
+                         f"{part + sizes[pdim] - 1}, outside {buffer.name} ({PMAX} partitions x {limit} B)")
+    if buffer is PSUM and byte // PSUM_BANK_BYTES != (byte + free - 1) // PSUM_BANK_BYTES:
+        fail(ValueError, f"address {address}: a PSUM tile of {free} B per partition crosses a 2 KiB bank boundary")
+    data = torch.empty(sizes, dtype=dtype)
+    alloc = Allocation(data, buffer, None)
+    alloc.pdim, alloc.poffset = pdim, part
+    return NkiTensor(alloc, data, tuple((d, 0, 1, s) for d, s in enumerate(sizes)), pdim)
 
 
 def _dn(dtype: torch.dtype) -> str:
@@ -447,9 +486,15 @@ class NkiTensor:
     def partitions(self) -> tuple[int, int]:
         """(first partition, partition count) of an on-chip tile."""
         if self.dims is None:
-            return 0, self.shape[0]
+            if isinstance(self, GatherTile):
+                return 0, self.shape[0]
+            # a reshape or .ap() view: its first element's partition in the allocation
+            base = self.alloc.base
+            offset = self.data.storage_offset() - base.storage_offset()
+            start = (offset // base.stride(self.alloc.pdim)) % base.shape[self.alloc.pdim]
+            return self.alloc.poffset + start, self.shape[0]
         d, start, step, size = self.dims[0]
-        return start, size
+        return self.alloc.poffset + start, size
 
     @property
     def free_size(self) -> int:
@@ -575,6 +620,50 @@ class NkiTensor:
         if len(shape) == 1 and not isinstance(shape[0], tuple | list | int):
             return self._bitcast(to_dtype(shape[0]))
         return self.reshape(*shape, **kw)
+
+    def ap(self, pattern: Any, offset: int | None = None, scalar_offset: Any = None, vector_offset: Any = None,
+           indirect_dim: int = 0, dtype: Any = None) -> NkiTensor:
+        """AWS's raw access pattern (`t.ap([[step, num], ...], offset)`): element `offset + sum(i_k * step_k)` of
+        the allocation flattened to 1-D, ignoring this view's shape and strides (`offset=None`: this view's start).
+        On SBUF/PSUM the first pair walks whole partitions and the rest stay inside each partition."""
+        if vector_offset is not None:
+            fail(NotImplementedError, "ap: vector_offset (a per-partition dynamic offset) is not implemented")
+        if isinstance(self, GatherTile):
+            fail(TypeError, "ap: a tile indexed by general nl.arange expressions has no single access pattern")
+        base = self.alloc.base
+        if not base.is_contiguous():
+            fail(ValueError, "ap needs a contiguous allocation")
+        if offset is None:
+            offset = self.data.storage_offset() - base.storage_offset()
+        if scalar_offset is not None:  # a runtime index on axis indirect_dim of the tensor, read from SBUF
+            if not isinstance(scalar_offset, NkiTensor) or scalar_offset.buffer is not SBUF or \
+                    scalar_offset.dtype.is_floating_point or scalar_offset.data.numel() != 1:
+                fail(TypeError, f"ap: scalar_offset must be a (1, 1) integer SBUF tile, got {scalar_offset!r}")
+            run = CURRENT.run
+            index = int(scalar_offset.data.reshape(-1)[0]) if run is None or run.compute else 0
+            offset += index * math.prod(base.shape[indirect_dim + 1:])
+        whole = self
+        if dtype is not None and to_dtype(dtype) != self.dtype:  # reinterpret the allocation's bytes
+            whole = NkiTensor(self.alloc, base, tuple((d, 0, 1, n) for d, n in enumerate(base.shape)),
+                              self.alloc.pdim)._bitcast(to_dtype(dtype))
+            whole.alloc.pdim = self.alloc.pdim
+            base = whole.alloc.base
+        pattern = [tuple(int(v) for v in pair) for pair in pattern]
+        if not pattern or any(len(pair) != 2 or pair[0] < 0 or pair[1] < 1 for pair in pattern) or offset < 0:
+            fail(ValueError, f"ap: pattern {pattern} must be [step >= 0, num >= 1] pairs and offset >= 0")
+        last = offset + sum(step * (num - 1) for step, num in pattern)
+        if last >= base.numel():
+            fail(IndexError, f"ap: pattern {pattern} at offset {offset} reaches element {last} of a tensor of "
+                             f"{base.numel()} ({tuple(base.shape)}, {self.buffer!r})")
+        if self.buffer.on_chip:
+            pstride, parts = base.stride(whole.alloc.pdim), base.shape[whole.alloc.pdim]
+            (step, num), inner = pattern[0], offset % pstride + sum(s * (n - 1) for s, n in pattern[1:])
+            if step != pstride or (offset % (pstride * parts)) // pstride + num > parts or inner >= pstride:
+                fail(ValueError, f"ap: on {self.buffer.name} the first pair walks whole partitions (step {pstride}, "
+                                 f"at most {parts} from the start) and the others stay within a partition: "
+                                 f"pattern {pattern}, offset {offset}")
+        data = torch.as_strided(base, [n for _, n in pattern], [s for s, _ in pattern], base.storage_offset() + offset)
+        return NkiTensor(whole.alloc, data, None, 0)
 
     def _bitcast(self, dtype: torch.dtype) -> NkiTensor:
         if self.data.stride()[-1] != 1:

@@ -16,7 +16,10 @@ import torch
 from . import core
 from .core import PMAX, PSUM, PSUM_FREE_MAX, SBUF, SBUF_FREE_MAX, NkiTensor, fail
 from .cost import engine_cycles, matmul_cycles, row_bytes
-from .ops import OPS, Op, as_op
+from .ops import ALU_UNARY, OPS, Op, as_op
+
+# A package path, so `nki.isa.constants` (served by NkiAlias as this module) imports as a submodule.
+__path__: list[str] = []
 
 
 class engine(enum.Enum):  # noqa: N801 (AWS's name)
@@ -296,10 +299,14 @@ def _store(run: core.Run, dst: NkiTensor, v: torch.Tensor) -> None:
     m = core.mask_for(dst)
     if isinstance(dst, core.GatherTile):
         dst.write(v, m)
-    elif m is None:
-        dst.data.copy_(v)
-    else:  # only the mask's elements are written
-        dst.data.copy_(torch.where(m, v, dst.data))
+        return
+    out = dst.data
+    if m is not None:  # only the mask's elements are written
+        v = torch.where(m, v, out)
+    for axis, (stride, n) in enumerate(zip(out.stride(), out.shape, strict=True)):
+        if stride == 0 and n > 1:  # a step-0 access pattern writes one place repeatedly: the last write stays
+            out, v = out.narrow(axis, n - 1, 1), v.narrow(axis, n - 1, 1)
+    out.copy_(v)
 
 
 def _new(shape: tuple, dtype: Any, buffer: Any = SBUF) -> NkiTensor:
@@ -493,7 +500,10 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
         x = _rows(data) * _vector(scale, p, "activation", "scale")
         if bias is not None:
             x = x + _vector(bias, p, "activation", "bias")
+        # the values written, as the reduction sees them (a step-0 dst keeps only its last write in memory)
         y = fn.fn(x)
+        y = y.reshape(dst.shape) if y.numel() == dst.data.numel() else y.expand(dst.shape)
+        y = round_to(y, dst.dtype, run.stochastic_rounding, run.generator)
         _store(run, dst, y)
         cmd = reduce_cmd
         if reduce_res is not None and cmd == type(cmd).idle:
@@ -503,8 +513,8 @@ def activation(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: N
             if regs is None or cmd in (type(cmd).reset, type(cmd).reset_reduce):
                 regs = torch.zeros(p, 1)
             if cmd != type(cmd).reset:
-                y, m = value(dst), core.mask_for(dst)
-                y = y if m is None else torch.where(m, y, torch.tensor(0.0))
+                m = core.mask_for(dst)
+                y = y.float() if m is None else torch.where(m, y.float(), torch.tensor(0.0))
                 regs = regs + y.reshape(p, -1).sum(1, keepdim=True)
             run.act_regs = regs
             if reduce_res is not None:
@@ -524,14 +534,15 @@ def activation_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, 
 # --------------------------------------------------------------------------------------------- Vector engine
 def _arith(op: Any, instr: str) -> Op:
     op = as_op(op)
-    if isinstance(op, Op) and op.name == "abs":  # the ALU's abs: |data|, the operand (0.0 by convention) unused
-        return _ABS
+    if isinstance(op, Op) and op.name in ALU_UNARY:  # |data|, rsqrt(data), ...: the operand unused
+        return ALU_UNARY[op.name]
     if not isinstance(op, Op) or op.kind == "act":
-        fail(ValueError, f"{instr}: op must be a binary operator (nl.add, nl.multiply, nl.maximum, ...), got {op!r}")
+        fail(ValueError, f"{instr}: op must be a binary or ALU unary operator (nl.add, nl.multiply, nl.rsqrt, ...), "
+                         f"got {op!r}")
+    if op.name in ("abs_max", "abs_min") and core.current_run().chip.core_version in ("NeuronCore-v2",
+                                                                                       "NeuronCore-v3"):
+        fail(ValueError, f"{instr}: nl.{op.name} needs NeuronCore-v4 or newer (trn3)")
     return op
-
-
-_ABS = Op("abs", "arith", lambda a, b: a.abs())
 
 
 def reset() -> None:
@@ -611,13 +622,17 @@ def tensor_scalar(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | No
     ops = [(_arith(op0, "tensor_scalar"), operand0, reverse0)]
     if op1 is not None:
         ops.append((_arith(op1, "tensor_scalar"), operand1, reverse1))
+    for i, (op, operand, _) in enumerate(ops):
+        if op in ALU_UNARY.values() and operand is not None and not (isinstance(operand, int | float) and operand == 0):
+            fail(ValueError, f"tensor_scalar: operand{i} must be None or 0 for the unary operator nl.{op.name}")
     reads = [("data", data)] + [(f"operand{i}", o) for i, (_, o, _) in enumerate(ops) if isinstance(o, NkiTensor)]
     cycles = engine_cycles(run.chip, eng, data.free_size, data.dtype.itemsize)
     _issue("tensor_scalar", eng, cycles, reads, [("dst", dst)])
     if run.compute:
         x = _rows(data)
         for i, (op, operand, rev) in enumerate(ops):
-            x = _binary(op, x, _vector(operand, p, "tensor_scalar", f"operand{i}"), rev)
+            unary = op in ALU_UNARY.values()
+            x = _binary(op, x, 0 if unary else _vector(operand, p, "tensor_scalar", f"operand{i}"), rev)
         _store(run, dst, x)
     _mark_written([("dst", dst)])
     return dst if legacy else None
@@ -658,7 +673,7 @@ def scalar_tensor_tensor(*args: Any, dst: NkiTensor | None = None, data: NkiTens
 
 # what a masked-off element contributes to a reduction
 _IDENTITY = {"add": 0.0, "sum": 0.0, "mean": 0.0, "multiply": 1.0, "prod": 1.0, "max": -math.inf,
-             "maximum": -math.inf, "min": math.inf, "minimum": math.inf}
+             "maximum": -math.inf, "min": math.inf, "minimum": math.inf, "logical_and": 1.0, "logical_or": 0.0}
 
 
 def tensor_reduce(*args: Any, dst: NkiTensor | None = None, op: Any = None, data: NkiTensor | None = None,
@@ -1315,7 +1330,7 @@ def dma_copy(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | None = N
 
 
 def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, skip: list = (),
-         transpose: bool = False) -> None:
+         transpose: bool | tuple[int, ...] = False) -> None:
     run = core.current_run()
     _operand_masks([dst, src], list(skip))
     _check_access("dma", instr, [("src", src)], [("dst", dst)])
@@ -1336,7 +1351,9 @@ def _dma(instr: str, dst: NkiTensor, src: NkiTensor, rmw: Any = None, skip: list
         run.timeline.dma(instr, nbytes, min(row_bytes(src), row_bytes(dst)), reads, [dst], line, eff)
     if run.compute:
         v = value(src)
-        if transpose:
+        if isinstance(transpose, tuple):  # an N-d dma_transpose's axis permutation
+            v = v.permute(transpose)
+        elif transpose:
             v = v.reshape(src.shape[0], -1).T
         v = v.reshape(dst.shape)
         if rmw is not None:
@@ -1354,6 +1371,14 @@ def dma_transpose(*args: Any, dst: NkiTensor | None = None, src: NkiTensor | Non
         dst = _new((src.free_size, src.shape[0]), src.dtype)
     else:
         dst, src = (list(args) + [dst, src])[:2] if len(args) >= 2 else (args[0] if args else dst, src)
+    if src.ndim in (3, 4) and dst.ndim == src.ndim:  # AWS's permutations: 3-d [2, 1, 0], 4-d [3, 1, 2, 0]
+        perm = (2, 1, 0) if src.ndim == 3 else (3, 1, 2, 0)
+        want = tuple(src.shape[i] for i in perm)
+        if dst.shape != want:
+            fail(ValueError, f"dma_transpose: a {src.ndim}-d src {src.shape} permuted by {list(perm)} is {want}; "
+                             f"dst is {dst.shape}")
+        _dma("dma_transpose", dst, src, transpose=perm)
+        return None
     if dst.shape[0] != src.free_size or dst.free_size != src.shape[0]:
         fail(ValueError, f"dma_transpose: dst must be [{src.free_size}, {src.shape[0]}], got {dst.shape}")
     _dma("dma_transpose", dst, src, transpose=True)

@@ -5,8 +5,11 @@ by DMA)."""
 from __future__ import annotations
 
 import builtins
+import contextlib
+import inspect
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +29,10 @@ float8_e5m2 = torch.float8_e5m2
 int8, uint8, int16, uint16, int32, uint32 = (torch.int8, torch.uint8, torch.int16, torch.uint16, torch.int32,
                                              torch.uint32)
 bool_ = torch.bool
+DType = torch.dtype  # dtypes here are torch dtypes
+float8_e4m3fn_x4, float8_e5m2_x4, float4_e2m1fn_x4 = (core.PackedDType("float8_e4m3fn_x4"),
+                                                     core.PackedDType("float8_e5m2_x4"),
+                                                     core.PackedDType("float4_e2m1fn_x4"))
 
 # buffers
 hbm, shared_hbm, private_hbm, sbuf, psum = HBM, SHARED_HBM, PRIVATE_HBM, SBUF, PSUM
@@ -41,6 +48,27 @@ class _TileSize:
     gemm_moving_fmax: int = 512
     bn_stats_fmax: int = 512
     psum_partition_max: int = 128
+    psum_bank_fmax: int = core.PSUM_BANK_BYTES // 4  # float32 elements per partition in one PSUM bank
+    psum_bank_fmax_bytes: int = core.PSUM_BANK_BYTES
+
+    @property
+    def psum_num_banks(self) -> int:
+        return core.current_run().psum_bank_count
+
+    @property
+    def sbuf_fmax_bytes(self) -> int:
+        """Usable SBUF bytes per partition of the modelled chip."""
+        return core.current_run().sbuf_partition_bytes
+
+    total_available_sbuf_size = sbuf_fmax_bytes  # AWS's deprecated name (per partition, despite it)
+
+    @property
+    def sbuf_fmax(self) -> int:
+        return self.sbuf_fmax_bytes // 4
+
+    @property
+    def sbuf_size_bytes(self) -> int:
+        return self.sbuf_fmax_bytes * core.PMAX
 
 
 tile_size = _TileSize()
@@ -62,9 +90,10 @@ def par_dim(size: int) -> ParDim:
     return ParDim(size)
 
 
-def ndarray(shape: Any, dtype: Any, buffer: core.Buffer = SBUF, name: str = "", **_: Any) -> NkiTensor:
-    """A new (uninitialised) tensor in `buffer`."""
-    return core.allocate(shape, dtype, buffer)
+def ndarray(shape: Any, dtype: Any, buffer: core.Buffer = SBUF, name: str = "", address: Any = None,
+            **_: Any) -> NkiTensor:
+    """A new (uninitialised) tensor in `buffer`, optionally at `address` (partition, byte offset)."""
+    return core.allocate(shape, dtype, buffer, address=address if buffer.on_chip else None)
 
 
 def empty_like(t: NkiTensor, dtype: Any = None, buffer: core.Buffer | None = None, **_: Any) -> NkiTensor:
@@ -173,6 +202,31 @@ def static_cast(x: Any, dtype: Any) -> Any:
     return t.to(d).numpy()
 
 
+class _NKIObjectType(type):
+    """Construction of an NKIObject class: keyword arguments its __init__ does not take become attributes. AWS's
+    kernels construct `@dataclass` subclasses whose fields are unannotated class attributes (no __init__
+    parameters) with keyword arguments, e.g. nki-library's attention_cte `SectionParams(section_idx=...)`."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        params = inspect.signature(cls.__init__).parameters
+        if builtins.any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            return super().__call__(*args, **kwargs)
+        obj = super().__call__(*args, **{k: v for k, v in kwargs.items() if k in params})
+        for name, value in kwargs.items():
+            if name not in params:
+                setattr(obj, name, value)
+        return obj
+
+
+class NKIObject(metaclass=_NKIObjectType):
+    """The base class of kernels' configuration objects and dataclasses (AWS's nl.NKIObject): a plain object here,
+    its keyword arguments set as attributes."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+
 finfo = torch.finfo  # nl.finfo(dtype).min / .max
 fp32 = torch.finfo(torch.float32)  # nl.fp32.min: the most negative float32 (the -inf stand-in of kernels)
 Tensor = NkiTensor  # the type of tiles (annotations)
@@ -227,14 +281,18 @@ def program_id(axis: int = 0) -> int:
     return run.program[axis]
 
 
-def num_programs(axis: int = 0) -> int:
-    """Programs along `axis` of the launch grid."""
+def num_programs(axes: int | tuple[int, ...] | None = 0, axis: int | None = None) -> int:
+    """Programs along `axes` of the launch grid (AWS's keyword; `axis=` as earlier kernels write it): one axis, the
+    product over a tuple of axes, or the whole grid for None."""
     run = core.current_run()
+    axes = axes if axis is None else axis
     if not run.grid:
         return 1
-    if not 0 <= axis < len(run.grid):
-        fail(ValueError, f"num_programs({axis}): the launch grid has {len(run.grid)} axes")
-    return run.grid[axis]
+    picked = range(len(run.grid)) if axes is None else (axes,) if isinstance(axes, int) else tuple(axes)
+    for a in picked:
+        if not 0 <= a < len(run.grid):
+            fail(ValueError, f"num_programs({a}): the launch grid has {len(run.grid)} axes")
+    return math.prod(run.grid[a] for a in picked)
 
 
 def program_ndim() -> int:
@@ -337,6 +395,8 @@ def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: 
             n = x.data[(0,) + (slice(None),) * (x.ndim - 1)].numel() // s.data[0].numel()
             return isa.tensor_scalar(s, OPS["multiply"], 1.0 / n)
         return isa.tensor_reduce(op, x, axis, keepdims=keepdims, dtype=dtype)
+    if op.name == "invert":  # the ALU's unary bitwise NOT (a Vector-engine tensor_scalar, operand unused)
+        return isa.tensor_scalar(args[0], op, 0, dtype=dtype)
     a, b = args[:2]
     if not isinstance(a, NkiTensor) and not isinstance(b, NkiTensor):
         return op.fn(torch.tensor(a), torch.tensor(b)).item()
@@ -365,7 +425,7 @@ def apply_op(op: Op, *args: Any, dtype: Any = None, axis: Any = None, keepdims: 
 
 
 def _broadcastable(x: tuple, y: tuple) -> bool:
-    return all(m == n or 1 in (m, n) for m, n in zip(x, y, strict=True))
+    return builtins.all(m == n or 1 in (m, n) for m, n in zip(x, y, strict=True))
 
 
 def _promoted(a: Any, b: Any, op: Op) -> torch.dtype | None:
@@ -377,6 +437,74 @@ def _promoted(a: Any, b: Any, op: Op) -> torch.dtype | None:
     if op.name == "divide" or any(isinstance(x, float) for x in (a, b)):
         return torch.float32
     return None
+
+
+def all(x: NkiTensor, axis: Any, dtype: Any = None, keepdims: bool = False, **_: Any) -> NkiTensor:  # noqa: A001
+    """Whether every element along the free axes is non-zero (a logical-and reduction, Vector engine)."""
+    return OPS["logical_and"](x, axis=axis, dtype=dtype, keepdims=keepdims)
+
+
+def logical_not(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
+    """1 where x is 0, else 0 (AWS's XOR with 1, for 0/1 inputs; a Vector-engine tensor_scalar)."""
+    return OPS["logical_xor"](x, 1, dtype=dtype or x.dtype)
+
+
+def var(x: NkiTensor, axis: Any, dtype: Any = None, keepdims: bool = False, **_: Any) -> NkiTensor:
+    """Population variance over free axes, mean((x - mean(x))^2); AWS's result keeps the reduced axes (keepdims
+    is ignored there too)."""
+    d = x - OPS["mean"](x, axis=axis, keepdims=True)
+    return OPS["mean"](OPS["square"](d), axis=axis, keepdims=True, dtype=dtype)
+
+
+def rms_norm(x: NkiTensor, w: NkiTensor, axis: Any, n: int, epsilon: float = 1e-6, dtype: Any = None,
+             compute_dtype: Any = None, **_: Any) -> NkiTensor:
+    """x / sqrt(sum(x^2 over axis) / n + epsilon) * w: the square and its row sum on the Scalar engine, the scale on
+    the Vector engine; w broadcasts from one partition."""
+    if axis not in (1, -1, (1,), [1]) or x.ndim != 2:
+        fail(ValueError, f"nl.rms_norm: normalises the free axis of a 2-D tile (axis 1), got axis {axis} of {x.shape}")
+    sq = ndarray(x.shape, compute_dtype or torch.float32, SBUF)
+    ss = ndarray((x.shape[0], 1), torch.float32, SBUF)
+    isa.activation(dst=sq, op=OPS["square"], data=x, reduce_op=OPS["add"], reduce_res=ss)
+    inv = isa.tensor_scalar(ss, OPS["multiply"], 1.0 / n, op1=OPS["add"], operand1=float(epsilon))
+    inv = isa.activation(OPS["rsqrt"], inv)
+    return OPS["multiply"](OPS["multiply"](x, inv), w, dtype=dtype or x.dtype)
+
+
+def expand_dims(x: NkiTensor, axis: int) -> NkiTensor:
+    """A view of x with a size-1 axis inserted at `axis`."""
+    axis = axis % (x.ndim + 1)
+    pdim = x.pdim + 1 if x.buffer.on_chip and axis <= x.pdim else x.pdim
+    return NkiTensor(x.alloc, x.data.unsqueeze(axis), None, pdim)
+
+
+def is_hbm(buffer: core.Buffer) -> bool:
+    return buffer.is_hbm
+
+
+def is_on_chip(buffer: core.Buffer) -> bool:
+    return buffer.on_chip
+
+
+def is_psum(buffer: core.Buffer) -> bool:
+    return buffer is PSUM
+
+
+def is_sbuf(buffer: core.Buffer) -> bool:
+    return buffer is SBUF
+
+
+@contextlib.contextmanager
+def no_reorder() -> Iterator[None]:
+    """A region the compiler keeps in program order: accepted; the timeline keeps each engine's program order and
+    orders engines only by data dependencies (as outside the region)."""
+    yield
+
+
+def dynamic_range(start: int, stop: int | None = None, step: int = 1) -> range:
+    """A loop with runtime bounds on hardware; here bounds are Python ints (registers are not implemented)."""
+    if not builtins.all(isinstance(v, int) for v in (start, stop if stop is not None else 0, step)):
+        fail(NotImplementedError, "nl.dynamic_range: bounds held in registers are not implemented; use ints")
+    return range(start, stop, step) if stop is not None else range(start)
 
 
 def softmax(x: NkiTensor, axis: int = -1, dtype: Any = None, **_: Any) -> NkiTensor:

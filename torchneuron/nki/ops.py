@@ -46,6 +46,23 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
 
+def _gelu_dx(x: torch.Tensor) -> torch.Tensor:
+    """d/dx x Phi(x) = Phi(x) + x phi(x)."""
+    return 0.5 * (1 + torch.erf(x / math.sqrt(2))) + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _gelu_sigmoid_dx(x: torch.Tensor) -> torch.Tensor:
+    """d/dx x sigmoid(1.702 x)."""
+    s = torch.sigmoid(1.702 * x)
+    return s + 1.702 * x * s * (1 - s)
+
+
+def _silu_dx(x: torch.Tensor) -> torch.Tensor:
+    """d/dx x sigmoid(x)."""
+    s = torch.sigmoid(x)
+    return s * (1 + x * (1 - s))
+
+
 def _sum(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return x.sum(dims)
 
@@ -61,14 +78,18 @@ BINARY = {
     "min": ("arith", torch.minimum, lambda x, d: x.amin(d)),
     "power": ("arith", torch.pow, None),
     "mod": ("arith", torch.remainder, None),
+    "fmod": ("arith", torch.fmod, None),
+    # the signed input of larger / smaller magnitude, y on a tie (NeuronCore-v4 and newer)
+    "abs_max": ("arith", lambda a, b: torch.where(a.abs() > b.abs(), a, b), None),
+    "abs_min": ("arith", lambda a, b: torch.where(a.abs() < b.abs(), a, b), None),
     "equal": ("cmp", lambda a, b: (a == b).float(), None),
     "not_equal": ("cmp", lambda a, b: (a != b).float(), None),
     "greater": ("cmp", lambda a, b: (a > b).float(), None),
     "greater_equal": ("cmp", lambda a, b: (a >= b).float(), None),
     "less": ("cmp", lambda a, b: (a < b).float(), None),
     "less_equal": ("cmp", lambda a, b: (a <= b).float(), None),
-    "logical_and": ("cmp", lambda a, b: ((a != 0) & (b != 0)).float(), None),
-    "logical_or": ("cmp", lambda a, b: ((a != 0) | (b != 0)).float(), None),
+    "logical_and": ("cmp", lambda a, b: ((a != 0) & (b != 0)).float(), lambda x, d: (x != 0).float().amin(d)),
+    "logical_or": ("cmp", lambda a, b: ((a != 0) | (b != 0)).float(), lambda x, d: (x != 0).float().amax(d)),
     "logical_xor": ("cmp", lambda a, b: ((a != 0) ^ (b != 0)).float(), None),
     "bitwise_and": ("bitvec", torch.bitwise_and, None),
     "bitwise_or": ("bitvec", torch.bitwise_or, None),
@@ -102,6 +123,11 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "cos": torch.cos,
     "arctan": torch.atan,
     "erf": torch.erf,
+    "erf_dx": lambda x: 2 / math.sqrt(math.pi) * torch.exp(-x * x),
+    "gelu_dx": _gelu_dx,
+    "gelu_apprx_sigmoid_dx": _gelu_sigmoid_dx,
+    "silu_dx": _silu_dx,
+    "tan": torch.tan,
     "floor": torch.floor,
     "ceil": torch.ceil,
     "trunc": torch.trunc,
@@ -116,6 +142,11 @@ OPS["sum"] = Op("sum", "reduce", torch.add, _sum)
 OPS["mean"] = Op("mean", "reduce", torch.add, lambda x, d: x.mean(d))
 OPS["prod"] = Op("prod", "reduce", torch.mul, BINARY["multiply"][2])
 OPS["bypass"] = Op("bypass", "arith", lambda a, b: a)
+# The ALU's unary operators (AWS's operator table, nki-aluop): `nisa.tensor_scalar(op0=nl.rsqrt, operand0=0)`, the
+# operand unused. nl.invert is the bitvec one (bitwise NOT); the others are also activation functions.
+OPS["invert"] = Op("invert", "bitvec", lambda a, b: torch.bitwise_not(a))
+ALU_UNARY = {"invert": OPS["invert"], **{name: Op(name, "arith", lambda a, b, f=ACTIVATIONS[name]: f(a))
+                                         for name in ("abs", "square", "relu", "rsqrt", "reciprocal")}}
 
 
 def as_op(op: Any) -> Any:
