@@ -60,6 +60,10 @@ def parse_core_list(text: str, available: int) -> list[int]:
     return cores
 
 
+# NEURON_PLATFORM_TARGET_OVERRIDE's values (AWS's nki.jit reference) -> the modelled chip
+NKI_PLATFORMS = {"trn1": "trn1", "gen2": "trn1", "trn2": "trn2", "gen3": "trn2", "trn3": "trn3", "gen4": "trn3"}
+
+
 class Variable(NamedTuple):
     """One environment variable torchneuron reads: a row of the README's configuration table."""
 
@@ -91,6 +95,8 @@ VARIABLES = (
     Variable("TORCHINDUCTOR_CACHE_DIR", "unset", "Inductor's: when set, the neuron compiler's kernels build there "
              "instead of under the compile cache", at_use=True),
     Variable("TORCHNEURON_DEBUG_DIR", "unset", "keep per-graph compiler artifacts here", at_use=True),
+    Variable("NEURON_PLATFORM_TARGET_OVERRIDE", "unset", "AWS's variable: the chip NKI kernels without an explicit "
+             f"target model ({', '.join(f'`{k}`' for k in NKI_PLATFORMS)}; default: the instance's)", at_use=True),
     Variable("TORCHNEURON_DIST_CHECKS", "`1`", "`0`: skip the per-collective agreement check of the `neuron` "
              "process group (docs/distributed.md)", at_use=True),
     Variable("TORCHNEURON_CUDA_COMPAT", "`0`", "`1`: run unmodified CUDA code on `neuron` (see docs/compat.md)"),
@@ -237,6 +243,7 @@ class Config:
     inductor_cache_dir: str | None = None  # the user's TORCHINDUCTOR_CACHE_DIR (or the one Inductor set)
     debug_dir: Path | None = None
     dist_checks: bool = True
+    nki_platform: str | None = None  # NEURON_PLATFORM_TARGET_OVERRIDE, as a chip name
 
     @property
     def device_count(self) -> int:
@@ -259,6 +266,10 @@ class Config:
 def _at_use_fields(env: Mapping[str, str]) -> dict:
     """The Config fields of the at-use variables (`env` has its aliases applied)."""
     cache, debug = _get(env, "TORCHNEURON_CACHE_DIR"), _get(env, "TORCHNEURON_DEBUG_DIR")
+    platform = _get(env, "NEURON_PLATFORM_TARGET_OVERRIDE").lower()
+    if platform and platform not in NKI_PLATFORMS:
+        raise ConfigError(f"NEURON_PLATFORM_TARGET_OVERRIDE={platform!r}: choose one of {', '.join(NKI_PLATFORMS)} "
+                          "(inf2 is not modelled)")
     return dict(
         compile_fallback=_choice(env, "TORCHNEURON_COMPILE_FALLBACK", "error", COMPILE_FALLBACKS),
         cache_dir=Path(cache).expanduser() if cache else
@@ -266,6 +277,7 @@ def _at_use_fields(env: Mapping[str, str]) -> dict:
         inductor_cache_dir=_get(env, "TORCHINDUCTOR_CACHE_DIR") or None,
         debug_dir=Path(debug) if debug else None,
         dist_checks=_flag(env, "TORCHNEURON_DIST_CHECKS", True),
+        nki_platform=NKI_PLATFORMS[platform] if platform else None,
     )
 
 

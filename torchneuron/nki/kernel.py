@@ -9,7 +9,6 @@ device and queue the interpreter on the stream; the call returns at once."""
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,24 +23,17 @@ from . import language as _language  # noqa: F401  (hands core and ops their ins
 from .core import NkiTensor
 from .cost import KernelProfile, Timeline
 
-# NEURON_PLATFORM_TARGET_OVERRIDE's values (AWS's nki.jit reference) as the modelled chips
-_PLATFORM_NAMES = {"trn1": "trn1", "gen2": "trn1", "trn2": "trn2", "gen3": "trn2", "trn3": "trn3", "gen4": "trn3"}
-
 
 def _default_chip() -> str:
     """The chip a kernel without an explicit target models: AWS's NEURON_PLATFORM_TARGET_OVERRIDE when set, else
     the configured instance's, else trn2."""
     from ..hardware import config
 
-    override = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE")
-    if override:
-        if override.lower() not in _PLATFORM_NAMES:
-            raise ValueError(f"NEURON_PLATFORM_TARGET_OVERRIDE={override!r}: this model has "
-                             f"{', '.join(_PLATFORM_NAMES)} (inf2 is not modelled)")
-        return _PLATFORM_NAMES[override.lower()]
-    cfg = config.current_or_none()
-    if cfg is None:
+    if config.current_or_none() is None:
         return "trn2"
+    cfg = config.current()  # at-use settings follow their variables (an invalid override: ConfigError)
+    if cfg.nki_platform:
+        return cfg.nki_platform
     return next(k for k, c in core.CHIPS.items() if c is cfg.chip)
 
 
