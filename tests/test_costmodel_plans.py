@@ -664,3 +664,14 @@ def test_latent_attention_is_split_as_vllm_and_megatron_split_it(tp, target, mod
     assert sum(o.engine == "collective" for o in r.ops) == 5
     q_b = [o.flops for o in r.ops if o.op == "mm" and o.flops == 2 * tokens * 64 * 192 / tp]
     assert len(q_b) == 2  # each layer's query up-projection: 1/tp of its heads per core
+
+
+def test_a_layer_after_a_moe_layer_keeps_its_projections_split():
+    """Low-rank down-projections are looked for only once the routers are replicated: with the router split, the
+    layer after an MoE layer saw a sharded input, and the walk up from its q_proj through the norm took the router
+    (narrower, normed on the way) for a down-projection. Mixtral-8x7B prefill over 128 tokens: 32 x (attention + MoE)
+    + the vocab-parallel embedding = 65 all-reduces of 128 x 4,096 bf16 values, and no replicated projection."""
+    model, inputs = presets.load("mixtral-8x7b", seq=128, mode="forward")
+    tr = trace(model, inputs, train=False, dtype=BF16)
+    assert [r.ins[0].nbytes for r in tr.recs if r.op == "all_reduce"] == [128 * 4096 * 2] * 65
+    assert all(r.shard is not None for r in tr.recs if r.op == "mm" and r.ins[1].shape[1] != 8)  # all but routers

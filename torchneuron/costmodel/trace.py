@@ -338,8 +338,11 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, train: bool = True,
         model.train(train)  # no dropout when estimating inference
         try:
             rec = record(weights)
-            if rec.routers or rec.downs:  # known only once the matmuls after them run: record again, replicated
-                rec = record(weights - rec.routers - rec.downs)
+            routers = rec.routers  # known only once their expert GEMMs run: record again with them replicated,
+            if routers:  # and look for down-projections there (after a split router the layout was wrong)
+                rec = record(weights - routers)
+            if rec.downs:  # known only once the matmuls after them run, too
+                rec = record(weights - routers - rec.downs)
         finally:
             model.train(was_training)
     input_leaves = [t for t in pytree.tree_leaves(raw) if isinstance(t, torch.Tensor)] + _cache_leaves(raw)
