@@ -611,15 +611,17 @@ def test_moe_layers_are_split_as_nxd_and_megatron_split_them(tp, target):
     assert flops == [2 * 128 * 256 * 192 / tp, 2 * 128 * 96 * 256 / tp] * 2  # 64 tokens x 2 experts = 128 rows
 
 
+_SMALL_DEEPSEEK = dict(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=256, intermediate_size=384,
+                       moe_intermediate_size=96, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                       num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                       qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, vocab_size=1024)
+
+
 def test_a_router_whose_weight_is_cast_is_replicated_too():
     """DeepSeek-V3's router casts its weight to float32 before the matmul (Hugging Face DeepseekV3TopkRouter): the
     weight behind the cast is what stays unsplit, so the [tokens, experts] logits are whole on every core and the
     expert GEMMs are column- then row-parallel."""
-    model = presets.hf_model(presets.config(
-        "deepseek-v3", num_hidden_layers=2, first_k_dense_replace=1, hidden_size=256, intermediate_size=384,
-        moe_intermediate_size=96, n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, vocab_size=1024))
+    model = presets.hf_model(presets.config("deepseek-v3", **_SMALL_DEEPSEEK))
     tr = trace(model, presets.lm_inputs(model, seq=64, mode="forward"), train=False, dtype=BF16)
     router = [r for r in tr.recs if r.op == "mm" and r.outs[0].shape == (64, 8)]
     assert len(router) == 1 and router[0].outs[0].dtype == "float32" and router[0].shard is None
@@ -636,3 +638,40 @@ def test_moe_training_reduces_layer_gradients_not_routed_rows():
     sizes = [r.ins[0].numel for r in tr.recs if r.op == "all_reduce" and r.phase == "backward"]
     assert sizes.count(64 * 256) == 5
     assert all(n <= 256 for n in sizes if n != 64 * 256)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("target", ["trn2", "h100"])
+@pytest.mark.parametrize("mode", ["forward", "decode"])
+def test_latent_attention_is_split_as_vllm_and_megatron_split_it(tp, target, mode):
+    """vLLM's DeepseekV2Attention (vllm/model_executor/models/deepseek_v2.py) and Megatron's MLASelfAttention under
+    tensor parallelism: q_a_proj and kv_a_proj_with_mqa are replicated (every core computes the 64- and 32 + 16-wide
+    latents and their norms), q_b_proj and kv_b_proj column-parallel by heads, o_proj row-parallel. A 2-layer
+    DeepSeek-V3 (one dense, one MoE layer) over `tokens` tokens then has 2 x (attention + MLP or MoE) + the
+    vocab-parallel embedding = 5 all-reduces of [tokens, 256] bf16, whatever the TP degree: none of the latent or
+    of the re-expanded keys and values."""
+    model = presets.hf_model(presets.config("deepseek-v3", **_SMALL_DEEPSEEK))
+    tokens = 64 if mode == "forward" else 1
+    inputs = presets.lm_inputs(model, seq=64, mode="forward") if mode == "forward" else \
+        presets.lm_inputs(model, seq=1, mode="decode", context=63)
+    tr = trace(model, inputs, train=False, dtype=BF16)
+    assert [r.ins[0].nbytes for r in tr.recs if r.op == "all_reduce"] == [tokens * 256 * 2] * 5
+    shards = {r.ins[1].shape: r.shard for r in tr.recs if r.op == "mm"}
+    assert shards[(256, 64)] is None and shards[(256, 48)] is None  # q_a_proj, kv_a_proj_with_mqa: replicated
+    assert shards[(64, 192)] == "n" and shards[(32, 256)] == "n"  # q_b_proj, kv_b_proj: 4 heads split
+    assert shards[(128, 256)] == "k"  # o_proj
+    r = estimate(model, inputs, target=target, mode=mode, tp=tp, dtype=BF16, compare=None, execution="eager")
+    assert sum(o.engine == "collective" for o in r.ops) == 5
+    q_b = [o.flops for o in r.ops if o.op == "mm" and o.flops == 2 * tokens * 64 * 192 / tp]
+    assert len(q_b) == 2  # each layer's query up-projection: 1/tp of its heads per core
+
+
+def test_a_layer_after_a_moe_layer_keeps_its_projections_split():
+    """Low-rank down-projections are looked for only once the routers are replicated: with the router split, the
+    layer after an MoE layer saw a sharded input, and the walk up from its q_proj through the norm took the router
+    (narrower, normed on the way) for a down-projection. Mixtral-8x7B prefill over 128 tokens: 32 x (attention + MoE)
+    + the vocab-parallel embedding = 65 all-reduces of 128 x 4,096 bf16 values, and no replicated projection."""
+    model, inputs = presets.load("mixtral-8x7b", seq=128, mode="forward")
+    tr = trace(model, inputs, train=False, dtype=BF16)
+    assert [r.ins[0].nbytes for r in tr.recs if r.op == "all_reduce"] == [128 * 4096 * 2] * 65
+    assert all(r.shard is not None for r in tr.recs if r.op == "mm" and r.ins[1].shape[1] != 8)  # all but routers

@@ -11,7 +11,10 @@ activation matmuls and attention on S inputs split heads / rows. A P tensor is r
 before any op that is not linear in it. Backward follows from the same rules. A mixture-of-experts router (the
 matmul whose output decides the rows each expert GEMM gets) is replicated, as NxD's, Megatron's and vLLM's are:
 the routing and the dispatched rows are then R, each expert GEMM pair is column- then row-parallel and the layer
-has one reduction. The records are independent of the TP degree: costing applies it.
+has one reduction. A low-rank down-projection (a column-parallel matmul narrower than its input whose output is
+normalized and projected up again: DeepSeek's multi-head latent attention) is replicated too, as vLLM's
+DeepseekV2Attention and Megatron's MLA are: the latent is whole on every core, the up-projection column-parallel by
+heads. The records are independent of the TP degree: costing applies it.
 """
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ def _kind(op: str) -> str:
     return {Rule.MATMUL: "mm", Rule.CONV: "conv", Rule.ATTENTION: "attn"}.get(op_info(op).rule, "other")
 
 
+_NORMS = frozenset("mean var var_mean std std_mean native_layer_norm _fused_rms_norm linalg_vector_norm norm".split())
 _FROM_SHAPE = frozenset("zeros_like ones_like full_like empty_like new_zeros new_ones new_full new_empty".split())
 
 
@@ -94,6 +98,7 @@ class Recorder(TorchDispatchMode):
         self.place: dict[int, str] = dict.fromkeys(weights, "W")  # by storage: the base tensor of views
         self.made: dict[int, list[Rec]] = {}  # tensor id -> the recs that wrote it (in-place ops too)
         self.routers: set[int] = set()  # sharded weights found routing rows to experts (trace replicates them)
+        self.downs: set[int] = set()  # sharded weights found projecting down to a normalized latent (replicated too)
         self.zeros: set[int] = set()  # tensors made as zeros and not written since: valid partial sums too
         self.base: dict[int, int] = {}  # view id -> id of the tensor it views
         self.partial: dict[int, T] = {}  # P tensor -> the tensor whose reduction it stands for (narrowest)
@@ -173,6 +178,8 @@ class Recorder(TorchDispatchMode):
             (self.zeros.add if op in ("zeros", "zeros_like", "new_zeros") else self.zeros.discard)(self._key(o))
         if op == "_grouped_mm" and len(tins) > 2:
             self._find_routers(tins[2])
+        if kind == "mm" and shard == "k" and self.phase == "forward":  # row parallel: where did its input split?
+            self._find_down_projections([x for x, p in zip(tins, pl, strict=True) if p == "S"])
         return out
 
     def _find_routers(self, offsets: torch.Tensor) -> None:
@@ -190,6 +197,25 @@ class Recorder(TorchDispatchMode):
                     stack += keys
                 elif _kind(r.op) == "mm":
                     self.routers |= {p for x in keys for p in self._params(x)}
+
+    def _find_down_projections(self, acts: list[torch.Tensor]) -> None:
+        """The low-rank down-projections before a row-parallel matmul: the nearest column-parallel matmuls up its
+        input's dataflow whose outputs are narrower than their inputs and were normalized on the way (a norm over a
+        split row would need the whole row). Their weights join `downs`."""
+        stack, seen = [(self._key(x), False) for x in acts], set()
+        while stack:
+            k, normed = stack.pop()
+            if (k, normed) in seen:
+                continue
+            seen.add((k, normed))
+            for r in self.made.get(k, ()):
+                keys = [self.base.get(i, i) for i in r.in_ids]
+                if _kind(r.op) == "other":
+                    stack += [(x, normed or r.op in _NORMS) for x in keys]
+                elif _kind(r.op) == "mm" and normed and r.shard == "n":
+                    act = r.ins[0 if r.op == "linear" else op_info(r.op).operands[0]]
+                    if r.outs[0].shape[-1] < act.shape[-1]:
+                        self.downs |= {p for x in keys for p in self._params(x)}
 
     def _params(self, k: int) -> set[int]:
         """The sharded parameters a weight-placed tensor is made from (itself, or those a cast read)."""
@@ -312,8 +338,11 @@ def trace(model: torch.nn.Module, example_inputs: Any, *, train: bool = True,
         model.train(train)  # no dropout when estimating inference
         try:
             rec = record(weights)
-            if rec.routers:  # a router is known only once its expert GEMMs run: record again with it replicated
-                rec = record(weights - rec.routers)
+            routers = rec.routers  # known only once their expert GEMMs run: record again with them replicated,
+            if routers:  # and look for down-projections there (after a split router the layout was wrong)
+                rec = record(weights - routers)
+            if rec.downs:  # known only once the matmuls after them run, too
+                rec = record(weights - routers - rec.downs)
         finally:
             model.train(was_training)
     input_leaves = [t for t in pytree.tree_leaves(raw) if isinstance(t, torch.Tensor)] + _cache_leaves(raw)

@@ -384,7 +384,7 @@ HELD_OUT_MOE = (
 
 # What `torchneuron estimate` prints for a Trainium estimate with MoE expert layers: published / modelled time of
 # the HELD_OUT_MOE prefill (TTFT) and decode (TPOT, ITL) rows; the test checks the ranges against the rows.
-MOE_CAVEAT = ("MoE on Trainium: unvalidated; published runs took 5.1-6.8x the modelled prefill time and 0.4-1.7x the "
+MOE_CAVEAT = ("MoE on Trainium: unvalidated; published runs took 5.9-6.8x the modelled prefill time and 0.9-1.7x the "
               "modelled decode step (docs/costmodel.md, Held out: Trainium MoE inference)")
 
 
