@@ -1,19 +1,13 @@
 """Shared test helpers. `import torch` autoloads the neuron device (the entry point under test)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 import warnings
 
-# The suite is one process running hundreds of unrelated programs, each fusing groups of its own: its fusion compile
-# work is not a training job's (the total is printed at the end), so the budget is raised before the device loads.
-# test_eager_fusion's budget test lowers it.
-os.environ.setdefault("TORCHNEURON_FUSION_COMPILE_BUDGET", "7200")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 from helpers import clean_env
 
 import torchneuron

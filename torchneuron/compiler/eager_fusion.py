@@ -277,10 +277,8 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
         if seen < after:
             _STATS.cold += 1
             return None
-        if _STATS.compile_seconds >= _budget():  # never compiled in this process: it runs unfused from now on
-            _STATS.over_budget += 1
+        if _over_budget(key):
             _SIGHTINGS.pop(key)
-            _CACHE[key] = None
             return None
         if background:
             _STATS.cold += 1
@@ -395,11 +393,8 @@ class _Background:
                     self.ready.wait()
                 key, nodes, mutations = self.jobs[0]
             with self.compiling, _dynamo_compile_lock():  # waits here, never on a stream worker
-                if _STATS.compile_seconds < _budget():
+                if not _over_budget(key):  # the budget may have run out while it waited
                     _compile_key(key, nodes, mutations)
-                else:  # the budget ran out while it waited
-                    _STATS.over_budget += 1
-                    _CACHE[key] = None
             with self.ready:
                 self.jobs.pop(0)
                 self.pending.discard(key)
@@ -964,6 +959,16 @@ def _budget() -> float:
     compiling without end. Kernels already compiled keep running."""
     cfg = config.current_or_none()
     return cfg.fusion_compile_budget if cfg is not None else config.Config.fusion_compile_budget
+
+
+def _over_budget(key: tuple) -> bool:
+    """Whether the budget is spent; if so the signature is never compiled in this process (counted, remembered:
+    its ops run unfused from now on)."""
+    if _STATS.compile_seconds < _budget():
+        return False
+    _STATS.over_budget += 1
+    _CACHE[key] = None
+    return True
 
 
 def _dynamo_compile_lock() -> threading.RLock:
