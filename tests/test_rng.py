@@ -1,5 +1,7 @@
 """RNG: per-device counter-based (Philox4x32-10) generators with CUDA's [seed, offset] state, seeding, state
 save/restore, and numbers checked against an independent Python implementation of Philox."""
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -47,14 +49,15 @@ def test_rand_is_philox_of_seed_and_position():
 def test_vectorised_draws_match_the_reference_across_a_carry_and_ragged_ends():
     """The kernels make eight (AVX2) or sixteen (AVX-512) counters at a time: a run that starts unaligned, crosses
     the low counter word's wrap (2^32) and ends mid-vector draws exactly the reference values; so does dropout's
-    keep test, p at its ends too."""
+    keep test, p at its ends too, and at one element's own draw and just above it (the 64-bit keep test's high
+    words equal: its low words decide)."""
     seed, offset = 0x1234_5678_9ABC_DEF0, 2**32 - 20
     state = torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
     torch.neuron.set_rng_state(state)
     got = torch.empty(45, device="neuron", dtype=torch.float64).uniform_().cpu()
     assert torch.equal(got, reference_uniform(seed, offset, 45))
     ref = reference_uniform(seed, offset + 48, 45)
-    for p in (0.0, 0.3, 0.9, 1.0):
+    for p in (0.0, 0.3, 0.9, 1.0, ref[17].item(), math.nextafter(ref[17].item(), 1.0)):
         for dtype in (torch.float32, torch.float16, torch.bool):
             torch.neuron.set_rng_state(torch.tensor([seed, offset + 48], dtype=torch.int64).view(torch.uint8))
             drawn = torch.empty(45, device="neuron", dtype=dtype).bernoulli_(p).cpu()

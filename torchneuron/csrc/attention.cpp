@@ -54,10 +54,7 @@ at::Tensor keep_scale(c10::DeviceIndex dev, PhiloxSlice draw, at::IntArrayRef si
   const int64_t n = m.numel();
   launch(dev, "aten::_scaled_dot_product_efficient_attention", n, access({}, {m}),
          [d = host_alias(m), draw, keep = BelowP(1.0 - p), kept = static_cast<float>(1.0 / (1.0 - p)), n] {
-           float* out = d.data_ptr<float>();
-           parallel_philox(draw, n, [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
-             out[i] = keep(w0, w1) ? kept : 0.0f;
-           });
+           philox_keep(draw, n, keep, kept, 0.0f, d.data_ptr<float>());
          });
   return m;
 }

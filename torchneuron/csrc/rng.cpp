@@ -77,33 +77,53 @@ __attribute__((target("avx512f"))) inline void mulhilo(__m512i a, __m512i m, __m
   lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
   hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
 }
-__attribute__((target("avx512f"))) void philox_chunk_avx512(uint64_t seed, uint64_t first, int n,
-                                                            uint32_t (&words)[4][kPhiloxChunk]) {
+// Sixteen counters from `ctr` on: their four words after the ten rounds.
+__attribute__((target("avx512f"))) inline void philox16(uint64_t seed, uint64_t ctr, __m512i (&c)[4]) {
   const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53)),
                 m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57));
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i start = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr)));
+  c[0] = _mm512_add_epi32(start, lane);  // a lane whose low word wrapped carries into its high word
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr >> 32)));
+  c[1] = _mm512_mask_add_epi32(high, _mm512_cmplt_epu32_mask(c[0], start), high, _mm512_set1_epi32(1));
+  c[2] = _mm512_setzero_si512(), c[3] = _mm512_setzero_si512();
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    __m512i h0, l0, h1, l1;
+    mulhilo(c[0], m0, h0, l0);
+    mulhilo(c[2], m1, h1, l1);
+    c[0] = _mm512_xor_si512(_mm512_xor_si512(h1, c[1]), _mm512_set1_epi32(static_cast<int>(k0)));
+    c[2] = _mm512_xor_si512(_mm512_xor_si512(h0, c[3]), _mm512_set1_epi32(static_cast<int>(k1)));
+    c[1] = l1, c[3] = l0;
+    k0 += 0x9E3779B9, k1 += 0xBB67AE85;
+  }
+}
+__attribute__((target("avx512f"))) inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
+__attribute__((target("avx512f"))) void philox_chunk_avx512(uint64_t seed, uint64_t first, int n,
+                                                            uint32_t (&words)[4][kPhiloxChunk]) {
   for (int base = 0; base < n; base += 16) {
-    const uint64_t ctr = first + static_cast<uint64_t>(base);
-    const __m512i start = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr)));
-    __m512i c0 = _mm512_add_epi32(start, lane);  // a lane whose low word wrapped carries into its high word
-    const __m512i high = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr >> 32)));
-    __m512i c1 = _mm512_mask_add_epi32(high, _mm512_cmplt_epu32_mask(c0, start), high, _mm512_set1_epi32(1));
-    __m512i c2 = _mm512_setzero_si512(), c3 = _mm512_setzero_si512();
-    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      __m512i h0, l0, h1, l1;
-      mulhilo(c0, m0, h0, l0);
-      mulhilo(c2, m1, h1, l1);
-      c0 = _mm512_xor_si512(_mm512_xor_si512(h1, c1), _mm512_set1_epi32(static_cast<int>(k0)));
-      c2 = _mm512_xor_si512(_mm512_xor_si512(h0, c3), _mm512_set1_epi32(static_cast<int>(k1)));
-      c1 = l1, c3 = l0;
-      k0 += 0x9E3779B9, k1 += 0xBB67AE85;
-    }
-    const __mmask16 keep = n - base >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - base)) - 1);
-    _mm512_mask_storeu_epi32(words[0] + base, keep, c0);
-    _mm512_mask_storeu_epi32(words[1] + base, keep, c1);
-    _mm512_mask_storeu_epi32(words[2] + base, keep, c2);
-    _mm512_mask_storeu_epi32(words[3] + base, keep, c3);
+    __m512i c[4];
+    philox16(seed, first + static_cast<uint64_t>(base), c);
+    for (int k = 0; k < 4; ++k) _mm512_mask_storeu_epi32(words[k] + base, first_lanes(n - base), c[k]);
+  }
+}
+// philox_keep's sixteen-at-a-time form: BelowP's 64-bit comparison (high word, then low word) on 32-bit lanes.
+__attribute__((target("avx512f"))) void philox_keep_avx512(uint64_t seed, uint64_t first, int64_t n,
+                                                           const BelowP& keep, float kept, float dropped,
+                                                           float* out) {
+  const __m512i bound_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(keep.bound >> 32))),
+                bound_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(keep.bound)));
+  const __m512 yes = _mm512_set1_ps(kept), no = _mm512_set1_ps(dropped);
+  for (int64_t base = 0; base < n; base += 16) {
+    __m512i c[4];
+    philox16(seed, first + static_cast<uint64_t>(base), c);
+    const __mmask16 below = keep.all ? 0xFFFF
+                                     : _mm512_cmplt_epu32_mask(c[1], bound_hi) |
+                                           (_mm512_cmpeq_epu32_mask(c[1], bound_hi) &
+                                            _mm512_cmplt_epu32_mask(c[0], bound_lo));
+    _mm512_mask_storeu_ps(out + base, first_lanes(n - base), _mm512_mask_blend_ps(below, no, yes));
   }
 }
 const bool kHaveAvx2 = __builtin_cpu_supports("avx2"), kHaveAvx512 = __builtin_cpu_supports("avx512f");
@@ -222,6 +242,7 @@ at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Genera
     note_executed("aten::bernoulli_");
     at::Tensor dst = host_alias(self);
     launch(dev, "aten::bernoulli_", n, access({}, {self}), [dst, s, below = BelowP(p), n]() mutable {
+      if (dst.scalar_type() == at::kFloat) return philox_keep(s, n, below, 1.0f, 0.0f, dst.data_ptr<float>());
       AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kBool, dst.scalar_type(), "bernoulli_", [&] {
         scalar_t* out = dst.data_ptr<scalar_t>();
         parallel_philox(s, n, [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
@@ -323,6 +344,18 @@ void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPh
     auto w = philox(seed, first + static_cast<uint64_t>(j));
     for (int k = 0; k < 4; ++k) words[k][j] = w[k];
   }
+}
+
+void philox_keep(PhiloxSlice s, int64_t n, const BelowP& keep, float kept, float dropped, float* out) {
+  at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
+    const uint64_t first = s.offset + static_cast<uint64_t>(lo);
+#if defined(__x86_64__)
+    if (kHaveAvx512) return philox_keep_avx512(s.seed, first, hi - lo, keep, kept, dropped, out + lo);
+#endif
+    for_each_philox(s.seed, first, hi - lo, [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
+      out[lo + j] = keep(w0, w1) ? kept : dropped;
+    });
+  });
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
