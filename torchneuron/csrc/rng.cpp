@@ -110,19 +110,18 @@ __attribute__((target("avx512f"))) void philox_chunk_avx512(uint64_t seed, uint6
   }
 }
 // philox_keep's sixteen-at-a-time form: BelowP's 64-bit comparison (high word, then low word) on 32-bit lanes.
-__attribute__((target("avx512f"))) void philox_keep_avx512(uint64_t seed, uint64_t first, int64_t n,
-                                                           const BelowP& keep, float kept, float dropped,
-                                                           float* out) {
+__attribute__((target("avx512f"))) void philox_keep_avx512(uint64_t seed, uint64_t first, int64_t n, const BelowP& keep,
+                                                           float kept, float dropped, float* out) {
   const __m512i bound_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(keep.bound >> 32))),
                 bound_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(keep.bound)));
   const __m512 yes = _mm512_set1_ps(kept), no = _mm512_set1_ps(dropped);
   for (int64_t base = 0; base < n; base += 16) {
     __m512i c[4];
     philox16(seed, first + static_cast<uint64_t>(base), c);
-    const __mmask16 below = keep.all ? 0xFFFF
-                                     : _mm512_cmplt_epu32_mask(c[1], bound_hi) |
-                                           (_mm512_cmpeq_epu32_mask(c[1], bound_hi) &
-                                            _mm512_cmplt_epu32_mask(c[0], bound_lo));
+    const __mmask16 below =
+        keep.all ? 0xFFFF
+                 : _mm512_cmplt_epu32_mask(c[1], bound_hi) |
+                       (_mm512_cmpeq_epu32_mask(c[1], bound_hi) & _mm512_cmplt_epu32_mask(c[0], bound_lo));
     _mm512_mask_storeu_ps(out + base, first_lanes(n - base), _mm512_mask_blend_ps(below, no, yes));
   }
 }
