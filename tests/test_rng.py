@@ -58,7 +58,7 @@ def test_vectorised_draws_match_the_reference_across_a_carry_and_ragged_ends():
     assert torch.equal(got, reference_uniform(seed, offset, 45))
     ref = reference_uniform(seed, offset + 48, 45)
     for p in (0.0, 0.3, 0.9, 1.0, ref[17].item(), math.nextafter(ref[17].item(), 1.0)):
-        for dtype in (torch.float32, torch.float16, torch.bool):
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool):
             torch.neuron.set_rng_state(torch.tensor([seed, offset + 48], dtype=torch.int64).view(torch.uint8))
             drawn = torch.empty(45, device="neuron", dtype=dtype).bernoulli_(p).cpu()
             assert torch.equal(drawn, (ref < p).to(dtype)), (p, dtype)

@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "runtime.h"
 
@@ -109,12 +110,13 @@ __attribute__((target("avx512f"))) void philox_chunk_avx512(uint64_t seed, uint6
     for (int k = 0; k < 4; ++k) _mm512_mask_storeu_epi32(words[k] + base, first_lanes(n - base), c[k]);
   }
 }
-// philox_keep's sixteen-at-a-time form: BelowP's 64-bit comparison (high word, then low word) on 32-bit lanes.
+// philox_keep's sixteen-at-a-time form: BelowP's 64-bit comparison (high word, then low word) on 32-bit lanes; a
+// float mask is stored as a vector, any other dtype's from the sixteen keep bits.
+template <class T>
 __attribute__((target("avx512f"))) void philox_keep_avx512(uint64_t seed, uint64_t first, int64_t n, const BelowP& keep,
-                                                           float kept, float dropped, float* out) {
+                                                           T kept, T dropped, T* out) {
   const __m512i bound_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(keep.bound >> 32))),
                 bound_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(keep.bound)));
-  const __m512 yes = _mm512_set1_ps(kept), no = _mm512_set1_ps(dropped);
   for (int64_t base = 0; base < n; base += 16) {
     __m512i c[4];
     philox16(seed, first + static_cast<uint64_t>(base), c);
@@ -122,7 +124,12 @@ __attribute__((target("avx512f"))) void philox_keep_avx512(uint64_t seed, uint64
         keep.all ? 0xFFFF
                  : _mm512_cmplt_epu32_mask(c[1], bound_hi) |
                        (_mm512_cmpeq_epu32_mask(c[1], bound_hi) & _mm512_cmplt_epu32_mask(c[0], bound_lo));
-    _mm512_mask_storeu_ps(out + base, first_lanes(n - base), _mm512_mask_blend_ps(below, no, yes));
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_mask_storeu_ps(out + base, first_lanes(n - base),
+                            _mm512_mask_blend_ps(below, _mm512_set1_ps(dropped), _mm512_set1_ps(kept)));
+    } else {
+      for (int64_t j = 0; j < std::min<int64_t>(16, n - base); ++j) out[base + j] = below >> j & 1 ? kept : dropped;
+    }
   }
 }
 const bool kHaveAvx2 = __builtin_cpu_supports("avx2"), kHaveAvx512 = __builtin_cpu_supports("avx512f");
@@ -241,12 +248,8 @@ at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Genera
     note_executed("aten::bernoulli_");
     at::Tensor dst = host_alias(self);
     launch(dev, "aten::bernoulli_", n, access({}, {self}), [dst, s, below = BelowP(p), n]() mutable {
-      if (dst.scalar_type() == at::kFloat) return philox_keep(s, n, below, 1.0f, 0.0f, dst.data_ptr<float>());
       AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kBool, dst.scalar_type(), "bernoulli_", [&] {
-        scalar_t* out = dst.data_ptr<scalar_t>();
-        parallel_philox(s, n, [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
-          out[i] = static_cast<scalar_t>(below(w0, w1));
-        });
+        philox_keep(s, n, below, static_cast<scalar_t>(1), static_cast<scalar_t>(0), dst.data_ptr<scalar_t>());
       });
     });
     return self;
@@ -345,17 +348,23 @@ void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPh
   }
 }
 
-void philox_keep(PhiloxSlice s, int64_t n, const BelowP& keep, float kept, float dropped, float* out) {
+template <class T>
+void philox_keep(PhiloxSlice s, int64_t n, const BelowP& keep, T kept, T dropped, T* out) {
   at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
     const uint64_t first = s.offset + static_cast<uint64_t>(lo);
 #if defined(__x86_64__)
-    if (kHaveAvx512) return philox_keep_avx512(s.seed, first, hi - lo, keep, kept, dropped, out + lo);
+    if (kHaveAvx512) return philox_keep_avx512<T>(s.seed, first, hi - lo, keep, kept, dropped, out + lo);
 #endif
     for_each_philox(s.seed, first, hi - lo, [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
       out[lo + j] = keep(w0, w1) ? kept : dropped;
     });
   });
 }
+template void philox_keep(PhiloxSlice, int64_t, const BelowP&, float, float, float*);
+template void philox_keep(PhiloxSlice, int64_t, const BelowP&, double, double, double*);
+template void philox_keep(PhiloxSlice, int64_t, const BelowP&, c10::Half, c10::Half, c10::Half*);
+template void philox_keep(PhiloxSlice, int64_t, const BelowP&, c10::BFloat16, c10::BFloat16, c10::BFloat16*);
+template void philox_keep(PhiloxSlice, int64_t, const BelowP&, bool, bool, bool*);
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("uniform_", uniform_);

@@ -249,11 +249,13 @@ void parallel_philox(PhiloxSlice s, int64_t n, F&& use) {
         [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) { use(lo + j, w0, w1, w2, w3); });
   });
 }
-// out[i] = keep(words of counter s.offset + i) ? kept : dropped for i in [0, n): a Bernoulli mask (dropout's, the
-// attention dropout's multiplier) straight from the counters, sixteen at a time where the CPU has AVX-512 (the
-// Philox rounds and BelowP's comparison both vectorised: the scalar form cost 17% of an HF GPT-2 training step's
-// stream time). Values equal parallel_philox with the same test.
-void philox_keep(PhiloxSlice s, int64_t n, const BelowP& keep, float kept, float dropped, float* out);
+// out[i] = keep(words of counter s.offset + i) ? kept : dropped for i in [0, n): a Bernoulli mask (dropout's in any
+// float dtype or bool, the attention dropout's multiplier) straight from the counters, sixteen at a time where the
+// CPU has AVX-512 (the Philox rounds and BelowP's comparison both vectorised: the scalar form cost 17% of an HF
+// GPT-2 training step's stream time). Values equal parallel_philox with the same test. For float, double,
+// c10::Half, c10::BFloat16 and bool (rng.cpp).
+template <class T>
+void philox_keep(PhiloxSlice s, int64_t n, const BelowP& keep, T kept, T dropped, T* out);
 // Random ops without a counter-based kernel run on the host: a CPU generator seeded from the neuron generator's
 // next counter, and the neuron generator then advanced by the op's element count.
 at::Generator host_generator_of(const at::Generator& neuron_gen);
