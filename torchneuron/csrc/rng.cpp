@@ -350,15 +350,14 @@ void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPh
 
 template <class T>
 void philox_keep(PhiloxSlice s, int64_t n, const BelowP& keep, T kept, T dropped, T* out) {
-  at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
-    const uint64_t first = s.offset + static_cast<uint64_t>(lo);
 #if defined(__x86_64__)
-    if (kHaveAvx512) return philox_keep_avx512<T>(s.seed, first, hi - lo, keep, kept, dropped, out + lo);
-#endif
-    for_each_philox(s.seed, first, hi - lo, [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t, uint32_t) {
-      out[lo + j] = keep(w0, w1) ? kept : dropped;
+  if (kHaveAvx512)
+    return at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
+      philox_keep_avx512<T>(s.seed, s.offset + static_cast<uint64_t>(lo), hi - lo, keep, kept, dropped, out + lo);
     });
-  });
+#endif
+  parallel_philox(
+      s, n, [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) { out[i] = keep(w0, w1) ? kept : dropped; });
 }
 template void philox_keep(PhiloxSlice, int64_t, const BelowP&, float, float, float*);
 template void philox_keep(PhiloxSlice, int64_t, const BelowP&, double, double, double*);
