@@ -28,6 +28,18 @@ def _hf_gpt2() -> nn.Module:
                                       attn_implementation="sdpa"))
 
 
+class _LSTMLM(nn.Module):
+    """pytorch/examples' word_language_model in small: an embedding, a 2-layer LSTM over 35 time steps, a decoder.
+    Thousands of tiny ops per step (each time step's cell), where launch overheads decide."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.rnn, self.dec = nn.Embedding(1000, 32), nn.LSTM(32, 32, 2, dropout=0.2), nn.Linear(32, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.rnn(self.emb(x))[0]).view(-1, 1000)
+
+
 class BenchModel(NamedTuple):
     """A benchmark model: made on the CPU from seed 0 with its batch, so both sides train the same model on the same
     batch, and its loss on that batch."""
@@ -52,6 +64,9 @@ MODELS: dict[str, BenchModel] = {
     "gpt_sdpa": BenchModel(lambda: TinyGPT(GPTConfig(sdpa=True)),  # nanoGPT's form: attention is one fused kernel
                            lambda: gpt_batch(GPTConfig(sdpa=True), 8, torch.Generator().manual_seed(0)), _own_loss),
     "cnn": BenchModel(SmallCNN, lambda: image_batch(32, torch.Generator().manual_seed(0)), _own_loss),
+    "lstm": BenchModel(_LSTMLM, lambda: (torch.randint(0, 1000, (35, 20), generator=torch.Generator().manual_seed(0)),
+                                         torch.randint(0, 1000, (700,), generator=torch.Generator().manual_seed(1))),
+                       _own_loss),
     "hf_gpt2": BenchModel(_hf_gpt2, lambda: (_tokens(),) * 2, lambda m, x, y: m(input_ids=x, labels=y).loss),
 }
 
@@ -114,6 +129,7 @@ def run(quick: bool = False) -> list[dict]:
                                        ("gpt", "small-GPT training step", 8, 0.9),
                                        ("gpt_sdpa", "small-GPT training step, SDPA attention", 8, None),
                                        ("cnn", "small-CNN training step", 8, None),
+                                       ("lstm", "LSTM language-model training step (2 layers, 35 steps)", 8, None),
                                        ("hf_gpt2", "HF GPT-2 training step (12 blocks, 148 tensors)", 4, None)):
         t = paired(train_step, calls=calls // 3 if quick else calls, repeats=reps, min_turn=turn, model=model)
         rows.append(row(name, t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", target))

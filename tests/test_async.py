@@ -651,6 +651,33 @@ def test_a_reduction_computes_the_same_bits_queued_on_the_host_and_every_run():
     finally:
         torch.set_num_threads(n)
 
+def test_a_small_kernel_runs_with_the_threads_of_its_launch_inline_or_queued():
+    """The thread count rule covers small kernels too: one run inline on the host thread (its first call, an idle
+    stream) takes the count its queued runs take. (It used to keep every thread: MKL opened a parallel region for
+    each small matmul, and with the stream worker's threads about, waking the sleeping team cost more than the
+    matmul; an LSTM's step ran three times slower than with every op inline.)"""
+    seen: list[int] = []
+    lib = torch.library.Library("tn_thread_probe", "DEF")
+    lib.define("probe(Tensor x) -> Tensor")
+    lib.impl("probe", lambda x: (seen.append(torch.get_num_threads()), x.clone())[1], "CPU")
+    n, cores = torch.get_num_threads(), os.cpu_count() or 1
+    torch.set_num_threads(cores)
+    try:
+        x = torch.randn(8, device=DEV)
+        xd, wd = on_device(*operands())
+        torch.ops.tn_thread_probe.probe(x)  # first call: on the host
+        for _ in range(2):
+            slow(xd, wd, 2)
+            torch.ops.tn_thread_probe.probe(x)  # behind work: queued
+        torch.neuron.synchronize()
+        torch.ops.tn_thread_probe.probe(x)  # idle stream: inline
+        torch.neuron.synchronize()
+        assert seen == [max(1, cores - 1)] * 4, seen
+    finally:
+        torch.set_num_threads(n)
+        del lib
+
+
 def test_an_out_argument_the_kernel_resizes_is_not_replayed_with_its_old_shape():
     """A layout is reused only when the first call left every argument's shape alone: `abs` of a 0-dim tensor runs
     `abs.out` into a 1-D empty tensor the CPU kernel resizes, and a queued replay must not return the stale shape."""

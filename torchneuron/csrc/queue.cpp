@@ -81,7 +81,6 @@ int kernel_threads(int threads, int64_t work) {
 }
 
 KernelThreadsGuard::KernelThreadsGuard(int64_t work) {
-  if (work < kInlineElements) return;  // too small to split across threads
   const int now = at::get_num_threads(), want = kernel_threads(now, work);
   if (want != now) saved_ = now, set_this_thread_threads(want);
 }

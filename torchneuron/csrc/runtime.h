@@ -71,8 +71,9 @@ constexpr int64_t kInlineElements = 1 << 15;
 // smaller than kFullThreadsWork runs with one thread fewer: the host thread keeps running ahead on that core (with
 // every core busy, a parallel kernel whose thread the host preempts waits at its barrier). A rule of the launch
 // alone, never of timing, so a kernel's result (a reduction's split follows the thread count) is the same every
-// run; off under torch.use_deterministic_algorithms(True), where results equal the CPU's bit for bit. Kernels
-// below kInlineElements in every tensor split no work across threads: they may run inline.
+// run; off under torch.use_deterministic_algorithms(True), where results equal the CPU's bit for bit. It holds for
+// small kernels run inline too: MKL splits even a small matmul, and each parallel region woke a team that sleeps
+// once the worker's threads are about.
 constexpr int64_t kFullThreadsWork = 1 << 19;
 int kernel_threads(int threads, int64_t work);
 // A kernel run on the host thread (a signature's first call, a data-dependent op) computes with the threads its
@@ -97,6 +98,7 @@ void launch(c10::DeviceIndex device, const char* name, int64_t elements, Access 
   count_path(Path::kernel);
   if (q.idle()) raise_if_poisoned(access, name);  // else the worker decides: a queued write may make it computed
   if (run_inline(q, elements)) {
+    KernelThreadsGuard threads(elements);  // the threads a queued run would take
     kernel();
     clear_poison(access);
   } else {
