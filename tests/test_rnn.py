@@ -196,6 +196,47 @@ def test_fused_cell_backward_kernels_match_autograd():
         torch.testing.assert_close(a.cpu(), b.cpu(), **TOL)
 
 
+@pytest.mark.parametrize("cell", ["LSTMCell", "GRUCell"])
+def test_cells_double_backward_matches_cpu(cell):
+    """Double backward through the cells (their ops are recorded by autograd): a gradient penalty's gradients
+    match the CPU's."""
+    torch.manual_seed(0)
+    m = getattr(nn, cell)(4, 6)
+    x, h, c = torch.randn(3, 4), torch.randn(3, 6), torch.randn(3, 6)
+
+    def go(device):
+        md = copy.deepcopy(m).to(device)
+        state = (h.to(device), c.to(device)) if cell == "LSTMCell" else h.to(device)
+        out = md(x.to(device), state)
+        y = sum(o.square().sum() for o in (out if isinstance(out, tuple) else (out,)))
+        gs = torch.autograd.grad(y, list(md.parameters()), create_graph=True)
+        sum(g.square().sum() for g in gs).backward()
+        return [p.grad.cpu() for p in md.parameters()]
+
+    for a, b in zip(go("neuron"), go("cpu"), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("cell", ["LSTMCell", "GRUCell"])
+def test_torch_func_grad_through_a_cell_matches_cpu(cell):
+    """torch.func transforms (per-sample gradients, as Opacus computes them) through the cells match the CPU."""
+    torch.manual_seed(0)
+    m0, x, h, c = getattr(nn, cell)(4, 6), torch.randn(3, 4), torch.randn(3, 6), torch.randn(3, 6)
+
+    def go(device):
+        m = copy.deepcopy(m0).to(device)
+        state = (h.to(device), c.to(device)) if cell == "LSTMCell" else h.to(device)
+
+        def loss(params, x):
+            out = torch.func.functional_call(m, params, (x, state))
+            return sum(o.square().sum() for o in (out if isinstance(out, tuple) else (out,)))
+        grads = torch.func.grad(loss)({k: v.detach() for k, v in m.named_parameters()}, x.to(device))
+        return [g.cpu() for g in grads.values()]
+
+    for a, b in zip(go("neuron"), go("cpu"), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
 def test_inference_mode():
     m = make("GRU", num_layers=2)
     x = torch.randn(5, 3, 4)
