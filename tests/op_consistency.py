@@ -25,6 +25,9 @@ def _specs(name: str) -> tuple[list, list]:
         return ([q] * 4, [q] * 3) if bwd else ([q] * 3, [q])
     if rule is Rule.GATHER:
         return [((16, 8), F32), ((4,), I64)], [((4, 8), F32)]
+    if rule is Rule.RNN:  # 5 steps, batch 3, input 4, hidden 6
+        x, w_ih, w_hh, h, y = ((5, 3, 4), F32), ((24, 4), F32), ((24, 6), F32), ((3, 6), F32), ((5, 3, 6), F32)
+        return ([x, w_ih, w_hh, y, h, h], [x, w_ih, w_hh]) if bwd else ([x, w_ih, w_hh, h, h], [y, h, h])
     if rule is Rule.SCATTER:
         return [((16, 8), F32), ((4,), I64), ((4, 8), F32)], [((16, 8), F32)]
     m = ((8, 8), F32)

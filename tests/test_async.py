@@ -678,6 +678,28 @@ def test_a_small_kernel_runs_with_the_threads_of_its_launch_inline_or_queued():
         del lib
 
 
+def test_a_queued_kernel_runs_with_the_grad_mode_of_its_launch():
+    """Some CPU kernels return other results with grad enabled (oneDNN's LSTM layer keeps a workspace for its
+    backward only then): a kernel sees its launching thread's grad mode wherever it runs, and a signature learnt in
+    one mode is not replayed in the other."""
+    seen: list[bool] = []
+    lib = torch.library.Library("tn_grad_probe", "DEF")
+    lib.define("probe(Tensor x) -> Tensor")
+    lib.impl("probe", lambda x: (seen.append(torch.is_grad_enabled()), x.clone())[1], "CPU")
+    try:
+        x = torch.randn(8, device=DEV)
+        xd, wd = on_device(*operands())
+        modes = [True, False, False, True, False]
+        for grad in modes:  # the first of each mode on the host, the others queued behind work
+            slow(xd, wd, 1)
+            with torch.set_grad_enabled(grad):
+                torch.ops.tn_grad_probe.probe(x)
+        torch.neuron.synchronize()
+        assert seen == modes, seen
+    finally:
+        del lib
+
+
 def test_an_out_argument_the_kernel_resizes_is_not_replayed_with_its_old_shape():
     """A layout is reused only when the first call left every argument's shape alone: `abs` of a 0-dim tensor runs
     `abs.out` into a 1-D empty tensor the CPU kernel resizes, and a queued replay must not return the stale shape."""

@@ -124,6 +124,22 @@ def test_flash_attention_counts_only_the_causal_half():
     assert full.memory_s == pytest.approx(4 * 32 * 4096 * 128 * 2 / 725e9)  # q, k, v, o once each
 
 
+def test_lstm_layer_runs_its_steps_one_after_another():
+    # nn.LSTM's sequence kernel, 35 steps of batch 128, input and hidden 512 (4 gates: 2048 wide) on trn1: each
+    # step one [128, 1024] x [1024, 2048] GEMM, then the gates (ScalarE once, VectorE three times), in turn.
+    steps, b, h, g = 35, 128, 512, 2048
+    x, w_ih, w_hh, hc = ((steps, b, h), BF), ((g, h), BF), ((g, h), BF), ((b, h), BF)
+    t = target("trn1")
+    gemm = mm(b, 2 * h, g, tgt="trn1", mode="fused").compute_s
+    gates = b * g * (1 / t.engine_rate("scalar", 2) + 3 / t.engine_rate("vector", 2))
+    fwd = op_cost("mkldnn_rnn_layer", [x, w_ih, w_hh, hc, hc], [((steps, b, h), BF), hc, hc], "trn1", mode="fused")
+    assert fwd.engine == "tensor" and fwd.flops == 2 * steps * b * 2 * h * g
+    assert fwd.compute_s == pytest.approx(steps * (gemm + gates))
+    assert fwd.compute_s > 2 * mm(steps * b, 2 * h, g, tgt="trn1", mode="fused").compute_s  # not one big GEMM
+    bwd = op_cost("mkldnn_rnn_layer_backward", [x, w_ih, w_hh, hc, hc], [x, w_ih, w_hh], "trn1", mode="fused")
+    assert bwd.flops == 2 * fwd.flops and bwd.compute_s == pytest.approx(steps * (2 * gemm + gates))
+
+
 def test_fused_kernel_overlaps_engines_and_pays_one_fixed_cost():
     a = op_cost("mm", [((1024, 1024), BF)] * 2, [((1024, 1024), BF)], "trn2", mode="fused")
     g = op_cost("gelu", [((1024, 1024), BF)], [((1024, 1024), BF)], "trn2", mode="fused")

@@ -1,6 +1,6 @@
-"""The RNN family on neuron (ATen takes the fused cells for accelerator inputs): forward and backward against the
-same module on the CPU, for each configuration nn.LSTM / nn.GRU / nn.RNN accept, the cells, packed sequences,
-autocast and torch.compile."""
+"""The RNN family on neuron (nn.LSTM runs a sequence kernel per layer and direction; GRU, RNN and the cells take
+ATen's fused cells for accelerator inputs): forward and backward against the same module on the CPU, for each
+configuration nn.LSTM / nn.GRU / nn.RNN accept, the cells, packed sequences, autocast and torch.compile."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +10,8 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+import torchneuron
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -59,6 +61,65 @@ def test_module_matches_cpu(kind, config):
     m = make(kind, **CONFIGS[config])
     x = torch.randn(5, 3, 4)
     assert_same(run(m, "neuron", x), run(m, "cpu", x))
+
+
+def test_lstm_runs_a_kernel_per_layer_and_direction():
+    """nn.LSTM runs each layer and direction's whole sequence as one kernel, forward and backward (as cuDNN and the
+    CPU's oneDNN do), not a cell per time step; with oneDNN disabled it takes the cells, and both match the CPU."""
+    m = make("LSTM", num_layers=2, bidirectional=True)
+    x = torch.randn(5, 3, 4)
+    torchneuron.clear_op_tracking()
+    assert_same(run(m, "neuron", x), run(m, "cpu", x))
+    ran = torchneuron.get_executed_ops()
+    assert ran.get("aten::mkldnn_rnn_layer") == 4 and ran.get("aten::mkldnn_rnn_layer_backward") == 4, ran
+    assert "aten::_thnn_fused_lstm_cell" not in ran and not torchneuron.get_fallback_ops()
+    torchneuron.clear_op_tracking()
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert_same(run(m, "neuron", x), run(m, "cpu", x))
+    ran = torchneuron.get_executed_ops()
+    assert ran.get("aten::_thnn_fused_lstm_cell") == 2 * 2 * 5 and "aten::mkldnn_rnn_layer" not in ran, ran
+
+
+def test_lstm_double_backward_and_forward_ad_match_cpu():
+    """The sequence kernel's backward is differentiable (PyTorch's formula for it); forward-mode AD, which it lacks
+    (the CPU refuses it), takes the cells on neuron and matches the CPU's cells."""
+    m = make("LSTM", num_layers=2, bidirectional=True)
+    x = torch.randn(5, 3, 4)
+
+    def double(device):
+        md = copy.deepcopy(m).to(device)
+        xd = x.to(device).requires_grad_()
+        g, = torch.autograd.grad(md(xd)[0].pow(2).sum(), xd, create_graph=True)
+        return [t.cpu() for t in (g, *torch.autograd.grad(g.pow(2).sum(), list(md.parameters())))]
+
+    def jvp(device):
+        md = copy.deepcopy(m).to(device)
+        xd = x.to(device)
+        return [t.cpu() for t in torch.func.jvp(lambda a: md(a)[0], (xd,), (torch.ones_like(xd),))]
+
+    torch.testing.assert_close(double("neuron"), double("cpu"), **TOL)
+    with torch.backends.mkldnn.flags(enabled=False):
+        ref = jvp("cpu")
+    torch.testing.assert_close(jvp("neuron"), ref, **TOL)
+
+
+def test_lstm_without_grad_after_training_matches_cpu():
+    """The sequence kernel keeps its backward's workspace only with grad enabled: a call under no_grad or
+    inference_mode after training calls of the same shapes (queued behind other work) still returns the CPU's."""
+    m = make("LSTM", num_layers=2)
+    x = torch.randn(5, 3, 4)
+    md = copy.deepcopy(m).to("neuron")
+    xd = x.to("neuron")
+    ref = m(x)[0].detach()
+    for _ in range(2):
+        md(xd)[0].sum().backward()
+    busy = torch.randn(256, 256, device="neuron")
+    for mode in (torch.no_grad, torch.inference_mode, torch.enable_grad):
+        with mode():
+            for _ in range(3):
+                busy = busy @ busy.T / 256  # keeps the stream busy: the LSTM's kernels queue behind it
+                out = md(xd)[0]
+        torch.testing.assert_close(out.detach().cpu(), ref, **TOL)
 
 
 class Stacked(nn.Module):

@@ -354,6 +354,22 @@ def _attention(op, ins, outs, attrs, shard, t):
     return Work(flops * mult, max(gemm * mult, scalar, vector), qo + kv, qo + kv, t.matmul_flops(dclass))
 
 
+def _rnn(op, ins, outs, attrs, shard, t):
+    """A recurrent layer over its whole sequence (input [T, B, I], weights [G*H, I] and [G*H, H]): each step one
+    GEMM of [B, I + H] by [I + H, G*H] on TensorE, then the gates' activations (ScalarE) and products (VectorE),
+    which the next step waits for. The backward runs two GEMMs per step (input and weight gradients)."""
+    (steps, batch, _), w_ih, w_hh = ins[0].shape, ins[1].shape, ins[2].shape
+    gates, k = w_ih[0], w_ih[1] + w_hh[1]
+    if shard:
+        gates = math.ceil(gates / shard[1])
+    dclass, size = dtype_class(ins[0].dtype), ins[0].itemsize
+    gemms = 2 if op.endswith("backward") else 1
+    step = gemms * _gemm_s(1, batch, k, gates, t, dclass) + batch * gates * (
+        1 / t.engine_rate("scalar", size) + 3 / t.engine_rate("vector", size))
+    io = sum(x.nbytes for x in (*ins, *outs))
+    return Work(gemms * 2 * steps * batch * k * gates, steps * step, io, io, t.matmul_flops(dclass))
+
+
 # ---------------------------------------------------------------------------------------------- other engines
 
 def _sweep(op, ins, outs, attrs, shard, t):
@@ -414,8 +430,8 @@ def _free(op, ins, outs, attrs, shard, t):
 
 # The implementation of each cost rule of the op table.
 RULES: dict[Rule, Callable[..., Work]] = {
-    Rule.MATMUL: _matmul, Rule.CONV: _conv, Rule.ATTENTION: _attention, Rule.SWEEP: _sweep, Rule.SORT: _sweep,
-    Rule.GATHER: _gather, Rule.SCATTER: _scatter, Rule.COPY: _copy, Rule.FREE: _free,
+    Rule.MATMUL: _matmul, Rule.CONV: _conv, Rule.ATTENTION: _attention, Rule.RNN: _rnn, Rule.SWEEP: _sweep,
+    Rule.SORT: _sweep, Rule.GATHER: _gather, Rule.SCATTER: _scatter, Rule.COPY: _copy, Rule.FREE: _free,
 }
 
 MODES = ("eager", "kernel", "fused")

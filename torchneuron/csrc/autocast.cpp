@@ -33,6 +33,8 @@ TORCH_LIBRARY_IMPL(aten, AutocastPrivateUse1, m) {
 #define NEURON_PROMOTE(...) KERNEL_PRIVATEUSEONE(__VA_ARGS__, promote)
   AT_FORALL_PROMOTE(NEURON_PROMOTE)
   m.impl(TORCH_SELECTIVE_NAME("aten::binary_cross_entropy"), TORCH_FN(binary_cross_entropy_banned));
+  // nn.LSTM's sequence kernel (rnn.cpp) in the autocast dtype, as CUDA's cuDNN RNN and the CPU's oneDNN one run
+  KERNEL_PRIVATEUSEONE(mkldnn_rnn_layer, lower_precision_fp)
 }
 
 }  // namespace torchneuron

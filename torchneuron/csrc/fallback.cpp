@@ -28,10 +28,14 @@ namespace torchneuron {
 namespace fallback {
 namespace {
 
-// The work a kernel's thread count is chosen by (kernel_threads). A float16/bfloat16 reduction (ATen's reduction
-// tag) rounds each thread's partial result to its dtype, so its value follows the thread split: it counts as full
-// work and runs with the launching thread's count, the split (and the answer) of the CPU at that count.
-int64_t thread_work(const c10::OperatorHandle& op, int64_t work, const c10::IValue* args, size_t nargs) {
+// The work a kernel's thread count is chosen by (kernel_threads). A recurrent kernel splits one time step at a time
+// (its input's first dim): its work is one step's. A float16/bfloat16 reduction (ATen's reduction tag) rounds each
+// thread's partial result to its dtype, so its value follows the thread split: it counts as full work and runs with
+// the launching thread's count, the split (and the answer) of the CPU at that count.
+int64_t thread_work(const c10::OperatorHandle& op, const OpEntry& e, int64_t work, const c10::IValue* args,
+                    size_t nargs) {
+  if (e.recurrent.load(std::memory_order_relaxed) && nargs > 0 && args[0].isTensor() && args[0].toTensor().dim() > 0)
+    work /= std::max<int64_t>(1, args[0].toTensor().size(0));
   if (work >= kFullThreadsWork || !op.hasTag(at::Tag::reduction)) return work;
   bool half = false;
   for (size_t i = 0; i < nargs; ++i)
@@ -162,7 +166,7 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEntr
   for (size_t i = 0; i < nargs; ++i)
     for_each_tensor(args[i], [&](const at::Tensor& t) { work = std::max(work, t.numel()); });
   {
-    KernelThreadsGuard threads(thread_work(op, work, args, nargs));
+    KernelThreadsGuard threads(thread_work(op, e, work, args, nargs));
     with_device_oom(c.device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack); });
   }
   if (!drawn.empty()) {
@@ -283,7 +287,7 @@ void run(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     work = std::max<int64_t>(work, t.defined() ? t.numel() : 0);
     int64_args |= t.defined() && t.scalar_type() == at::kLong;
   }
-  work = thread_work(op, work, args, nargs);
+  work = thread_work(op, e, work, args, nargs);
   // int64 values the trainium rules look at (on the worker, once the kernel ran): not an op's indices into arguments
   // that cannot hold 2^31 values, which fit int32 by construction
   const bool inspect_int64 = trainium && ((L && L->int64) || writes_int64) &&

@@ -2,6 +2,7 @@
 // op in a bounded memo, so that later calls with that signature can be queued with their results handed out at
 // once.
 #include <ATen/EmptyTensor.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 
 #include <shared_mutex>
@@ -72,6 +73,7 @@ struct LayoutKeyer {
 
 bool signature(const c10::IValue* args, size_t nargs, bool factory, std::vector<int64_t>& key, FlatArgs& flat) {
   key.reserve(64);
+  key.push_back(c10::GradMode::is_enabled());  // what a kernel returns may depend on it (Task::grad, queue.h)
   LayoutKeyer k{key, flat, factory, {}};
   for (size_t i = 0; i < nargs; ++i)
     if (!put_value(args[i], k)) return false;

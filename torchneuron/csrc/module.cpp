@@ -40,10 +40,10 @@ PYBIND11_MODULE(_C, m) {
         "Set the dtype policy ('trainium' | 'host') and the fallback policy ('warn' | 'silent' | 'error') by name; "
         "ValueError for an unknown name.");
   m.def("_set_op_table", &set_op_table, py::arg("native"), py::arg("exact"), py::arg("host_tensors"),
-        py::arg("indices"), py::arg("overwrites"), py::arg("structured"),
+        py::arg("indices"), py::arg("overwrites"), py::arg("recurrent"), py::arg("structured"),
         "The op table's classification, by base name: ops the device runs natively, exact data movement (keeps "
         "fp64 bits), ops that take CPU index tensors alongside device ones, ops whose int64 results are indices, "
-        "ops whose in-place form writes its argument whole without reading it; "
+        "ops whose in-place form writes its argument whole without reading it, recurrent ops (an RNN layer); "
         "and by 'name.overload': the overloads ATen implements as structured kernels.");
   m.def(
       "_op_class",

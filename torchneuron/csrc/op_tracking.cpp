@@ -16,7 +16,8 @@ namespace {
 // Guards the maps and the table's sets; the entries' counters and flags are atomics (runtime.h).
 std::mutex g_mu;
 std::unordered_map<const c10::FunctionSchema*, OpEntry> g_ops;
-std::unordered_set<std::string> g_native, g_exact, g_host_tensors, g_indices, g_overwrites;  // base names: "add"
+std::unordered_set<std::string> g_native, g_exact, g_host_tensors, g_indices, g_overwrites,
+    g_recurrent;                                      // base names: "add"
 std::unordered_set<std::string> g_structured;         // "mm.default", "sum.dim_IntList"
 std::unordered_map<std::string, int64_t> g_explicit;  // ops run by explicit kernels
 std::unordered_map<std::string, OpEntry> g_outside;   // device results computed outside the fallback (collectives)
@@ -30,6 +31,7 @@ void classify(OpEntry& e) {  // g_mu held
   e.host_tensors.store(g_host_tensors.count(b) > 0, std::memory_order_relaxed);
   e.indices.store(g_indices.count(b) > 0, std::memory_order_relaxed);
   e.overwrites.store(g_overwrites.count(b) > 0, std::memory_order_relaxed);
+  e.recurrent.store(g_recurrent.count(b) > 0, std::memory_order_relaxed);
   e.structured.store(g_structured.count(b + "." + (e.overload.empty() ? "default" : e.overload)) > 0,
                      std::memory_order_relaxed);
 }
@@ -64,13 +66,15 @@ std::string base_name(const std::string& name) {
 
 void set_op_table(const std::vector<std::string>& native, const std::vector<std::string>& exact,
                   const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices,
-                  const std::vector<std::string>& overwrites, const std::vector<std::string>& structured) {
+                  const std::vector<std::string>& overwrites, const std::vector<std::string>& recurrent,
+                  const std::vector<std::string>& structured) {
   std::lock_guard<std::mutex> g(g_mu);
   g_native = {native.begin(), native.end()};
   g_exact = {exact.begin(), exact.end()};
   g_host_tensors = {host_tensors.begin(), host_tensors.end()};
   g_indices = {indices.begin(), indices.end()};
   g_overwrites = {overwrites.begin(), overwrites.end()};
+  g_recurrent = {recurrent.begin(), recurrent.end()};
   g_structured = {structured.begin(), structured.end()};
   for (auto& [schema, e] : g_ops) classify(e);
 }

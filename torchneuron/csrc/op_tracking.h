@@ -50,6 +50,7 @@ struct OpEntry {
   // rule need not look at their values when no argument is int64 and none holds 2^31 elements.
   std::atomic<bool> indices{false};
   std::atomic<bool> overwrites{false};  // its in-place form writes its argument whole without reading it (fill_)
+  std::atomic<bool> recurrent{false};   // runs a sequence step after step (an RNN layer), splitting one step's work
   // This overload is a structured kernel in ATen (its functional and out= forms run one meta and impl): a queued
   // call runs the out= form into the memory its launch handed out (fallback.cpp's out_variant).
   std::atomic<bool> structured{false};
@@ -75,7 +76,8 @@ std::string base_name(const std::string& name);
 // op list lives in C++.
 void set_op_table(const std::vector<std::string>& native, const std::vector<std::string>& exact,
                   const std::vector<std::string>& host_tensors, const std::vector<std::string>& indices,
-                  const std::vector<std::string>& overwrites, const std::vector<std::string>& structured);
+                  const std::vector<std::string>& overwrites, const std::vector<std::string>& recurrent,
+                  const std::vector<std::string>& structured);
 struct OpClass {
   std::string base;
   bool native, exact, host_tensors;

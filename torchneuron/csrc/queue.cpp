@@ -6,6 +6,7 @@
 // kernel reading that memory is skipped and poisons what it writes in turn, while independent work goes on.
 // TORCHNEURON_LAUNCH_BLOCKING=1 runs every kernel at its launch instead.
 #include <ATen/Parallel.h>
+#include <c10/core/GradMode.h>
 #include <Python.h>
 
 #include <condition_variable>
@@ -117,8 +118,10 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
     const uint64_t queued = enqueued();
     if (queued - completed_.load(std::memory_order_relaxed) >= kMaxQueued) wait_quiet(queued - kMaxQueued / 2);
   }
-  Task t{std::move(run),   name, nullptr, kernel_threads(at::get_num_threads(), work), control, std::move(fuse),
-         std::move(access)};
+  Task t{std::move(run),  name,
+         nullptr,         kernel_threads(at::get_num_threads(), work),
+         control,         c10::GradMode::is_enabled(),
+         std::move(fuse), std::move(access)};
   if (!control && g_launch_stacks.load(std::memory_order_relaxed) &&
       Py_IsInitialized())  // bindings release the GIL: gathering takes it
     t.stack = gather_launch_stack();
@@ -202,6 +205,7 @@ void StreamQueue::finish(Task& t, bool ran) {
         // Kernels compute below autograd, on host aliases: an alias of an inference tensor (made under the launching
         // thread's torch.inference_mode) may be written here, where inference mode is not on.
         at::AutoDispatchBelowADInplaceOrView below;
+        c10::AutoGradMode grad(t.grad);
         t.run();
         clear_poison(t.access);
       } catch (...) {

@@ -56,6 +56,8 @@ class StreamQueue {
     std::shared_ptr<c10::GatheredContext> stack;
     int threads = 1;  // the intra-op threads it runs with: kernel_threads() of the launching thread's
     bool control = false;
+    bool grad = true;  // the launching thread's grad mode: some CPU kernels' results depend on it (oneDNN's LSTM
+                       // keeps its workspace only with grad enabled)
     std::shared_ptr<const FusableOp> fuse;
     Access access;
   };

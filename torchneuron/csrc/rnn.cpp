@@ -5,6 +5,14 @@
 // below are recorded like any other: the gradients are the CPU's, double backward works, autocast has already
 // cast the inputs, and torch.compile traces plain aten ops. The workspace output has CUDA's layout (activated
 // gates; for GRU also hx and the hidden new gate) so the CUDA-style backward kernels below accept it.
+//
+// nn.LSTM's whole sequence runs as one kernel per layer and direction, as on CUDA (cuDNN) and the CPU (oneDNN):
+// `lstm_sequence` below. Per time step the cells would be ~30 launches each, forward and backward.
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/lstm_native.h>
+#include <ATen/ops/mkldnn_rnn_layer.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/library.h>
 
 #include "runtime.h"
@@ -89,14 +97,79 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_gru
           has_bias ? grad_hgates.sum(0) : at::Tensor()};
 }
 
+// oneDNN runs the layer in bfloat16 only where the CPU has bfloat16 instructions (the CPU's own test).
+bool bf16_layer_supported() {
+  static const bool supported =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "").typed<bool()>().call();
+  return supported;
+}
+
+// Whether oneDNN's LSTM layer (what the CPU's nn.LSTM runs) computes this call: the CPU's own conditions (float32
+// arguments, oneDNN enabled, no projections, concrete sizes, not empty; under autocast, which casts the layer
+// (autocast.cpp), bfloat16 support), no forward-mode tangent (the layer has no forward derivative; the cells do),
+// and not traced (fake or functional tensors, a dispatch mode): the layer's results depend on the grad mode, which
+// differs between a trace and the compiled forward it becomes (run without grad), so graphs get the cells.
+bool sequence_kernel_fits(const at::Tensor& input, at::TensorList hx, at::TensorList params) {
+  constexpr c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::Functionalize});
+  if (c10::impl::dispatch_mode_enabled() || input.key_set().has_any(traced)) return false;
+  if (at::autocast::is_autocast_enabled(at::kPrivateUse1) &&
+      !(at::autocast::get_autocast_dtype(at::kPrivateUse1) == at::kBFloat16 && bf16_layer_supported()))
+    return false;
+  if (!at::globalContext().userEnabledMkldnn() || input.numel() == 0 || hx.size() != 2 ||
+      hx[0].size(-1) != hx[1].size(-1) || input.unsafeGetTensorImpl()->has_symbolic_sizes_strides())
+    return false;
+  auto plain_float = [](const at::Tensor& t) {
+    return t.scalar_type() == at::kFloat && t.layout() == at::kStrided && !t._fw_grad(0).defined();
+  };
+  if (!plain_float(input)) return false;
+  for (const auto& t : hx)
+    if (!plain_float(t)) return false;
+  for (const auto& t : params)
+    if (!plain_float(t)) return false;
+  return true;
+}
+
+// at::lstm: each layer and direction one `mkldnn_rnn_layer` (autograd records it with its own backward and double
+// backward), dropout between layers as the cells take it; otherwise ATen's cell-by-cell composite.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lstm_sequence(const at::Tensor& input, at::TensorList hx,
+                                                             at::TensorList params, bool has_biases, int64_t num_layers,
+                                                             double dropout, bool train, bool bidirectional,
+                                                             bool batch_first) {
+  if (!sequence_kernel_fits(input, hx, params))
+    return at::native::lstm(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first);
+  const int64_t directions = bidirectional ? 2 : 1, per_layer = has_biases ? 4 : 2, hidden = hx[0].size(2);
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == num_layers * directions * per_layer, "lstm: expected ",
+              num_layers * directions * per_layer, " parameter tensors, got ", params.size());
+  at::Tensor x = (batch_first ? input.transpose(0, 1) : input).contiguous();
+  const at::Tensor h0 = hx[0].contiguous(), c0 = hx[1].contiguous();
+  std::vector<at::Tensor> hy, cy, out(directions);
+  for (int64_t layer = 0; layer < num_layers; ++layer) {
+    for (int64_t d = 0; d < directions; ++d) {
+      const int64_t i = layer * directions + d;
+      const at::Tensor* w = &params[i * per_layer];
+      auto [y, h, c, workspace] = at::mkldnn_rnn_layer(
+          x, w[0], w[1], has_biases ? w[2] : at::zeros(w[0].sizes(), w[0].options()),
+          has_biases ? w[3] : at::zeros(w[1].sizes(), w[1].options()), h0[i], c0[i], /*reverse=*/d == 1,
+          /*batch_sizes=*/{}, /*mode: ideep::rnn_kind::LSTM*/ 2, hidden, num_layers, has_biases, bidirectional,
+          /*batch_first=*/false, train);  // x is (seq, batch, feature) here
+      out[d] = y, hy.push_back(h), cy.push_back(c);
+    }
+    x = directions == 1 ? out[0] : at::cat(out, -1);
+    if (dropout != 0 && train && layer + 1 < num_layers) x = at::dropout(x, dropout, /*train=*/true);
+  }
+  return {batch_first ? x.transpose(0, 1) : x, at::stack(hy), at::stack(cy)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, AutogradPrivateUse1, m) {
+  m.impl("lstm.input", lstm_sequence);
   m.impl("_thnn_fused_lstm_cell", fused_lstm_cell);
   m.impl("_thnn_fused_gru_cell", fused_gru_cell);
 }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {  // reached directly under torch.inference_mode
+  m.impl("lstm.input", lstm_sequence);
   m.impl("_thnn_fused_lstm_cell", fused_lstm_cell);
   m.impl("_thnn_fused_gru_cell", fused_gru_cell);
   m.impl("_thnn_fused_lstm_cell_backward_impl", fused_lstm_cell_backward_impl);

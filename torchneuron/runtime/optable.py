@@ -40,6 +40,7 @@ class Rule(Enum):
     MATMUL = "matmul"  # TensorE tiles of a (batched) GEMM
     CONV = "conv"  # implicit GEMM
     ATTENTION = "attention"  # fused (flash) attention: two GEMMs per head, exp on ScalarE
+    RNN = "rnn"  # a recurrent layer's whole sequence: per step a GEMM, then the gates, step after step
     SWEEP = "sweep"  # `passes` datapath sweeps over the largest tensor
     SORT = "sort"  # a sweep with log2(last dim) passes (sorting network, scan)
     GATHER = "gather"  # a lookup touching only the rows it returns
@@ -102,6 +103,11 @@ class Op:
     fast: bool = False
     overwrites: bool = False
 
+    @property
+    def recurrent(self) -> bool:
+        """Runs a sequence step after step, each step's work split over the threads (the C++ core's thread rule)."""
+        return self.rule is Rule.RNN
+
 
 def _group(engine: str, names: str, **kw: Any) -> list[Op]:
     """Rows of one engine: native unless on the host; data movement and metadata are exact; costed as a copy on
@@ -122,6 +128,8 @@ _TABLE: list[Op] = [
             rule=Rule.ATTENTION),
     *_group("tensor", "_scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward",
             rule=Rule.ATTENTION, eager=True),
+    # nn.LSTM's sequence kernel, a layer and direction per call (csrc/rnn.cpp)
+    *_group("tensor", "mkldnn_rnn_layer mkldnn_rnn_layer_backward", rule=Rule.RNN),
     # FlexAttention's higher-order ops (torch.nn.attention.flex_attention), run by their dense implementation
     *_group("tensor", "flex_attention flex_attention_backward", rule=Rule.ATTENTION, eager=True),
     *_group("host", "_scaled_dot_product_flash_attention _scaled_dot_product_flash_attention_backward "

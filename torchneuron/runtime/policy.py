@@ -18,4 +18,4 @@ def set_policies(dtype_policy: str | None = None, fallback_policy: str | None = 
 def install_op_tables() -> None:
     """Hand the op table's per-base-name facts to the C++ core (runtime/optable.py)."""
     _C._set_op_table(names("native"), names("exact"), names("host_tensors"), names("indices"), names("overwrites"),
-                     structured())
+                     names("recurrent"), structured())
