@@ -678,6 +678,55 @@ def test_a_small_kernel_runs_with_the_threads_of_its_launch_inline_or_queued():
         del lib
 
 
+def test_a_recurrent_kernel_takes_its_threads_by_one_steps_work():
+    """An RNN layer splits one time step at a time, so the op table's recurrent ops count one step's work in the
+    thread rule. (oneDNN's LSTM layer, counted whole, ran with a full team beside the host's, and that team slept and
+    woke at each step's parallel regions: the LSTM took 10-14 ms at 2 threads against 1.7 ms at 1.)"""
+    from torchneuron import _C
+    from torchneuron.runtime import optable, policy
+
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        pytest.skip("the thread rule keeps every thread on one core")
+    seen: list[int] = []
+    lib = torch.library.Library("tn_steps_probe", "DEF")
+    lib.define("steps(Tensor x) -> Tensor")
+    lib.impl("steps", lambda x: (seen.append(torch.get_num_threads()), x.clone())[1], "CPU")
+    n = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        x = torch.randn(64, 1 << 13, device=DEV)  # 2^19 elements: full work whole, 2^13 a step
+        torch.ops.tn_steps_probe.steps(x)
+        _C._set_op_table(*(optable.names(f) for f in ("native", "exact", "host_tensors", "indices", "overwrites")),
+                         [*optable.names("recurrent"), "steps"], optable.structured())
+        torch.ops.tn_steps_probe.steps(x)
+        torch.neuron.synchronize()
+        assert seen == [cores, cores - 1], f"{seen} {torchneuron.get_execution_paths()}"
+    finally:
+        policy.install_op_tables()
+        torch.set_num_threads(n)
+        del lib
+
+
+def test_an_op_defined_after_another_library_is_deleted_is_its_own_op():
+    """Op tracking finds an op by its schema's address, which a new operator can take once a deleted
+    torch.library freed it: the new op gets its own counters, classification and result layouts, not the old op's
+    (a layout learnt for the old op would hand out results of the wrong shape)."""
+    for ns, fn in (("tn_first_lib", lambda x: x.clone()), ("tn_second_lib", lambda x: x.sum(0, keepdim=True))):
+        lib = torch.library.Library(ns, "DEF")
+        lib.define("op(Tensor x) -> Tensor")
+        lib.impl("op", fn, "CPU")
+        torchneuron.clear_op_tracking()
+        x = torch.randn(4, 3, device=DEV)
+        xd, wd = on_device(*operands())
+        for _ in range(3):  # the first call learns a layout, the others are queued with it
+            slow(xd, wd, 1)
+            out = getattr(torch.ops, ns).op(x)
+        torch.testing.assert_close(out.cpu(), fn(x.cpu()))
+        assert torchneuron.get_fallback_ops() == {f"{ns}::op": 3}
+        del lib
+
+
 def test_a_queued_kernel_runs_with_the_grad_mode_of_its_launch():
     """Some CPU kernels return other results with grad enabled (oneDNN's LSTM layer keeps a workspace for its
     backward only then): a kernel sees its launching thread's grad mode wherever it runs, and a signature learnt in

@@ -15,7 +15,9 @@ namespace {
 
 // Guards the maps and the table's sets; the entries' counters and flags are atomics (runtime.h).
 std::mutex g_mu;
-std::unordered_map<const c10::FunctionSchema*, OpEntry> g_ops;
+// By schema address, which a new operator may take once a torch.library that defined another is deleted: op_entry
+// checks the name. Entries are never freed (a queued kernel or another thread's cache may still point at one).
+std::unordered_map<const c10::FunctionSchema*, OpEntry*> g_ops;
 std::unordered_set<std::string> g_native, g_exact, g_host_tensors, g_indices, g_overwrites,
     g_recurrent;                                      // base names: "add"
 std::unordered_set<std::string> g_structured;         // "mm.default", "sum.dim_IntList"
@@ -42,11 +44,14 @@ bool is_type(const c10::TypePtr& t, c10::TypeKind k) {
   return opt && opt->getElementType()->kind() == k;
 }
 
+const OpEntry& entry(const OpEntry& e) { return e; }
+const OpEntry& entry(const OpEntry* e) { return *e; }
+
 // Sums a counter over entries of one name (the overloads of an op).
 template <class Entries, class Counter>
 void add_counts(std::unordered_map<std::string, int64_t>& agg, const Entries& entries, Counter counter) {
   for (const auto& [key, e] : entries)
-    if (int64_t n = (e.*counter).load(std::memory_order_relaxed)) agg[e.name] += n;
+    if (int64_t n = (entry(e).*counter).load(std::memory_order_relaxed)) agg[entry(e).name] += n;
 }
 
 void reset(OpEntry& e) {
@@ -76,7 +81,7 @@ void set_op_table(const std::vector<std::string>& native, const std::vector<std:
   g_overwrites = {overwrites.begin(), overwrites.end()};
   g_recurrent = {recurrent.begin(), recurrent.end()};
   g_structured = {structured.begin(), structured.end()};
-  for (auto& [schema, e] : g_ops) classify(e);
+  for (auto& [schema, e] : g_ops) classify(*e);
 }
 
 OpClass op_class(const std::string& name) {
@@ -88,12 +93,15 @@ OpClass op_class(const std::string& name) {
 
 OpEntry& op_entry(const c10::OperatorHandle& op) {
   const auto& schema = op.schema();
+  auto same_op = [&](const OpEntry* e) { return e->name == schema.name() && e->overload == schema.overload_name(); };
   thread_local std::unordered_map<const c10::FunctionSchema*, OpEntry*> seen;  // no lock on the op path
-  if (auto it = seen.find(&schema); it != seen.end()) return *it->second;
+  if (auto it = seen.find(&schema); it != seen.end() && same_op(it->second)) return *it->second;
   std::lock_guard<std::mutex> g(g_mu);
-  auto [it, fresh] = g_ops.try_emplace(&schema, schema.name(), schema.overload_name());
-  OpEntry& e = it->second;
-  seen.emplace(&schema, &e);
+  OpEntry*& slot = g_ops[&schema];
+  const bool fresh = !slot || !same_op(slot);
+  if (fresh) slot = new OpEntry(schema.name(), schema.overload_name());
+  OpEntry& e = *slot;
+  seen[&schema] = &e;
   if (!fresh) return e;
   classify(e);
   const auto& args = schema.arguments();
@@ -250,7 +258,7 @@ void clear_op_tracking() {
   g_explicit.clear();
   reset(g_copy_in);
   for (auto& [name, e] : g_outside) reset(e);  // kept, not erased: a running collective may hold a reference
-  for (auto& [schema, e] : g_ops) reset(e);
+  for (auto& [schema, e] : g_ops) reset(*e);
   clear_fusion_counts();
 }
 
