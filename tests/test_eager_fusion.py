@@ -351,6 +351,42 @@ def test_a_hot_group_compiles_off_the_stream_which_runs_it_unfused_meanwhile(mon
 
 
 @needs_async
+def test_the_group_builder_runs_only_for_a_run_that_recurs_and_once_more_when_its_kernel_is_ready(monkeypatch):
+    """Building a group is Python on the stream worker, holding the GIL the host thread needs (tens of milliseconds
+    for list ops over an HF model's parameters; a loop syncing before `opt.step()` hands over runs that depend on how
+    far the host got, and its AdamW step took 60-300 ms against the CPU's 5 ms). So the worker counts a run's
+    sightings itself: runs whose shapes change never reach the builder, a recurring one does at its AFTER-th
+    sighting, not at the sightings while its kernel compiles, and once more when the kernel is ready (then fused).
+    Values are the CPU's throughout."""
+    built: list[int] = []
+    real_group, real_compile = ef._fused_group, ef._compile
+    release = threading.Event()
+    monkeypatch.setattr(ef, "_fused_group", lambda ops: built.append(len(ops)) or real_group(ops))
+    monkeypatch.setattr(ef, "_compile", lambda *a, **k: release.wait() and real_compile(*a, **k))
+    g = torch.Generator().manual_seed(9)
+    for rows in range(72, 72 + ef.AFTER + 2):  # a new shape every call (layouts no other test's group has)
+        cpu = [torch.randn(rows, 4096, generator=g), torch.randn(4096, generator=g),
+               torch.randn(rows, 4096, generator=g)]
+        busy_stream()
+        torch.testing.assert_close(block(*[t.to("neuron") for t in cpu], []).cpu(), block(*cpu, []))
+    assert built == [], "no run recurred"
+    cpu = [torch.randn(80, 4096, generator=g), torch.randn(4096, generator=g), torch.randn(80, 4096, generator=g)]
+    dev, ref = [t.to("neuron") for t in cpu], block(*cpu, [])
+    before = fused_counts()
+    try:
+        for _ in range(1 + ef.AFTER + 3):  # the first call, AFTER sightings (built at the last), 3 while compiling
+            busy_stream()
+            torch.testing.assert_close(block(*dev, []).cpu(), ref)
+        assert built == [4] and fused_counts() == before
+    finally:
+        release.set()
+    ef.wait_compiles()
+    busy_stream()
+    torch.testing.assert_close(block(*dev, []).cpu(), ref)
+    assert built == [4, 4] and fused_counts()[0] == before[0] + 1
+
+
+@needs_async
 def test_past_the_compile_budget_new_groups_run_unfused_and_are_counted(monkeypatch):
     """TORCHNEURON_FUSION_COMPILE_BUDGET bounds the compile work of a process: once it is spent, a new hot group is
     never compiled (counted once, remembered, reported) and runs unfused with the CPU's values, while the kernels
@@ -653,6 +689,7 @@ def test_the_porting_report_counts_fused_kernels():
     r = porting_report.collect()
     st = stats()
     assert r["eager_fusion"] == {**dict(zip(("kernels", "ops"), fused_counts(), strict=True)),
+                                 "cold": _C._fusion_counts()["cold"],
                                  "compiled": st.compiled, "compile_seconds": round(st.compile_seconds, 3),
                                  "failures": st.failures, "over_budget": st.over_budget,
                                  "last_failure": st.last_failure}
@@ -672,7 +709,7 @@ for _ in range(ef.AFTER + 2):
     m = torch.ones(1536, 1536, device="neuron"); m @ m
     out = torch.nn.functional.gelu(xd + bd) * 0.5
     assert torch.equal(out.cpu(), torch.nn.functional.gelu(x + b) * 0.5)
-assert _C._fusion_counts() == {"kernels": 0, "ops": 0}, _C._fusion_counts()
+assert _C._fusion_counts() == {"kernels": 0, "ops": 0, "cold": 0}, _C._fusion_counts()
 assert ef.stats() == ef.Stats(), ef.stats()
 print("ok")
 """

@@ -104,11 +104,16 @@ def install() -> None:
     cfg = config.current_or_none()
     if cfg is not None and cfg.eager_fusion:
         _C._set_eager_fusion(fusable, lambda ops, verify=False: (plan_of if verify else run_queued)(
-            [QueuedOp(*q) for q in ops]), min_elements=MIN_ELEMENTS, max_ops=MAX_OPS, max_list=MAX_LIST)
+            [QueuedOp(*q) for q in ops]), min_elements=MIN_ELEMENTS, max_ops=MAX_OPS, max_list=MAX_LIST,
+            after=AFTER)
 
 
 def stats() -> Stats:
-    return replace(_STATS)
+    """This process's counts; `cold` includes the runs the stream workers ran unfused without building their group
+    (counted in C++: a run not seen AFTER times yet, or whose kernel still compiles)."""
+    from .. import _C
+
+    return replace(_STATS, cold=_STATS.cold + _C._fusion_counts()["cold"])
 
 
 def enabled() -> bool:
@@ -272,6 +277,7 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
             return _CACHE[key]
         if key in _BACKGROUND.pending:
             _STATS.cold += 1
+            _wait_for(key)
             return None
         seen = _SIGHTINGS[key] = _SIGHTINGS.get(key, 0) + 1
         if seen < after:
@@ -284,6 +290,9 @@ def compile_group(nodes: tuple[Node, ...], inputs: tuple[Spec, ...], outputs: tu
             _STATS.cold += 1
             if _BACKGROUND.submit(key, nodes, mutations):
                 _SIGHTINGS.pop(key)
+                _wait_for(key)
+            else:
+                _wait_for(None)
             return None
         dynamo = _dynamo_compile_lock()
         if not dynamo.acquire(blocking=False):  # torch.compile is compiling on another thread: not now
@@ -432,13 +441,13 @@ def wait_compiles(timeout: float | None = None) -> bool:
     return _BACKGROUND.wait(timeout)
 
 
-AFTER = 3  # sightings of a group's signature before the stream worker compiles it (a step's groups recur)
+AFTER = 3  # sightings of a run (the stream worker counts them) before its group is built and compiled (a step recurs)
 # Inductor's C++ build time grows faster than the kernel: measured, two list ops over 8 tensors of 128x128 compile in
 # 4 s, over 16 in 7 s, over 32 in 65 s. So no kernel holds more than MAX_NODES nodes: a longer run of list ops is
 # split by tensor (`_split`) into kernels of at most COLUMNS tensors' nodes each.
 MAX_NODES = 64
 COLUMNS = 8  # a split kernel's tensors (of one list position each)
-MAX_LIST = 1024  # tensors of a list op that joins a group (the group is built in Python at each sighting)
+MAX_LIST = 1024  # tensors of a list op that joins a group (its group is built in Python once the run is hot)
 MIN_ELEMENTS = 1 << 18  # a smaller op is not worth a fused kernel: the hand-over to Python costs tens of microseconds
 MAX_OPS = 16  # queued ops a stream worker hands over as one run
 MAX_PENDING = 16  # signatures waiting for the compiler thread
@@ -506,19 +515,21 @@ class Plan(NamedTuple):
     baked: tuple[tuple[int, object], ...]
 
 
-def run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | int | str | None]:
-    """The stream worker's entry (csrc/queue.cpp): fuse the longest leading run of `ops` into one kernel and run it.
-    Returns how many ops it ran and its Plan; 0 and None when none fused (the worker runs the first op alone and
-    offers the rest again); 0 and the group's op count when its kernel is not compiled yet (the worker runs those
-    ops one by one and offers none of them again: each tail would be a group to compile); when the fused kernel
-    itself raised, minus the ops it covered and the error's text (they fail: none runs again). Never raises.
+def run_queued(ops: list[QueuedOp]) -> tuple:
+    """The stream worker's entry (csrc/fusion.cpp), for a run whose signature it has seen AFTER times (it counts
+    sightings itself and runs the others unfused: building a group costs milliseconds): fuse the longest leading
+    run of `ops` into one kernel and run it. Returns how many ops it ran and its Plan; 0 and None when none fused
+    (the worker runs the first op alone and offers the rest again); 0, the group's op count and a `_Waiting` when
+    its kernel is compiling (the worker runs those ops one by one, offers none of them again, and asks again once
+    the `_Waiting` returns True); 0 and the op count alone when it never will be (failed, over the budget); when the
+    fused kernel itself raised, minus the ops it covered and the error's text (they fail: none runs again). Never
+    raises.
 
     A result whose memory a later op of the run was handed (Python freed it, the allocator gave its block again) is
     read only inside the run (every reader was launched before the free), so it lives in registers and is not
     stored; every other result is, and so is every tensor an in-place op wrote. A run ends before an op that reads
     a view of an earlier result or of a written tensor (only whole values flow through a group), whose results
-    share memory with the run's inputs or other results, or that writes a tensor overlapping another input. The
-    group compiles at its AFTER-th sighting."""
+    share memory with the run's inputs or other results, or that writes a tensor overlapping another input."""
     try:
         return _run_queued(ops)
     except _KernelRaised as e:  # it may have stored results: its ops fail with its error (never run twice)
@@ -800,7 +811,7 @@ def _fused_group(ops: list[QueuedOp]) -> tuple[_Group, FusedKernel | SplitKernel
             return None
         wanted = [r for r in group.results if r.stored]
     kernel = compile_group(tuple(group.nodes), _specs(group.inputs), tuple(r.value for r in wanted),
-                           tuple(sorted(group.mutations.items())), after=AFTER, background=True)
+                           tuple(sorted(group.mutations.items())), background=True)
     return group, kernel, wanted
 
 
@@ -918,7 +929,7 @@ def _split_kernel(group: _Group, parts: list[_Part], wanted: list[_Result]) -> S
         specs = _specs([group.inputs[i] for i in p.inputs])
         key = _key(p.nodes, specs, p.values, p.mutations)
         if key not in compiled:
-            compiled[key] = compile_group(p.nodes, specs, p.values, p.mutations, after=AFTER, background=True)
+            compiled[key] = compile_group(p.nodes, specs, p.values, p.mutations, background=True)
         kernels.append((compiled[key], p.inputs, p.outputs))
     if any(k is None for k, _, _ in kernels):
         return None
@@ -932,16 +943,48 @@ def _split_kernel(group: _Group, parts: list[_Part], wanted: list[_Result]) -> S
     return _SPLITS[key]
 
 
-def _run_queued(ops: list[QueuedOp]) -> tuple[int, Plan | None]:
+class _Waiting:
+    """A hot group's compiles in flight (their keys), and whether one found the compiler's queue full: the stream
+    worker asks the group builder again only once this returns True (their kernels are ready, or the queue has
+    room), not at every sighting."""
+
+    def __init__(self) -> None:
+        self.keys: list[tuple] = []
+        self.deferred = False
+
+    def __call__(self) -> bool:
+        return not any(k in _BACKGROUND.pending for k in self.keys) and (
+            not self.deferred or len(_BACKGROUND.pending) < MAX_PENDING)
+
+
+_WAITING = threading.local()  # the _Waiting of the group being built on this thread
+
+
+def _wait_for(key: tuple | None) -> None:
+    """The group being built waits for `key`'s compile (None: for room in the compiler's queue)."""
+    w = getattr(_WAITING, "group", None)
+    if w is None:
+        return
+    if key is None:
+        w.deferred = True
+    else:
+        w.keys.append(key)
+
+
+def _run_queued(ops: list[QueuedOp]) -> tuple:
     if not enabled():
         _STATS.disabled += 1
         return 0, None
-    built = _fused_group(ops)
+    waiting = _WAITING.group = _Waiting()
+    try:
+        built = _fused_group(ops)
+    finally:
+        _WAITING.group = None
     if built is None:
         return 0, None
     group, kernel, wanted = built
-    if kernel is None:
-        return 0, group.ops
+    if kernel is None:  # compiling (ask again when `waiting` says so), or never (failed, over the budget)
+        return (0, group.ops, waiting) if waiting.keys or waiting.deferred else (0, group.ops)
     outs = [r.out for r in wanted]
     if any(s != Spec(tuple(o.shape), o.stride(), o.dtype) for s, o in zip(kernel.out_specs, outs, strict=True)):
         return _failed(None, "the fused results' layout differs from the launched ones") or (0, None)

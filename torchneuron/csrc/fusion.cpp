@@ -27,7 +27,7 @@ std::mutex g_mismatch_mu;
 std::string g_last_mismatch;
 std::atomic<bool> g_installed{false};
 FusionLimits g_limits;  // set before g_installed
-std::atomic<int64_t> g_kernels{0}, g_ops{0};
+std::atomic<int64_t> g_kernels{0}, g_ops{0}, g_cold{0};
 
 bool python_usable() { return Py_IsInitialized() && !_Py_IsFinalizing(); }
 
@@ -113,6 +113,16 @@ struct Signature {
   void number(const c10::IValue& v) { leaves.push_back(v); }
   void add(const c10::IValue& v) { put_value(v, *this); }  // a value no signature keys: Python refuses its op
   void end_op() { ends.push_back(key.size()), memory_ends.push_back(memory.size()); }
+  // The hash of each prefix's key without its memory entries ([n]: the first n ops; [0], [1] unused).
+  std::vector<uint64_t> shape_hashes() const {
+    std::vector<uint64_t> h(ends.size() + 1, 0);
+    FNV1a f;
+    for (size_t n = 1, i = 0; n <= ends.size(); ++n) {
+      for (; i < ends[n - 1]; ++i) f.add(key[i]);
+      h[n] = f.h;
+    }
+    return h;
+  }
   // The key of the first n ops: each tensor's memory as (region, storage start and first element relative to the
   // region), regions being the overlapping storages, numbered in the order the run first touches them.
   std::vector<int64_t> prefix_key(size_t n) const {
@@ -236,6 +246,34 @@ void keep(const Signature& s, pybind11::handle plan) {
   g_plans.put(s.prefix_key(p.ops), std::make_shared<const FusedPlan>(std::move(p)));
 }
 
+// The sightings of a run's prefixes (each prefix's key hash), so that the group builder (Python: tens of
+// milliseconds for list ops over an HF model's parameters, holding the GIL the host thread needs) runs only for a
+// run that recurs. A run's ops depend on how far the host ran ahead of the worker, so a loop that syncs at changing
+// points hands over runs that never recur. Read and written holding the GIL (its Python references).
+struct Sightings {
+  int seen = 0;
+  size_t ops = 0;            // the group the builder found in this prefix (0: not built yet: the whole prefix)
+  pybind11::object waiting;  // its kernel compiles: ask again once this returns true
+  bool never = false;        // its group cannot be compiled (failed, or the compile budget is spent)
+};
+auto& g_sightings = *new SignatureMemo<Sightings, uint64_t, std::hash<uint64_t>>(1024);
+
+// After the builder answered for the prefix `hash` (how many ops it fused, or what it said instead), remember it.
+void note_answer(uint64_t hash, const pybind11::tuple& r) {
+  const auto* found = g_sightings.find(hash);
+  Sightings x = found ? *found : Sightings{};
+  if (r[1].is_none()) {  // no group leads here: the first op runs alone
+    x.never = true, x.ops = 1;
+  } else if (PyLong_Check(r[1].ptr())) {
+    x.ops = r[1].cast<size_t>();
+    if (r.size() > 2)
+      x.waiting = r[2];
+    else
+      x.never = true;
+  }
+  g_sightings.put(hash, std::move(x));
+}
+
 }  // namespace
 
 size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error, size_t& unfused) {
@@ -258,28 +296,61 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error,
       for (const at::Tensor& o : f->outs) s.add(c10::IValue(o));
       s.end_op();
     }
-    if (!at::globalContext().deterministicAlgorithms()) {  // fusion is off then: eager_fusion says so and counts it
-      for (size_t n = ops.size(); n >= 2 && !ran; --n) {
-        const auto* found = g_plans.find(s.prefix_key(n));
-        if (found == nullptr || (*found)->ops != n) continue;
-        const std::shared_ptr<const FusedPlan> plan = *found;
-        try {
-          if (replay(*plan, s)) ran = n;
-        } catch (pybind11::error_already_set& e) {
-          return kernel_raised(n, e.what());
-        }
-        if (ran && g_verify.load(std::memory_order_relaxed)) verify_replay(ops.slice(0, n), *plan);
+    const bool deterministic = at::globalContext().deterministicAlgorithms();  // fusion is off: Python counts it
+    for (size_t n = ops.size(); n >= 2 && !ran && !deterministic; --n) {
+      const auto* found = g_plans.find(s.prefix_key(n));
+      if (found == nullptr || (*found)->ops != n) continue;
+      const std::shared_ptr<const FusedPlan> plan = *found;
+      try {
+        if (replay(*plan, s)) ran = n;
+      } catch (pybind11::error_already_set& e) {
+        return kernel_raised(n, e.what());
       }
+      if (ran && g_verify.load(std::memory_order_relaxed)) verify_replay(ops.slice(0, n), *plan);
+    }
+    size_t ask = ops.size();  // the ops handed to the group builder
+    if (!ran && !deterministic) {
+      // the longest prefix seen before decides: still counting, compiling, never, or ask the builder now. Sightings
+      // are keyed without the memory entries (as the builder's own key): which blocks the allocator hands a run
+      // settles only after a few steps
+      std::vector<uint64_t> hashes = s.shape_hashes();
+      size_t lead = 0;
+      Sightings before;
+      for (size_t n = ops.size(); n >= 2 && !lead; --n)
+        if (const auto* x = g_sightings.find(hashes[n])) lead = n, before = *x;
+      for (size_t n = 2; n <= ops.size(); ++n) {
+        const auto* x = g_sightings.find(hashes[n]);
+        Sightings y = x ? *x : Sightings{};
+        ++y.seen;
+        g_sightings.put(hashes[n], std::move(y));
+      }
+      bool now = !before.never && before.seen + 1 >= g_limits.after;
+      if (now && before.waiting) {
+        try {
+          now = before.waiting().cast<bool>();
+        } catch (const std::exception&) {
+          PyErr_Clear();
+        }
+      }
+      if (!now) {
+        unfused = lead ? std::max<size_t>(before.ops ? before.ops : lead, 1) : ops.size();
+        g_cold.fetch_add(1, std::memory_order_relaxed);
+        return 0;
+      }
+      if (lead) ask = lead;
     }
     if (!ran) {
-      auto r = pybind11::reinterpret_borrow<pybind11::object>(g_run)(python_group(ops)).cast<pybind11::tuple>();
+      auto r = pybind11::reinterpret_borrow<pybind11::object>(g_run)(python_group(ops.slice(0, ask)))
+                   .cast<pybind11::tuple>();
       const auto n = r[0].cast<int64_t>();
       if (n < 0) return kernel_raised(static_cast<size_t>(-n), r[1].cast<std::string>());
       ran = static_cast<size_t>(n);
-      if (ran > 1 && !r[1].is_none())
+      if (ran > 1 && !r[1].is_none()) {
         keep(s, r[1]);
-      else if (ran == 0 && PyLong_Check(r[1].ptr()))  // a group not compiled yet: its ops run unfused
-        unfused = std::min(r[1].cast<size_t>(), ops.size());
+      } else if (ran == 0) {
+        if (!deterministic) note_answer(s.shape_hashes()[ask], r);
+        if (PyLong_Check(r[1].ptr())) unfused = std::min(r[1].cast<size_t>(), ops.size());  // not compiled yet
+      }
     }
   } catch (const std::exception&) {  // run_queued never raises; a conversion that fails means: unfused
     PyErr_Clear();
@@ -296,7 +367,7 @@ ReplayChecks replay_checks() {
   return {g_verified.load(), g_mismatched.load(), g_last_mismatch};
 }
 
-FusionCounts fusion_counts() { return {g_kernels.load(), g_ops.load()}; }
-void clear_fusion_counts() { g_kernels = 0, g_ops = 0; }
+FusionCounts fusion_counts() { return {g_kernels.load(), g_ops.load(), g_cold.load()}; }
+void clear_fusion_counts() { g_kernels = 0, g_ops = 0, g_cold = 0; }
 
 }  // namespace torchneuron

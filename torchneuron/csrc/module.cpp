@@ -113,10 +113,11 @@ PYBIND11_MODULE(_C, m) {
       "Keep the launching Python stack of each queued kernel, for the error it may raise (default on).");
   m.def(
       "_set_eager_fusion",
-      [](py::object fusable, py::object run, int64_t min_elements, size_t max_ops, size_t max_list) {
-        set_eager_fusion(fusable.ptr(), run.ptr(), FusionLimits{min_elements, max_ops, max_list});
+      [](py::object fusable, py::object run, int64_t min_elements, size_t max_ops, size_t max_list, int after) {
+        set_eager_fusion(fusable.ptr(), run.ptr(), FusionLimits{min_elements, max_ops, max_list, after});
       },
       py::arg("fusable"), py::arg("run"), py::arg("min_elements"), py::arg("max_ops"), py::arg("max_list"),
+      py::arg("after"),
       "Install adaptive eager fusion: fusable(op name) -> bool, run(list of queued ops) -> (ops it ran fused, plan), "
       "and its limits (compiler/eager_fusion.py defines them).");
   m.def(
@@ -134,9 +135,10 @@ PYBIND11_MODULE(_C, m) {
       "_fusion_counts",
       [] {
         FusionCounts c = fusion_counts();
-        return py::dict(py::arg("kernels") = c.kernels, py::arg("ops") = c.ops);
+        return py::dict(py::arg("kernels") = c.kernels, py::arg("ops") = c.ops, py::arg("cold") = c.cold);
       },
-      "Fused kernels the stream workers ran and the queued ops they replaced.");
+      "Fused kernels the stream workers ran, the queued ops they replaced, and the runs they ran unfused without "
+      "building their group (not seen `after` times yet, or its kernel still compiling).");
   m.def(
       "_set_queue_everything",
       [](bool on) {

@@ -86,10 +86,14 @@ bool put_value(const c10::IValue& v, Keyer& k) {
 }
 
 // The hash of a key (both memos look keys up by it, then compare them whole).
+struct FNV1a {  // over the tokens, one at a time (a key's prefixes hash on the way)
+  uint64_t h = 1469598103934665603ull;
+  void add(int64_t v) { h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull; }
+};
 inline uint64_t key_hash(const std::vector<int64_t>& key) {
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the tokens
-  for (int64_t v : key) h = (h ^ static_cast<uint64_t>(v)) * 1099511628211ull;
-  return h;
+  FNV1a f;
+  for (int64_t v : key) f.add(v);
+  return f.h;
 }
 struct KeyHash {
   size_t operator()(const std::vector<int64_t>& k) const noexcept { return static_cast<size_t>(key_hash(k)); }
@@ -99,18 +103,19 @@ struct KeyHash {
 // generations: when `map` holds `limit` keys it becomes `old`, and a key found in `old` moves back. The signatures
 // in use stay (a loop's shapes recur) and new ones are always learnt: signatures that keep changing (a growing KV
 // cache, variable-length batches) never leave the rest to run unlearnt for good. Not locked: its owner locks it.
-template <class V>
+// `Key` may be a key's hash alone where a collision costs only a wrong guess (fusion.cpp's sightings).
+template <class V, class Key = std::vector<int64_t>, class Hash = KeyHash>
 struct SignatureMemo {
-  using Map = std::unordered_map<std::vector<int64_t>, V, KeyHash>;
+  using Map = std::unordered_map<Key, V, Hash>;
   explicit SignatureMemo(size_t limit) : limit(limit) {}
   // In the current generation (a read: callers may hold a shared lock).
-  const V* recent(const std::vector<int64_t>& key) const {
+  const V* recent(const Key& key) const {
     auto it = map.find(key);
     return it == map.end() ? nullptr : &it->second;
   }
-  bool aging(const std::vector<int64_t>& key) const { return old.count(key) != 0; }
+  bool aging(const Key& key) const { return old.count(key) != 0; }
   // In either generation, moved back into the current one (a write).
-  const V* find(const std::vector<int64_t>& key) {
+  const V* find(const Key& key) {
     if (const V* v = recent(key)) return v;
     auto it = old.find(key);
     if (it == old.end()) return nullptr;
@@ -118,7 +123,7 @@ struct SignatureMemo {
     old.erase(it);
     return &put(key, std::move(v));
   }
-  V& put(std::vector<int64_t> key, V v) {
+  V& put(Key key, V v) {
     if (map.size() >= limit && !map.count(key)) old = std::move(map), map = Map();
     return map.insert_or_assign(std::move(key), std::move(v)).first->second;
   }
