@@ -132,7 +132,11 @@ def paired(build: Callable[..., Callable[[], object]], calls: int, repeats: int 
 
 
 def _first_calls(conn, threads: int, build: Callable[..., Callable[[], object]], kwargs: dict, calls: int) -> None:
-    """One side of `first_calls`: build, make `calls` calls, synchronize; send the seconds that took."""
+    """One side of `first_calls`: build, make `calls` calls, synchronize; send the seconds that took. Dynamo is
+    imported first: `torch.optim`'s optimizers import it lazily (1-2.5 s here, on either side alike), which would
+    otherwise be most of what is timed."""
+    import torch._dynamo  # noqa: F401
+
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     fn = build(**kwargs)
@@ -150,7 +154,7 @@ def first_calls(build: Callable[..., Callable[[], object]], calls: int, cache_di
     """Median seconds from building `build(device=d, **kwargs)` to the end of its `calls`-th call, on "neuron" and on
     "cpu", each run in a fresh process (spawned with TORCHNEURON_CACHE_DIR=`cache_dir()`), the sides taking turns:
     the start-up a user waits for (first-call work, fusion compiles started in the background) rather than the
-    steady state `paired` measures. The processes' imports are not timed."""
+    steady state `paired` measures. The processes' imports (Dynamo's too) are not timed."""
     from torchneuron.hardware.config import scoped_env
 
     ctx = multiprocessing.get_context("spawn")

@@ -333,7 +333,7 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error,
         }
       }
       if (!now) {
-        unfused = lead ? std::max<size_t>(before.ops ? before.ops : lead, 1) : ops.size();
+        unfused = lead ? std::clamp<size_t>(before.ops ? before.ops : lead, 1, lead) : ops.size();
         g_cold.fetch_add(1, std::memory_order_relaxed);
         return 0;
       }
