@@ -308,12 +308,13 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error,
       }
       if (ran && g_verify.load(std::memory_order_relaxed)) verify_replay(ops.slice(0, n), *plan);
     }
-    size_t ask = ops.size();  // the ops handed to the group builder
+    size_t ask = ops.size();       // the ops handed to the group builder
+    std::vector<uint64_t> hashes;  // of each prefix, for the sightings
     if (!ran && !deterministic) {
       // the longest prefix seen before decides: still counting, compiling, never, or ask the builder now. Sightings
       // are keyed without the memory entries (as the builder's own key): which blocks the allocator hands a run
       // settles only after a few steps
-      std::vector<uint64_t> hashes = s.shape_hashes();
+      hashes = s.shape_hashes();
       size_t lead = 0;
       Sightings before;
       for (size_t n = ops.size(); n >= 2 && !lead; --n)
@@ -348,7 +349,7 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error,
       if (ran > 1 && !r[1].is_none()) {
         keep(s, r[1]);
       } else if (ran == 0) {
-        if (!deterministic) note_answer(s.shape_hashes()[ask], r);
+        if (!deterministic) note_answer(hashes[ask], r);
         if (PyLong_Check(r[1].ptr())) unfused = std::min(r[1].cast<size_t>(), ops.size());  // not compiled yet
       }
     }
