@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -532,6 +533,65 @@ def test_an_optimizer_step_becomes_one_kernel_and_tracks_the_cpus_optimizer(requ
     assert kernels - before[0] >= 4 and ops - before[1] >= 4 * 8, "the last steps: one kernel for the 8 list ops"
     if not request.config.getoption("--verify-replay"):  # verification rebuilds on purpose
         assert stats().cache_hits + stats().cold + stats().compiled == lookups, "replayed, not rebuilt in Python"
+
+
+@needs_async
+def test_an_optimizer_step_reaches_the_worker_whole_whether_or_not_the_host_just_waited(request):
+    """A loop that reads the loss before `opt.step()` (HF Trainer's does) leaves the worker idle when the step's
+    first list op is launched: unmarked, the worker took that op alone, then whatever the host had queued by then, so
+    the runs it handed to fusion depended on timing, rarely recurred, and compiled groups that hardly ran. torch.optim's
+    step hooks mark the step, and the worker takes it whole: once fused, every step runs all 8 list ops of its AdamW
+    in one kernel, whether the host had just waited or ran ahead, with the CPU's values."""
+    g = torch.Generator().manual_seed(12)
+    cpu = [torch.randn(384, 512, generator=g), torch.randn(512, generator=g), torch.randn(512, 384, generator=g)]
+    dev = [p.to("neuron") for p in cpu]
+    opts = [torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=True) for ps in (cpu, dev)]
+    fused_from, per_step = ef.AFTER + 2, []  # the first step (state made) differs: AFTER sightings from the second
+    for step in range(fused_from + 4):
+        for p, q in zip(cpu, dev, strict=True):
+            q.grad = None
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.to("neuron")
+        if step % 2:
+            busy_stream()  # the host runs ahead: the step queues behind work
+        else:
+            torch.neuron.synchronize()  # the loss read: the worker is idle when the step begins
+        before = fused_counts()
+        for opt in opts:
+            opt.step()
+        for p, q in zip(cpu, dev, strict=True):
+            torch.testing.assert_close(q.cpu(), p)
+        per_step.append(fused_counts()[1] - before[1])
+        ef.wait_compiles()
+    assert per_step[fused_from:] == [8] * 4, per_step
+
+
+@needs_async
+def test_a_step_that_raises_or_polls_leaves_no_launch_held():
+    """A step that raises never reaches its end hook: its run stays held until something waits for it (a sync point,
+    a poll of an event or stream), and each of those lets it go, so nothing hangs."""
+    x = torch.arange(4.0, device="neuron", requires_grad=True)
+    opt = torch.optim.SGD([x], lr=1.0)
+
+    def closure() -> None:
+        raise RuntimeError("the loss could not be computed")
+
+    for poll in ("event", "stream", "sync"):
+        busy_stream()  # the step's launches queue (an idle stream runs a small op at once)
+        with pytest.raises(RuntimeError, match="the loss could not be computed"):
+            opt.step(closure)
+        y = x.detach() * 3  # queued inside the run the failed step left held
+        if poll == "sync":
+            assert torch.equal(y.cpu(), torch.arange(4.0) * 3)
+            continue
+        done = torch.neuron.Event()
+        done.record()
+        query = done.query if poll == "event" else torch.neuron.current_stream().query
+        deadline = time.monotonic() + 60
+        while not query() and time.monotonic() < deadline:
+            pass
+        assert query(), f"{poll}.query() never saw the held launches run"
+        assert torch.equal(y.cpu(), torch.arange(4.0) * 3)
 
 
 @needs_async

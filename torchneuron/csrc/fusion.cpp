@@ -3,6 +3,7 @@
 // several of them queued back to back (the host ran ahead) hands the run to eager_fusion.run_queued, which fuses its
 // leading ops into one Inductor CPU kernel (compiled once a group recurs) and runs it, or declines. Declined ops run
 // one by one as they were queued, so fusion changes speed only. Python is entered holding the GIL, on the worker.
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <Python.h>
 #include <torch/csrc/Dtype.h>
@@ -10,7 +11,9 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <algorithm>
+#include <array>
 #include <unordered_map>
+#include <vector>
 
 #include "fusion.h"
 #include "runtime.h"
@@ -161,18 +164,41 @@ bool same_number(const c10::IValue& a, const c10::IValue& b) {
   return a.isBool() && b.isBool() && a.toBool() == b.toBool();
 }
 
+// Lifted numbers enter a kernel as 0-d tensors. An optimizer's list ops lift several per parameter (1,036 for the
+// AdamW step of a 148-tensor GPT-2): made afresh at each replay they cost more than the kernel, and their Python
+// objects set off the garbage collector every step. So each worker keeps its own, by dtype, and a replay writes its
+// numbers into them (a kernel reads its arguments during the call only; a worker runs one replay at a time).
+class LiftedScalars {
+ public:
+  at::Tensor next(at::ScalarType dtype, const c10::Scalar& v) {
+    auto& pool = pools_[static_cast<size_t>(dtype)];
+    size_t& k = used_[static_cast<size_t>(dtype)];
+    if (k == pool.size()) pool.push_back(at::empty({}, at::TensorOptions().dtype(dtype)));
+    at::Tensor t = pool[k++];
+    AT_DISPATCH_ALL_TYPES_AND_COMPLEX_AND3(at::kHalf, at::kBFloat16, at::kBool, dtype, "lifted scalar",
+                                           [&] { *t.mutable_data_ptr<scalar_t>() = v.to<scalar_t>(); });
+    return t;
+  }
+  void rewind() { used_.fill(0); }
+
+ private:
+  static constexpr size_t kDtypes = static_cast<size_t>(at::ScalarType::NumOptions);
+  std::array<std::vector<at::Tensor>, kDtypes> pools_;
+  std::array<size_t, kDtypes> used_{};
+};
+
 // Run `p` on this run's leaves (holding the GIL); false if it does not apply (a baked number differs).
 bool replay(const FusedPlan& p, const Signature& s) {
   for (const auto& [leaf, v] : p.baked)
     if (!same_number(s.leaves[leaf], v)) return false;
+  thread_local LiftedScalars scalars;
+  scalars.rewind();
   const size_t n_in = p.lifts.size();
   pybind11::list inputs(n_in), outs(p.args.size() - n_in);
   for (size_t j = 0; j < p.args.size(); ++j) {
     const c10::IValue& leaf = s.leaves[p.args[j]];
-    at::Tensor t =
-        j < n_in && p.lifts[j] >= 0
-            ? at::scalar_tensor(leaf.toScalar(), at::TensorOptions().dtype(static_cast<at::ScalarType>(p.lifts[j])))
-            : leaf.toTensor();
+    at::Tensor t = j < n_in && p.lifts[j] >= 0 ? scalars.next(static_cast<at::ScalarType>(p.lifts[j]), leaf.toScalar())
+                                               : leaf.toTensor();
     pybind11::object o = pybind11::reinterpret_steal<pybind11::object>(THPVariable_Wrap(std::move(t)));
     if (j < n_in)
       inputs[j] = o;
@@ -278,6 +304,22 @@ void note_answer(uint64_t hash, const pybind11::tuple& r) {
 
 size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error, size_t& unfused) {
   if (!g_installed.load(std::memory_order_relaxed) || !python_usable()) return 0;
+  // The run's signature and the key of the whole run (what a recurring run replays under) are made before the GIL is
+  // taken: over an optimizer's list ops they take a good part of a replay, and the host thread needs the GIL.
+  Signature s;
+  std::vector<int64_t> whole;
+  try {
+    s.key.push_back(at::get_num_threads());  // Inductor splits a kernel's loops for this many threads
+    for (const FusableOp* f : ops) {
+      put(s.key, Token::op), s.key.push_back(reinterpret_cast<int64_t>(&f->op.schema()));
+      for (const c10::IValue& v : f->args) s.add(v);
+      for (const at::Tensor& o : f->outs) s.add(c10::IValue(o));
+      s.end_op();
+    }
+    whole = s.prefix_key(ops.size());
+  } catch (const std::exception&) {
+    return 0;  // a value no signature keys: unfused
+  }
   pybind11::gil_scoped_acquire gil;
   size_t ran = 0;
   // The fused kernel itself raised: it may have stored some results already, so its ops must not run again (an
@@ -288,17 +330,9 @@ size_t run_fused(c10::ArrayRef<const FusableOp*> ops, std::exception_ptr& error,
     return n;
   };
   try {
-    Signature s;
-    s.key.push_back(at::get_num_threads());  // Inductor splits a kernel's loops for this many threads
-    for (const FusableOp* f : ops) {
-      put(s.key, Token::op), s.key.push_back(reinterpret_cast<int64_t>(&f->op.schema()));
-      for (const c10::IValue& v : f->args) s.add(v);
-      for (const at::Tensor& o : f->outs) s.add(c10::IValue(o));
-      s.end_op();
-    }
     const bool deterministic = at::globalContext().deterministicAlgorithms();  // fusion is off: Python counts it
     for (size_t n = ops.size(); n >= 2 && !ran && !deterministic; --n) {
-      const auto* found = g_plans.find(s.prefix_key(n));
+      const auto* found = n == ops.size() ? g_plans.find(whole) : g_plans.find(s.prefix_key(n));
       if (found == nullptr || (*found)->ops != n) continue;
       const std::shared_ptr<const FusedPlan> plan = *found;
       try {

@@ -35,7 +35,7 @@ struct Event {
   StreamQueue* queue = nullptr;  // where it was last recorded (null: never)
   uint64_t ticket = 0;
   std::shared_ptr<Marker> marker = std::make_shared<Marker>();
-  bool done() const { return !queue || queue->reached(ticket); }
+  bool done() const { return !queue || queue->query(ticket); }
 };
 
 int64_t now_ns() {
@@ -159,7 +159,10 @@ struct NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
     return static_cast<double>(e->marker->when_ns.load() - s->marker->when_ns.load()) / 1e6;
   }
 
-  bool queryStream(const Stream& s) const override { return queue_of(s.device_index(), s.id()).idle(); }
+  bool queryStream(const Stream& s) const override {
+    StreamQueue& q = queue_of(s.device_index(), s.id());
+    return q.query(q.enqueued());
+  }
   void synchronizeStream(const Stream& s) const override {
     StreamQueue& q = queue_of(s.device_index(), s.id());
     q.wait(q.enqueued());

@@ -120,6 +120,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("after"),
       "Install adaptive eager fusion: fusable(op name) -> bool, run(list of queued ops) -> (ops it ran fused, plan), "
       "and its limits (compiler/eager_fusion.py defines them).");
+  m.def("_mark_run", &mark_run, py::arg("begin"),
+        "Begin (True) or end a run the stream workers take whole (an optimizer step), whatever the host's timing.");
   m.def(
       "_set_verify_replay", &set_verify_replay, py::arg("on"),
       "Tests: rebuild every replayed fusion plan with the Python group builder and compare it with the replayed one.");

@@ -9,10 +9,13 @@
 #include <c10/core/GradMode.h>
 #include <Python.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "queue.h"
 #include "runtime.h"
@@ -133,9 +136,12 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
       started_ = true;
       std::thread([this] { loop(); }).detach();  // queues live for the process: never joined
     }
+    t.cut = std::exchange(cut_next_, false);
     tasks_.push_back(std::move(t));
     ticket = enqueued_.fetch_add(1, std::memory_order_relaxed) + 1;
-    wake = sleeping_;
+    const uint64_t held = held_after_.load(std::memory_order_relaxed);
+    if (held != kNotHeld && ticket - held > kMaxHeld) held_after_.store(kNotHeld);  // too long to hold
+    wake = sleeping_ && takeable();
   }
   if (wake) work_cv_.notify_one();
   return ticket;
@@ -149,13 +155,15 @@ void StreamQueue::loop() {
     Task t;
     {
       std::unique_lock<std::mutex> l(mu_);
-      if (tasks_.empty()) {
+      if (!takeable()) {
         l.unlock();
         auto until = std::chrono::steady_clock::now() + kSpin;
-        while (pending() == 0 && std::chrono::steady_clock::now() < until) std::this_thread::yield();
+        while ((pending() == 0 || popped_ >= held_after_.load(std::memory_order_relaxed)) &&
+               std::chrono::steady_clock::now() < until)
+          std::this_thread::yield();
         l.lock();
       }
-      while (tasks_.empty()) {
+      while (!takeable()) {
         sleeping_ = true;
         work_cv_.wait(l);
         sleeping_ = false;
@@ -165,8 +173,9 @@ void StreamQueue::loop() {
       ++popped_;
       // eager fusion: the fusable ops queued right behind this one (the host ran ahead) may become one kernel
       // (never over memory a failure left uncomputed: such an op is skipped on its own)
-      while (t.fuse && !poisoned(t.access) && group.size() + 1 < fusion_max_ops() && !tasks_.empty() &&
-             tasks_.front().fuse && tasks_.front().threads == t.threads && !poisoned(tasks_.front().access)) {
+      while (t.fuse && !poisoned(t.access) && group.size() + 1 < fusion_max_ops() && takeable() &&
+             tasks_.front().fuse && !tasks_.front().cut && tasks_.front().threads == t.threads &&
+             !poisoned(tasks_.front().access)) {
         group.push_back(std::move(tasks_.front()));
         tasks_.pop_front();
         ++popped_;
@@ -229,8 +238,43 @@ void StreamQueue::finish(Task& t, bool ran) {
 
 bool StreamQueue::reached(uint64_t ticket) const { return completed_.load(std::memory_order_acquire) >= ticket; }
 
+bool StreamQueue::query(uint64_t ticket) {
+  if (reached(ticket)) return true;
+  let_go(ticket);  // a user polling for a held launch would otherwise wait for the run's end, which may never come
+  return reached(ticket);
+}
+
+void StreamQueue::begin_run() {
+  std::lock_guard<std::mutex> g(mu_);
+  if (held_after_.load(std::memory_order_relaxed) == kNotHeld) held_after_.store(enqueued_.load());
+  cut_next_ = marking_ = true;
+}
+
+void StreamQueue::end_run() {
+  bool wake;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    held_after_.store(kNotHeld);
+    if (marking_) cut_next_ = true, marking_ = false;
+    wake = sleeping_ && takeable();
+  }
+  if (wake) work_cv_.notify_one();
+}
+
+void StreamQueue::let_go(uint64_t ticket) {
+  if (ticket <= held_after_.load()) return;  // not held (kNotHeld is above every ticket), or queued before the run
+  bool wake;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    held_after_.store(kNotHeld);
+    wake = sleeping_ && takeable();
+  }
+  if (wake) work_cv_.notify_one();
+}
+
 void StreamQueue::wait_quiet(uint64_t ticket) {
   if (reached(ticket)) return;
+  let_go(ticket);  // waiting for a launch the worker may not take yet would never end
   auto until = std::chrono::steady_clock::now() + kSpin;
   while (!reached(ticket) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
   if (reached(ticket)) return park_other_threads_at_exit();
@@ -377,6 +421,17 @@ void reset_queues_after_fork() {
   for (auto* q : r.all) q->reset_after_fork();
 }
 
+void mark_run(bool begin) {
+  if (!begin) {  // every queue: the current stream may have changed inside the run
+    for (auto* q : queues_of(-1)) q->end_run();
+    return;
+  }
+  std::vector<c10::DeviceIndex> devices;
+  for (auto* q : queues_of(-1))
+    if (std::find(devices.begin(), devices.end(), q->device()) == devices.end()) devices.push_back(q->device());
+  for (auto d : devices) queue_of(d, current_stream_id(d)).begin_run();
+}
+
 bool on_stream_worker() { return t_stream_worker; }
 
 void StreamQueue::reset_after_fork() {
@@ -384,7 +439,8 @@ void StreamQueue::reset_after_fork() {
   new (&work_cv_) std::condition_variable();
   new (&done_cv_) std::condition_variable();
   new (&tasks_) std::deque<Task>();  // the parent's tasks are leaked, not run
-  started_ = sleeping_ = false;
+  started_ = sleeping_ = cut_next_ = marking_ = false;
+  held_after_.store(kNotHeld);
   completed_.store(enqueued_.load());
   popped_ = enqueued_.load();
   wake_at_.store(kNoWaiter);

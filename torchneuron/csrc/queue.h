@@ -36,6 +36,13 @@ class StreamQueue {
                 std::shared_ptr<const FusableOp> fuse = nullptr, int64_t work = 0, Access access = {});
   uint64_t enqueued() const { return enqueued_.load(std::memory_order_acquire); }
   bool reached(uint64_t ticket) const;
+  bool query(uint64_t ticket);  // reached(), for a user polling (an event, a stream): first lets a held run go
+  // A run the host marks (an optimizer step: begin_run .. end_run) reaches the worker whole, wherever the host was
+  // when it began: the worker takes none of its launches until it ends, and eager fusion groups no op across either
+  // end. So the runs a step hands to fusion are the same every step, whether the host ran ahead or had just waited
+  // (the loss read before the step). Whatever waits for a held launch (any sync point, a full queue) lets it go.
+  void begin_run();
+  void end_run();
   bool idle() const { return reached(enqueued()); }
   void wait(uint64_t ticket);        // a sync point: waits, then raises the stream's pending error
   void wait_quiet(uint64_t ticket);  // ordering only (a worker waiting on another stream, the allocator)
@@ -60,12 +67,15 @@ class StreamQueue {
                        // keeps its workspace only with grad enabled)
     std::shared_ptr<const FusableOp> fuse;
     Access access;
+    bool cut = false;  // a marked run begins or has ended here: eager fusion groups no op across it
   };
   void finish(Task& t, bool ran);  // run `t` (unless `ran`: a fused kernel did its work) and count it complete
   void fail(Task& t, std::exception_ptr error);  // `t` threw: poison what it writes, keep the error to report
   void hold(FailurePtr f, uint64_t at);          // queue `f` behind the failures not yet seen (mu_ held)
   void loop();
   uint64_t pending() const { return enqueued_.load(std::memory_order_acquire) - popped_; }
+  bool takeable() const { return !tasks_.empty() && popped_ < held_after_.load(std::memory_order_relaxed); }  // mu_
+  void let_go(uint64_t ticket);  // a held launch up to `ticket` is waited for: the held run goes to the worker
   const c10::DeviceIndex device_;
   const c10::StreamId id_;
   std::mutex mu_;
@@ -76,6 +86,12 @@ class StreamQueue {
   static constexpr uint64_t kNoWaiter = ~uint64_t{0};
   static constexpr uint64_t kMaxQueued = 1024;  // launches pending before the launching thread waits (push)
   std::atomic<uint64_t> wake_at_{kNoWaiter};    // the lowest ticket a sleeping waiter waits for
+  // A marked run being queued: the worker takes no launch with a ticket above this (written under mu_). A run
+  // longer than kMaxHeld launches (an optimizer stepping tensor by tensor: nothing to fuse) goes before it ends, so
+  // the worker does not idle while the host queues it.
+  static constexpr uint64_t kNotHeld = ~uint64_t{0}, kMaxHeld = 64;
+  std::atomic<uint64_t> held_after_{kNotHeld};
+  bool cut_next_ = false, marking_ = false;  // (mu_) the next launch pushed is a Task::cut; inside begin_run .. end_run
   // The failures not yet reported at a sync point, in the order this stream met them (its own, and those it took
   // on by waiting for another stream), each with its place in this stream.
   struct Held {
@@ -86,6 +102,9 @@ class StreamQueue {
   std::atomic<bool> failed_{false};  // unseen_ is not empty
   bool started_ = false, sleeping_ = false;
 };
+// The host marks a run (torch.optim's step hooks, compiler/eager_fusion.py): begin holds the current stream of each
+// device in use, end lets every held run go.
+void mark_run(bool begin);
 bool on_stream_worker();  // this thread runs a stream's kernels (it never parks at exit, nor waits to launch)
 StreamQueue& queue_of(c10::DeviceIndex device, c10::StreamId id);
 StreamQueue& current_queue(c10::DeviceIndex device);
