@@ -594,6 +594,21 @@ def test_a_step_that_raises_or_polls_leaves_no_launch_held():
         assert torch.equal(y.cpu(), torch.arange(4.0) * 3)
 
 
+def test_the_step_hooks_are_active_and_trace_to_nothing_in_a_compiled_step():
+    """The hooks mark eager steps only: a torch.compile'd step (Dynamo traces the global step hooks) gets no graph
+    break from them."""
+    assert patches.is_active(ef.OPTIMIZER_STEP_RUNS)
+    begin, end = ef._mark_run(True), ef._mark_run(False)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        begin(None, (), {})
+        x = x * 2
+        end(None, (), {})
+        return x
+
+    torch.testing.assert_close(torch.compile(step, backend="eager", fullgraph=True)(torch.ones(3)), torch.full((3,), 2.0))
+
+
 @needs_async
 def test_in_place_ops_fuse_and_a_run_stops_where_their_memory_is_read_another_way():
     """`a.mul_(2).add_(b).relu_()` fuses, its value stored back into `a` (and a bfloat16 tensor's in-place op with
