@@ -71,8 +71,10 @@ MODELS: dict[str, BenchModel] = {
 }
 
 
-def train_step(device: str, model: str) -> Callable[[], None]:
-    """A training step (forward, loss, backward, AdamW) of MODELS[model] on `device`."""
+def train_step(device: str, model: str, read_loss: bool = False) -> Callable[[], None]:
+    """A training step (forward, loss, backward, AdamW) of MODELS[model] on `device`. `read_loss`: the loss is read
+    between backward and the optimizer step, as HF Trainer's loop does (its NaN filter), so the host waits for the
+    device there every step."""
     bm = MODELS[model]
     torch.manual_seed(0)
     m, (x, y) = bm.make().to(device), bm.batch()
@@ -83,6 +85,8 @@ def train_step(device: str, model: str) -> Callable[[], None]:
         loss = bm.loss(m, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if read_loss:
+            loss.item()
         opt.step()
     return step
 
@@ -125,13 +129,16 @@ def run(quick: bool = False) -> list[dict]:
                    shape=(64, 512, 768))
         name = "fused chain (bias+GELU+dropout+residual+layernorm)" if p else "fused chain, dropout p=0"
         rows.append(row(name, t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", target))
-    for model, name, calls, target in (("mlp", "MLP training step", 30, 0.85),
-                                       ("gpt", "small-GPT training step", 8, 0.9),
-                                       ("gpt_sdpa", "small-GPT training step, SDPA attention", 8, None),
-                                       ("cnn", "small-CNN training step", 8, None),
-                                       ("lstm", "LSTM language-model training step (2 layers, 35 steps)", 8, None),
-                                       ("hf_gpt2", "HF GPT-2 training step (12 blocks, 148 tensors)", 4, None)):
-        t = paired(train_step, calls=calls // 3 if quick else calls, repeats=reps, min_turn=turn, model=model)
+    for model, name, calls, target, read_loss in (
+            ("mlp", "MLP training step", 30, 0.85, False),
+            ("gpt", "small-GPT training step", 8, 0.9, False),
+            ("gpt_sdpa", "small-GPT training step, SDPA attention", 8, None, False),
+            ("cnn", "small-CNN training step", 8, None, False),
+            ("lstm", "LSTM language-model training step (2 layers, 35 steps)", 8, None, False),
+            ("hf_gpt2", "HF GPT-2 training step (12 blocks, 148 tensors)", 4, None, False),
+            ("hf_gpt2", "HF GPT-2 training step, loss read before the optimizer step", 4, None, True)):
+        t = paired(train_step, calls=calls // 3 if quick else calls, repeats=reps, min_turn=turn, model=model,
+                   read_loss=read_loss)
         rows.append(row(name, t["neuron"] * 1e3, t["cpu"] * 1e3, "ms", target))
     # Start-up: from building the model to the end of its 10th step, in fresh processes. With an empty compile
     # cache (a first run: eager fusion's kernels compile in the background meanwhile) and with the one a run left.
