@@ -536,12 +536,14 @@ def test_an_optimizer_step_becomes_one_kernel_and_tracks_the_cpus_optimizer(requ
 
 
 @needs_async
-def test_an_optimizer_step_reaches_the_worker_whole_whether_or_not_the_host_just_waited(request):
-    """A loop that reads the loss before `opt.step()` (HF Trainer's does) leaves the worker idle when the step's
-    first list op is launched: unmarked, the worker took that op alone, then whatever the host had queued by then, so
-    the runs it handed to fusion depended on timing, rarely recurred, and compiled groups that hardly ran. torch.optim's
-    step hooks mark the step, and the worker takes it whole: once fused, every step runs all 8 list ops of its AdamW
-    in one kernel, whether the host had just waited or ran ahead, with the CPU's values."""
+@pytest.mark.parametrize("wait", ["before the step", "in its closure"])
+def test_an_optimizer_step_reaches_the_worker_whole_whether_or_not_the_host_just_waited(wait):
+    """A loop that reads the loss before `opt.step()` (HF Trainer's does; Lightning's closure reads it inside the
+    step) leaves the worker idle when the step's first list op is launched: unmarked, the worker took that op alone,
+    then whatever the host had queued by then, so the runs it handed to fusion depended on timing, rarely recurred,
+    and compiled groups that hardly ran. torch.optim's step hooks mark the step, and the worker takes it whole (after
+    a sync inside it, what follows): once fused, every step runs all 8 list ops of its AdamW in one kernel, whether
+    the host had just waited or ran ahead, with the CPU's values."""
     g = torch.Generator().manual_seed(12)
     cpu = [torch.randn(384, 512, generator=g), torch.randn(512, generator=g), torch.randn(512, 384, generator=g)]
     dev = [p.to("neuron") for p in cpu]
@@ -552,13 +554,14 @@ def test_an_optimizer_step_reaches_the_worker_whole_whether_or_not_the_host_just
             q.grad = None
             p.grad = torch.randn(p.shape, generator=g)
             q.grad = p.grad.to("neuron")
-        if step % 2:
+        waited = step % 2 == 0
+        if not waited:
             busy_stream()  # the host runs ahead: the step queues behind work
-        else:
+        elif wait == "before the step":
             torch.neuron.synchronize()  # the loss read: the worker is idle when the step begins
         before = fused_counts()
         for opt in opts:
-            opt.step()
+            opt.step((lambda: dev[0].sum().item()) if waited and wait == "in its closure" else None)
         for p, q in zip(cpu, dev, strict=True):
             torch.testing.assert_close(q.cpu(), p)
         per_step.append(fused_counts()[1] - before[1])

@@ -136,6 +136,7 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
       started_ = true;
       std::thread([this] { loop(); }).detach();  // queues live for the process: never joined
     }
+    if (std::exchange(rearm_, false)) held_after_.store(enqueued_.load(std::memory_order_relaxed)), cut_next_ = true;
     t.cut = std::exchange(cut_next_, false);
     tasks_.push_back(std::move(t));
     ticket = enqueued_.fetch_add(1, std::memory_order_relaxed) + 1;
@@ -247,7 +248,8 @@ bool StreamQueue::query(uint64_t ticket) {
 void StreamQueue::begin_run() {
   std::lock_guard<std::mutex> g(mu_);
   if (held_after_.load(std::memory_order_relaxed) == kNotHeld) held_after_.store(enqueued_.load());
-  cut_next_ = marking_ = true;
+  cut_next_ = true, rearm_ = false;
+  marking_.store(true, std::memory_order_relaxed);
 }
 
 void StreamQueue::end_run() {
@@ -255,26 +257,31 @@ void StreamQueue::end_run() {
   {
     std::lock_guard<std::mutex> g(mu_);
     held_after_.store(kNotHeld);
-    if (marking_) cut_next_ = true, marking_ = false;
+    if (marking_.exchange(false, std::memory_order_relaxed)) cut_next_ = true;
+    rearm_ = false;
     wake = sleeping_ && takeable();
   }
   if (wake) work_cv_.notify_one();
 }
 
 void StreamQueue::let_go(uint64_t ticket) {
-  if (ticket <= held_after_.load()) return;  // not held (kNotHeld is above every ticket), or queued before the run
-  bool wake;
+  // outside a marked run, nothing is held (kNotHeld is above every ticket) or the wait is for launches before it
+  if (!marking_.load(std::memory_order_relaxed) && ticket <= held_after_.load()) return;
+  bool wake = false;
   {
     std::lock_guard<std::mutex> g(mu_);
-    held_after_.store(kNotHeld);
-    wake = sleeping_ && takeable();
+    if (ticket > held_after_.load(std::memory_order_relaxed)) {
+      held_after_.store(kNotHeld);
+      wake = sleeping_ && takeable();
+    }
+    rearm_ = marking_.load(std::memory_order_relaxed) && held_after_.load(std::memory_order_relaxed) == kNotHeld;
   }
   if (wake) work_cv_.notify_one();
 }
 
 void StreamQueue::wait_quiet(uint64_t ticket) {
-  if (reached(ticket)) return;
   let_go(ticket);  // waiting for a launch the worker may not take yet would never end
+  if (reached(ticket)) return;
   auto until = std::chrono::steady_clock::now() + kSpin;
   while (!reached(ticket) && std::chrono::steady_clock::now() < until) std::this_thread::yield();
   if (reached(ticket)) return park_other_threads_at_exit();
@@ -439,7 +446,8 @@ void StreamQueue::reset_after_fork() {
   new (&work_cv_) std::condition_variable();
   new (&done_cv_) std::condition_variable();
   new (&tasks_) std::deque<Task>();  // the parent's tasks are leaked, not run
-  started_ = sleeping_ = cut_next_ = marking_ = false;
+  started_ = sleeping_ = cut_next_ = rearm_ = false;
+  marking_.store(false);
   held_after_.store(kNotHeld);
   completed_.store(enqueued_.load());
   popped_ = enqueued_.load();

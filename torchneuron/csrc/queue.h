@@ -75,7 +75,7 @@ class StreamQueue {
   void loop();
   uint64_t pending() const { return enqueued_.load(std::memory_order_acquire) - popped_; }
   bool takeable() const { return !tasks_.empty() && popped_ < held_after_.load(std::memory_order_relaxed); }  // mu_
-  void let_go(uint64_t ticket);  // a held launch up to `ticket` is waited for: the held run goes to the worker
+  void let_go(uint64_t ticket);  // something waits for `ticket`: a held run it reaches goes to the worker
   const c10::DeviceIndex device_;
   const c10::StreamId id_;
   std::mutex mu_;
@@ -91,7 +91,11 @@ class StreamQueue {
   // the worker does not idle while the host queues it.
   static constexpr uint64_t kNotHeld = ~uint64_t{0}, kMaxHeld = 64;
   std::atomic<uint64_t> held_after_{kNotHeld};
-  bool cut_next_ = false, marking_ = false;  // (mu_) the next launch pushed is a Task::cut; inside begin_run .. end_run
+  bool cut_next_ = false;             // (mu_) the next launch pushed is a Task::cut
+  std::atomic<bool> marking_{false};  // inside begin_run .. end_run (written under mu_)
+  // (mu_) A wait inside the marked run let it go: the next launch holds again, so what the run queues after a sync
+  // inside it (a step's closure reading the loss) reaches the worker whole too.
+  bool rearm_ = false;
   // The failures not yet reported at a sync point, in the order this stream met them (its own, and those it took
   // on by waiting for another stream), each with its place in this stream.
   struct Held {
