@@ -609,7 +609,8 @@ def test_the_step_hooks_are_active_and_trace_to_nothing_in_a_compiled_step():
         end(None, (), {})
         return x
 
-    torch.testing.assert_close(torch.compile(step, backend="eager", fullgraph=True)(torch.ones(3)), torch.full((3,), 2.0))
+    compiled = torch.compile(step, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 2.0))
 
 
 @needs_async
