@@ -224,6 +224,37 @@ def test_queued_call_copies_memory_an_aten_kernel_allocated(queued_kernels):
         torch.testing.assert_close(f(spd, k).cpu(), torch.linalg.cholesky(spd.cpu() * k) + 1)
 
 
+@pytest.mark.needs_async
+def test_results_sharing_memory_an_aten_kernel_allocated_are_queued_with_their_aliasing(queued_kernels):
+    """Two results over one ATen-allocated storage (rows of a QR factor) are learnt as one fresh storage, as an op's
+    results over one storage are: later calls are queued, both rows copied into one storage handed out at the
+    launch, and they alias each other as at the first call and on the CPU."""
+    w = torch.randn(512, 512, device=N) / 24
+
+    def f(x, w):
+        for _ in range(6):
+            x = torch.tanh(x @ w)
+        q, r = torch.linalg.qr(x)
+        return q[0], q[1], r
+
+    g = torch.compile(f, backend=N)
+    x = torch.randn(512, 512, device=N)
+    out = g(x, w)  # on the host thread: learns where each result lives
+    shape = [(o.storage_offset(), o.stride()) for o in out]
+    assert out[0].untyped_storage().data_ptr() == out[1].untyped_storage().data_ptr()
+    first = [t.cpu() for t in out]
+    for o, ref in zip(first, f(x.cpu(), w.cpu()), strict=True):
+        torch.testing.assert_close(o, ref, atol=1e-4, rtol=1e-4)
+    torch.neuron.synchronize()
+    calls = [g(x, w) for _ in range(3)]
+    assert not torch.neuron.current_stream().query(), "the compiled calls ran before their launches returned"
+    for out in calls:
+        assert out[0].untyped_storage().data_ptr() == out[1].untyped_storage().data_ptr()
+        assert [(o.storage_offset(), o.stride()) for o in out] == shape
+        for o, ref in zip(out, first, strict=True):
+            assert torch.equal(o.cpu(), ref)
+
+
 def test_a_compiled_optimizer_step_keeps_its_host_step_counts(queued_kernels):
     """Adam's step counts stay on the host (not capturable) and the compiled step updates them in place: a kernel
     with host tensor arguments runs on the host thread, so they are current whenever the host reads them."""

@@ -111,25 +111,16 @@ class Buffer:
 
 
 @dataclass(frozen=True)
-class Result:
-    """Where result i of a queued call lives: in `source` "buffer" (the generated code's allocation `index`, which
-    then takes the result's memory), "input" (the memory of device input `index`), "copy" (memory an ATen kernel
-    inside the code allocated: copied into the result, counted) or "empty" (no memory); with this metadata."""
-
-    source: str
-    index: int
-    dtype: torch.dtype
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...]
-    offset: int
-
-
-@dataclass(frozen=True)
 class Layout:
+    """Where a queued call's results live: `results` (the C++ core's result layout, learnt as an op's first call's
+    is: each result over an input or over a fresh storage) and, for the generated code, its allocations in order and
+    the fresh storage each buffer that holds results is allocated in. A fresh storage no buffer maps to is memory an
+    ATen kernel inside the code allocated (an extern matmul's result): its results are copied there."""
+
+    results: _C.ResultLayout
     buffers: tuple[Buffer, ...]
-    roots: dict[int, int]  # buffer index -> the result memory (root) it is allocated in
-    root_bytes: tuple[int, ...]
-    results: tuple[Result | None, ...]  # None: a None result
+    roots: dict[int, int]  # buffer index -> the fresh storage (group) it is allocated in
+    copies: frozenset[int]  # the results copied into their storage
 
 
 class _Record:
@@ -151,13 +142,6 @@ def _base(t: torch.Tensor) -> int:
     return t.data_ptr() - t.storage_offset() * t.element_size() if t.numel() else 0
 
 
-def _extent(sizes: tuple, strides: tuple, offset: int, dtype: torch.dtype) -> int:
-    """Bytes of storage a tensor with this metadata needs (as ATen computes a fresh allocation's size)."""
-    if any(n == 0 for n in sizes):
-        return 0
-    return (offset + 1 + sum((n - 1) * st for n, st in zip(sizes, strides, strict=True))) * dtype.itemsize
-
-
 class _Replay:
     """A queued call's allocations: the buffers that hold results go into the results' memory."""
 
@@ -177,41 +161,22 @@ class _Replay:
         return torch.empty(0, dtype=dtype).set_(self.roots[root].untyped_storage(), 0, sizes, strides)
 
 
-def _learn(outs: list, devices: list[int | None], host_inputs: list[torch.Tensor], rec: _Record) -> Layout | None:
-    """Where each result of the first call lives, or None when a queued call could not reproduce it (a result that
-    stays on the host, or two results sharing memory an ATen kernel allocated)."""
+def _learn(outs: list, devices: list[int | None], inputs: list[torch.Tensor], rec: _Record) -> Layout | None:
+    """Where each neuron result of the first call lives, or None when a queued call could not be handed it at its
+    launch (a result that stays on the host)."""
+    pairs = zip(outs, devices, strict=True)
+    if any(o is not None and (d is None or not isinstance(o, torch.Tensor)) for o, d in pairs):
+        return None
+    results = _C._learn_results(outs, inputs)
+    if results is None:
+        return None
     by_ptr = {ptr: k for k, (_, ptr) in enumerate(rec.buffers) if ptr}  # a freed buffer's address: a later one's
-    inputs = {_base(t): j for j, t in enumerate(host_inputs) if t.numel()}
-    roots: dict[int, int] = {}
-    root_bytes: list[int] = []
-    results: list[Result | None] = []
-    copied: set[int] = set()
-    for o, device in zip(outs, devices, strict=True):
-        if o is None:
-            results.append(None)
-            continue
-        if device is None or not isinstance(o, torch.Tensor) or o.device.type != "cpu" or o.layout != torch.strided:
-            return None
-        meta = (o.dtype, tuple(o.shape), tuple(o.stride()), o.storage_offset())
-        ptr = _base(o)
-        if ptr == 0:
-            results.append(Result("empty", -1, *meta))
-        elif ptr in inputs:
-            results.append(Result("input", inputs[ptr], *meta))
-        elif ptr in by_ptr:
-            k = by_ptr[ptr]
-            if k not in roots:
-                b = rec.buffers[k][0]
-                roots[k] = len(root_bytes)
-                root_bytes.append(_extent(b.sizes, b.strides, 0, b.dtype))
-            results.append(Result("buffer", roots[k], *meta))
-        elif ptr in copied:
-            return None
-        else:
-            copied.add(ptr)
-            root_bytes.append(_extent(*meta[1:], o.dtype))
-            results.append(Result("copy", len(root_bytes) - 1, *meta))
-    return Layout(tuple(b for b, _ in rec.buffers), roots, tuple(root_bytes), tuple(results))
+    first: dict[int, int] = {}  # fresh storage -> its first result
+    for i, g in enumerate(results.slot_groups):
+        first.setdefault(g, i)
+    roots = {by_ptr[p]: g for g, i in first.items() if g >= 0 and (p := _base(outs[i])) in by_ptr}
+    copies = frozenset(i for i, g in enumerate(results.slot_groups) if g >= 0 and g not in roots.values())
+    return Layout(results, tuple(b for b, _ in rec.buffers), roots, copies)
 
 
 class Kernel:
@@ -246,7 +211,6 @@ class Kernel:
         _C._host_args(args, self.device_inputs)
         if not self.queueable or self.layout is not None:
             return _C._device_results(self.call(args), self.outputs, inputs)
-        host_inputs = [args[i] for i in self.device_inputs]
         if any(isinstance(a, torch.Tensor) for i, a in enumerate(args) if i not in self.device_inputs):
             # a host tensor argument (a compiled optimizer's CPU step count, which the graph may update in place)
             # is read and written when the call runs: the host thread's
@@ -257,29 +221,21 @@ class Kernel:
             outs = self.call(args)
         finally:
             _ALLOCATION.plan = None
-        self.layout = _learn(list(outs), self.outputs, host_inputs, rec)
+        results = _C._device_results(outs, self.outputs, inputs)
+        self.layout = _learn(list(results), self.outputs, inputs, rec)
         self.queueable = self.layout is not None
-        return _C._device_results(outs, self.outputs, inputs)
+        return results
 
     def _launch(self, args: list) -> list:
-        """Queue the call on the current stream: allocate the results now, in the layout of the first call."""
+        """Queue the call on the current stream: its results handed out now, in the layout of its first call."""
         layout = self.layout
         inputs = [args[i] for i in self.device_inputs]
-        device = inputs[0].device if inputs else torch.device("neuron", torch.neuron.current_device())
-        roots = [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.root_bytes]
-        results: list[torch.Tensor | None] = []
-        for r in layout.results:
-            if r is None:
-                results.append(None)
-            elif r.source == "empty":
-                results.append(torch.empty_strided(r.sizes, r.strides, dtype=r.dtype, device=device))
-            else:
-                base = inputs[r.index] if r.source == "input" else roots[r.index]
-                results.append(_C._tensor_over(base, r.dtype, r.sizes, r.strides, r.offset))
+        device = inputs[0].device.index if inputs else torch.neuron.current_device()
+        results, roots = _C._hand_out_results(layout.results, inputs, device)
         _C._host_args(args, self.device_inputs, wait=False)
         host = [*roots, *results]
         _C._host_args(host, [i for i, t in enumerate(host) if t is not None], wait=False)
-        _C._queue_kernel(device.index, self.name, functools.partial(
+        _C._queue_kernel(device, self.name, functools.partial(
             _replay, self.call, self.name, layout, args, host[:len(roots)], host[len(roots):]), FULL_THREADS,
             inputs, [*roots, *(r for r in results if r is not None)])
         return results
@@ -297,15 +253,14 @@ def _replay(call: Any, name: str, layout: Layout, args: list, roots: list[torch.
     if plan.next != len(layout.buffers):
         raise RuntimeError(f"neuron: compiled kernel {name} allocated {plan.next} buffers, {len(layout.buffers)} "
                            "at its first call; set TORCHNEURON_LAUNCH_BLOCKING=1 to run compiled kernels on the host")
-    for i, (o, r, dst) in enumerate(zip(outs, layout.results, results, strict=True)):
-        if r is None:
+    for i, (o, dst) in enumerate(zip(outs, results, strict=True)):
+        if dst is None:
             continue
-        if r.source == "copy":
+        if i in layout.copies:
             dst.copy_(o)
             continue
-        if r.source != "empty" and (_base(o) != _base(dst) or
-                                    o.shape != dst.shape or o.stride() != dst.stride() or
-                                    o.storage_offset() != dst.storage_offset()):
+        if dst.numel() and (_base(o) != _base(dst) or o.shape != dst.shape or o.stride() != dst.stride() or
+                            o.storage_offset() != dst.storage_offset()):
             raise RuntimeError(f"neuron: compiled kernel {name} computed result {i} elsewhere than at its first call; "
                                "set TORCHNEURON_LAUNCH_BLOCKING=1 to run compiled kernels on the host thread")
 

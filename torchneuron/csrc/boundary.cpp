@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "fallback.h"
 #include "runtime.h"
 
 namespace torchneuron {
@@ -81,23 +82,6 @@ py::list device_results(py::sequence outs, const std::vector<std::optional<int64
   return res;
 }
 
-// A queued compiled kernel's result at its launch: a neuron tensor (not a view) with this metadata over `base`'s
-// storage, which the kernel fills when it runs.
-at::Tensor tensor_over(const at::Tensor& base, at::ScalarType dtype, const std::vector<int64_t>& sizes,
-                       const std::vector<int64_t>& strides, int64_t offset) {
-  TORCH_CHECK(base.device().type() == kNeuron, "_tensor_over expects a neuron tensor, got one on ", base.device());
-  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(base.storage()),
-                                                    c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
-                                                    c10::scalarTypeToTypeMeta(dtype));
-  t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
-  int64_t end = offset + 1;  // one past the last element (an empty tensor needs no memory)
-  for (size_t d = 0; d < sizes.size(); ++d) end = sizes[d] == 0 ? 0 : end + (sizes[d] - 1) * strides[d];
-  TORCH_CHECK(end == 0 || static_cast<size_t>(end) * c10::elementSize(dtype) <= base.storage().nbytes(),
-              "_tensor_over: sizes ", sizes, ", strides ", strides, " and offset ", offset, " reach past the ",
-              base.storage().nbytes(), " bytes of the storage");
-  return t;
-}
-
 // Queue `run()` (a compiled kernel's call over host views) on the current stream of `device`. The stream worker
 // runs it holding the GIL: the kernel's generated code is Python, and the loops it calls release the GIL.
 void queue_kernel(c10::DeviceIndex device, const std::string& name, py::object run, int64_t work,
@@ -135,14 +119,55 @@ void queue_kernel(c10::DeviceIndex device, const std::string& name, py::object r
       false, nullptr, work, std::move(acc));
 }
 
+// A compiled kernel's queued results: its first call's neuron results learnt as an op's are (fallback.h), and handed
+// out at each later launch over its neuron inputs and fresh storages (returned as byte tensors: the generated code
+// allocates its buffers in them, compiler/kernel.py).
+using Layout = fallback::ResultLayout;
+std::shared_ptr<Layout> learn_results(const std::vector<std::optional<at::Tensor>>& results,
+                                      const std::vector<at::Tensor>& inputs) {
+  fallback::FlatArgs flat(inputs.begin(), inputs.end());
+  return std::const_pointer_cast<Layout>(fallback::record_results(results, flat));
+}
+
+std::pair<std::vector<std::optional<at::Tensor>>, std::vector<at::Tensor>> hand_out_results(
+    const Layout& L, const std::vector<at::Tensor>& inputs, c10::DeviceIndex device) {
+  c10::DeviceGuard guard(c10::Device(kNeuron, device));
+  fallback::FlatArgs flat(inputs.begin(), inputs.end());
+  std::vector<c10::Storage> groups;
+  std::vector<std::optional<at::Tensor>> results;
+  for (at::Tensor& r : fallback::hand_out(L, flat, groups))
+    results.push_back(r.defined() ? std::optional<at::Tensor>(std::move(r)) : std::nullopt);
+  std::vector<at::Tensor> bytes;
+  for (c10::Storage& g : groups) {
+    auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(g), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
+                                                      c10::scalarTypeToTypeMeta(at::kByte));
+    t.unsafeGetTensorImpl()->set_sizes_contiguous({static_cast<int64_t>(t.storage().nbytes())});
+    bytes.push_back(std::move(t));
+  }
+  return {std::move(results), std::move(bytes)};
+}
+
 }  // namespace
 
 void bind_boundary(py::module_& m) {
+  py::class_<Layout, std::shared_ptr<Layout>>(m, "ResultLayout",
+                                              "Where each result of a compiled kernel's first call lived.")
+      .def_property_readonly(
+          "slot_groups",
+          [](const Layout& L) {
+            std::vector<int> v;
+            for (const auto& s : L.slots) v.push_back(s.kind == fallback::ResultSlot::fresh ? s.source : -1);
+            return v;
+          },
+          "Per result: the fresh storage (group) it lives in, or -1 (over an input, or None).");
+  m.def("_learn_results", &learn_results, py::arg("results"), py::arg("inputs"),
+        "The layout of a compiled kernel's neuron results against its neuron inputs, or None when a later call "
+        "could not be handed them at its launch.");
+  m.def("_hand_out_results", &hand_out_results, py::arg("layout"), py::arg("inputs"), py::arg("device"),
+        "A queued call's results in `layout` over `inputs`, and its fresh storages as byte tensors.");
   m.def("_host_args", &host_args, py::arg("args"), py::arg("device_inputs"), py::arg("wait") = true,
         "Replace the neuron tensors args[i], i in device_inputs, by CPU views of them (after the current stream's "
         "queued work, unless wait=False).");
-  m.def("_tensor_over", &tensor_over, py::arg("base"), py::arg("dtype"), py::arg("sizes"), py::arg("strides"),
-        py::arg("offset"), "A neuron tensor (not a view) with this metadata over base's storage.");
   m.def("_queue_kernel", &queue_kernel, py::arg("device"), py::arg("name"), py::arg("run"), py::arg("work"),
         py::arg("reads"), py::arg("writes"),
         "Queue run() on the current stream of a neuron device; the stream's worker calls it holding the GIL. "

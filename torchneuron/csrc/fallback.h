@@ -124,6 +124,13 @@ std::vector<Shape> shapes_of(const FlatArgs& flat);
 // signature (a written argument changed shape, a result is not a neuron tensor, an unknown return type).
 std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                                                   const FlatArgs& flat, const std::vector<Shape>& before);
+// A compiled kernel's results (compiler/kernel.py), learnt from its first call's neuron results as an op's are from
+// its stack: each over one of `flat` (its neuron inputs) or over fresh storage. Null as record_layout's.
+std::shared_ptr<const ResultLayout> record_results(const std::vector<std::optional<at::Tensor>>& results,
+                                                   const FlatArgs& flat);
+// A queued kernel's results, handed out at its launch: over `flat` and over fresh neuron storages, one per group
+// (filled in `groups`), on the current device.
+std::vector<at::Tensor> hand_out(const ResultLayout& L, const FlatArgs& flat, std::vector<c10::Storage>& groups);
 // A queued kernel's results differ from the layout handed out at its launch (its first call with the same
 // argument signature returned another): an op whose results depend on more than the signature. The error says so
 // rather than leaving wrong results.

@@ -101,16 +101,21 @@ std::vector<Shape> shapes_of(const FlatArgs& flat) {
   return v;
 }
 
-std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
-                                                  const FlatArgs& flat, const std::vector<Shape>& before) {
-  auto L = std::make_shared<ResultLayout>();
+namespace {
+// Records each result's slot in a layout: over an argument's storage (that argument, or a view of it), or over fresh
+// storage (one group per storage, in the order first met).
+struct SlotRecorder {
+  ResultLayout& L;
+  const FlatArgs& flat;
   SmallMap<const c10::StorageImpl*, int> groups, first;  // fresh storages' groups; the first argument over each
-  for (size_t j = 0; j < flat.size(); ++j)
-    if (flat[j].defined() && !first.find(flat[j].storage().unsafeGetStorageImpl()))
-      first.add(flat[j].storage().unsafeGetStorageImpl(), static_cast<int>(j));
-  auto add = [&](const at::Tensor& t) -> bool {
+  SlotRecorder(ResultLayout& layout, const FlatArgs& args) : L(layout), flat(args) {
+    for (size_t j = 0; j < flat.size(); ++j)
+      if (flat[j].defined() && !first.find(flat[j].storage().unsafeGetStorageImpl()))
+        first.add(flat[j].storage().unsafeGetStorageImpl(), static_cast<int>(j));
+  }
+  bool add(const at::Tensor& t) {
     ResultSlot s;
-    if (!t.defined()) return L->slots.push_back(std::move(s)), true;
+    if (!t.defined()) return L.slots.push_back(std::move(s)), true;
     if (!is_neuron(t) || t.layout() != at::kStrided) return false;
     // a result whose storage does not hold its elements (an efficient zero tensor has no memory): only the host
     // path handles it
@@ -118,8 +123,8 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
         (!t.storage().data() || at::detail::computeStorageNbytes(t.sizes(), t.strides(), t.dtype().itemsize(),
                                                                  t.storage_offset()) > t.storage().nbytes()))
       return false;
-    L->max_numel = std::max<int64_t>(L->max_numel, t.numel());
-    L->int64 |= t.scalar_type() == at::kLong;
+    L.max_numel = std::max<int64_t>(L.max_numel, t.numel());
+    L.int64 |= t.scalar_type() == at::kLong;
     const auto* st = t.storage().unsafeGetStorageImpl();
     if (const int* j = first.find(st))  // the first argument over its storage: that argument, or a view of it
       s.kind = flat[*j].unsafeGetTensorImpl() == t.unsafeGetTensorImpl() ? ResultSlot::arg : ResultSlot::view,
@@ -129,10 +134,10 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
       if (int* g = groups.find(st)) {
         s.source = *g;
       } else {
-        s.source = static_cast<int>(L->group_bytes.size());
+        s.source = static_cast<int>(L.group_bytes.size());
         groups.add(st, s.source);
-        L->group_bytes.push_back(t.storage().nbytes());
-        L->group_slot.push_back(L->slots.size());
+        L.group_bytes.push_back(t.storage().nbytes());
+        L.group_slot.push_back(L.slots.size());
       }
     }
     s.sizes.assign(t.sizes().begin(), t.sizes().end());  // an argument's too: the kernel must leave it so
@@ -140,19 +145,37 @@ std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& sch
     s.offset = t.storage_offset();
     s.dtype = t.dtype();
     s.conj = t.is_conj(), s.neg = t.is_neg();
-    L->slots.push_back(std::move(s));
+    L.slots.push_back(std::move(s));
     return true;
-  };
+  }
+};
+}  // namespace
+
+std::shared_ptr<const ResultLayout> record_results(const std::vector<std::optional<at::Tensor>>& results,
+                                                   const FlatArgs& flat) {
+  auto L = std::make_shared<ResultLayout>();
+  SlotRecorder rec(*L, flat);
+  for (const auto& r : results) {
+    L->list_sizes.push_back(-1);
+    if (!rec.add(r ? *r : at::Tensor())) return nullptr;
+  }
+  return L;
+}
+
+std::shared_ptr<const ResultLayout> record_layout(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                                                  const FlatArgs& flat, const std::vector<Shape>& before) {
+  auto L = std::make_shared<ResultLayout>();
+  SlotRecorder rec(*L, flat);
   const size_t nret = schema.returns().size();
   for (size_t i = stack.size() - nret; i < stack.size(); ++i) {
     const c10::IValue& v = stack[i];
     if (v.isTensor()) {
       L->list_sizes.push_back(-1);
-      if (!add(v.toTensor())) return nullptr;
+      if (!rec.add(v.toTensor())) return nullptr;
     } else if (v.isTensorList()) {
       L->list_sizes.push_back(static_cast<int>(v.toTensorList().size()));
       for (const at::Tensor& t : v.toTensorList())
-        if (!add(t)) return nullptr;
+        if (!rec.add(t)) return nullptr;
     } else if (v.isNone()) {
       L->list_sizes.push_back(-1);
       L->slots.emplace_back();

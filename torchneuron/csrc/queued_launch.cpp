@@ -107,6 +107,33 @@ void check_int64(OpEntry& e, const std::vector<at::Tensor>& written) {
 }
 }  // namespace
 
+std::vector<at::Tensor> hand_out(const ResultLayout& L, const FlatArgs& flat, std::vector<c10::Storage>& groups) {
+  groups.reserve(L.group_bytes.size());
+  for (size_t nbytes : L.group_bytes)
+    groups.emplace_back(c10::Storage::use_byte_size_t(), nbytes, neuron_allocator()->allocate(nbytes),
+                        neuron_allocator(),
+                        /*resizable=*/true);
+  std::vector<at::Tensor> results;
+  results.reserve(L.slots.size());
+  for (const ResultSlot& s : L.slots) {
+    switch (s.kind) {
+      case ResultSlot::none:
+        results.emplace_back();
+        break;
+      case ResultSlot::arg:
+        results.push_back(flat[s.source]);
+        break;
+      case ResultSlot::view:
+        results.push_back(tensor_over(flat[s.source].storage(), s));
+        break;
+      case ResultSlot::fresh:
+        results.push_back(tensor_over(groups[s.source], s));
+        break;
+    }
+  }
+  return results;
+}
+
 bool sizable_now(const ResultLayout& L, const FlatArgs& flat) {
   for (const Resize& r : L.resized) {
     const at::Tensor& t = flat[r.arg];
@@ -147,36 +174,16 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
   }
   // results on the device now; fresh storages filled by the kernel
   std::vector<c10::Storage> groups;
-  groups.reserve(L.group_bytes.size());
-  for (size_t nbytes : L.group_bytes)
-    groups.emplace_back(c10::Storage::use_byte_size_t(), nbytes, neuron_allocator()->allocate(nbytes),
-                        neuron_allocator(),
-                        /*resizable=*/true);
+  std::vector<at::Tensor> results = hand_out(L, flat, groups);
   std::vector<const void*> expect;  // where an argument or a view result must point (checked by the kernel)
   std::vector<void*> group_memory;
   for (auto& g : groups) group_memory.push_back(g.mutable_data());
-  std::vector<at::Tensor> results;
-  results.reserve(L.slots.size());
   for (size_t k = 0; k < L.slots.size(); ++k) {
     const ResultSlot& s = L.slots[k];
-    switch (s.kind) {
-      case ResultSlot::none:
-        results.emplace_back();
-        break;
-      case ResultSlot::arg:
-        results.push_back(flat[s.source]);
-        break;
-      case ResultSlot::view:
-        results.push_back(tensor_over(flat[s.source].storage(), s));
-        break;
-      case ResultSlot::fresh:
-        results.push_back(tensor_over(groups[s.source], s));
-        break;
-    }
-    bool pointed = (s.kind == ResultSlot::arg || s.kind == ResultSlot::view) && results.back().numel() > 0;
-    expect.push_back(pointed ? results.back().data_ptr() : nullptr);
+    bool pointed = (s.kind == ResultSlot::arg || s.kind == ResultSlot::view) && results[k].numel() > 0;
+    expect.push_back(pointed ? results[k].data_ptr() : nullptr);
     if (s.kind == ResultSlot::fresh && s.source >= 0 && group_slot_is(L, s.source, k))
-      access.push_back(touch(results.back(), false, true));
+      access.push_back(touch(results[k], false, true));
   }
   std::vector<at::Tensor> int64s;  // host aliases of the int64 tensors it writes: its results and written arguments
   if (inspect_int64) {
