@@ -150,7 +150,7 @@ def run(quick: bool = False) -> list[dict]:
             return caches[-1]
 
         for state, cache_dir in (("empty", empty), ("warm", lambda: caches[0])):
-            t = first_calls(train_step, calls=10, cache_dir=cache_dir, repeats=1 if quick else 3, model="gpt")
+            t = first_calls(train_step, calls=10, cache_dir=cache_dir, repeats=1 if quick else 5, model="gpt")
             rows.append(row(f"small-GPT, start to 10th step, {state} compile cache", t["neuron"] * 1e3,
                             t["cpu"] * 1e3, "ms", 1.0))
     return rows

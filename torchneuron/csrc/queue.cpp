@@ -136,12 +136,12 @@ uint64_t StreamQueue::push(const char* name, std::function<void()> run, bool con
       started_ = true;
       std::thread([this] { loop(); }).detach();  // queues live for the process: never joined
     }
-    if (std::exchange(rearm_, false)) held_after_.store(enqueued_.load(std::memory_order_relaxed)), cut_next_ = true;
+    if (std::exchange(rearm_, false)) gate_.store(enqueued_.load(std::memory_order_relaxed)), cut_next_ = true;
     t.cut = std::exchange(cut_next_, false);
     tasks_.push_back(std::move(t));
     ticket = enqueued_.fetch_add(1, std::memory_order_relaxed) + 1;
-    const uint64_t held = held_after_.load(std::memory_order_relaxed);
-    if (held != kNotHeld && ticket - held > kMaxHeld) held_after_.store(kNotHeld);  // too long to hold
+    const uint64_t gate = gate_.load(std::memory_order_relaxed);
+    if (gate != kOpen && ticket - gate > kMaxGated) gate_.store(kOpen);  // too long to hold
     wake = sleeping_ && takeable();
   }
   if (wake) work_cv_.notify_one();
@@ -159,7 +159,7 @@ void StreamQueue::loop() {
       if (!takeable()) {
         l.unlock();
         auto until = std::chrono::steady_clock::now() + kSpin;
-        while ((pending() == 0 || popped_ >= held_after_.load(std::memory_order_relaxed)) &&
+        while ((pending() == 0 || popped_ >= gate_.load(std::memory_order_relaxed)) &&
                std::chrono::steady_clock::now() < until)
           std::this_thread::yield();
         l.lock();
@@ -247,7 +247,7 @@ bool StreamQueue::query(uint64_t ticket) {
 
 void StreamQueue::begin_run() {
   std::lock_guard<std::mutex> g(mu_);
-  if (held_after_.load(std::memory_order_relaxed) == kNotHeld) held_after_.store(enqueued_.load());
+  if (gate_.load(std::memory_order_relaxed) == kOpen) gate_.store(enqueued_.load());
   cut_next_ = true, rearm_ = false;
   marking_.store(true, std::memory_order_relaxed);
 }
@@ -256,7 +256,7 @@ void StreamQueue::end_run() {
   bool wake;
   {
     std::lock_guard<std::mutex> g(mu_);
-    held_after_.store(kNotHeld);
+    gate_.store(kOpen);
     if (marking_.exchange(false, std::memory_order_relaxed)) cut_next_ = true;
     rearm_ = false;
     wake = sleeping_ && takeable();
@@ -265,16 +265,16 @@ void StreamQueue::end_run() {
 }
 
 void StreamQueue::let_go(uint64_t ticket) {
-  // outside a marked run, nothing is held (kNotHeld is above every ticket) or the wait is for launches before it
-  if (!marking_.load(std::memory_order_relaxed) && ticket <= held_after_.load()) return;
+  // outside a marked run, the gate is open (kOpen is above every ticket) or the wait is for launches before it
+  if (!marking_.load(std::memory_order_relaxed) && ticket <= gate_.load()) return;
   bool wake = false;
   {
     std::lock_guard<std::mutex> g(mu_);
-    if (ticket > held_after_.load(std::memory_order_relaxed)) {
-      held_after_.store(kNotHeld);
+    if (ticket > gate_.load(std::memory_order_relaxed)) {
+      gate_.store(kOpen);
       wake = sleeping_ && takeable();
     }
-    rearm_ = marking_.load(std::memory_order_relaxed) && held_after_.load(std::memory_order_relaxed) == kNotHeld;
+    rearm_ = marking_.load(std::memory_order_relaxed) && gate_.load(std::memory_order_relaxed) == kOpen;
   }
   if (wake) work_cv_.notify_one();
 }
@@ -448,7 +448,7 @@ void StreamQueue::reset_after_fork() {
   new (&tasks_) std::deque<Task>();  // the parent's tasks are leaked, not run
   started_ = sleeping_ = cut_next_ = rearm_ = false;
   marking_.store(false);
-  held_after_.store(kNotHeld);
+  gate_.store(kOpen);
   completed_.store(enqueued_.load());
   popped_ = enqueued_.load();
   wake_at_.store(kNoWaiter);

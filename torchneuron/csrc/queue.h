@@ -74,7 +74,7 @@ class StreamQueue {
   void hold(FailurePtr f, uint64_t at);          // queue `f` behind the failures not yet seen (mu_ held)
   void loop();
   uint64_t pending() const { return enqueued_.load(std::memory_order_acquire) - popped_; }
-  bool takeable() const { return !tasks_.empty() && popped_ < held_after_.load(std::memory_order_relaxed); }  // mu_
+  bool takeable() const { return !tasks_.empty() && popped_ < gate_.load(std::memory_order_relaxed); }  // mu_
   void let_go(uint64_t ticket);  // something waits for `ticket`: a held run it reaches goes to the worker
   const c10::DeviceIndex device_;
   const c10::StreamId id_;
@@ -86,11 +86,11 @@ class StreamQueue {
   static constexpr uint64_t kNoWaiter = ~uint64_t{0};
   static constexpr uint64_t kMaxQueued = 1024;  // launches pending before the launching thread waits (push)
   std::atomic<uint64_t> wake_at_{kNoWaiter};    // the lowest ticket a sleeping waiter waits for
-  // A marked run being queued: the worker takes no launch with a ticket above this (written under mu_). A run
-  // longer than kMaxHeld launches (an optimizer stepping tensor by tensor: nothing to fuse) goes before it ends, so
-  // the worker does not idle while the host queues it.
-  static constexpr uint64_t kNotHeld = ~uint64_t{0}, kMaxHeld = 64;
-  std::atomic<uint64_t> held_after_{kNotHeld};
+  // The gate of a marked run being queued: the worker takes no launch with a ticket above it (written under mu_),
+  // kOpen outside one. A run longer than kMaxGated launches (an optimizer stepping tensor by tensor: nothing to fuse)
+  // goes before it ends, so the worker does not idle while the host queues it.
+  static constexpr uint64_t kOpen = ~uint64_t{0}, kMaxGated = 64;
+  std::atomic<uint64_t> gate_{kOpen};
   bool cut_next_ = false;             // (mu_) the next launch pushed is a Task::cut
   std::atomic<bool> marking_{false};  // inside begin_run .. end_run (written under mu_)
   // (mu_) A wait inside the marked run let it go: the next launch holds again, so what the run queues after a sync
