@@ -255,6 +255,44 @@ def test_results_sharing_memory_an_aten_kernel_allocated_are_queued_with_their_a
             assert torch.equal(o.cpu(), ref)
 
 
+@pytest.mark.needs_async
+def test_a_queued_call_over_memory_a_failed_op_never_computed_raises_and_leaves_no_garbage(queued_kernels):
+    """A queued compiled call on a side stream, behind an op that fails on the worker: the op's error is raised at
+    the next sync point, the call's results raise it too when read (they were never computed), and the kernel's
+    later calls compute the CPU's values."""
+    lib = torch.library.Library("compile_probe", "DEF")
+    lib.define("fails_queued(Tensor x) -> Tensor")
+    calls = []
+
+    def fails_queued(t):
+        calls.append(t)
+        if len(calls) > 1:
+            raise RuntimeError("fails_queued on the worker")
+        return t.clone()
+
+    lib.impl("fails_queued", fails_queued, "CPU")
+    w = torch.randn(256, 256, device=N) / 16
+    g = torch.compile(lambda x: torch.tanh(x @ w), backend=N)
+    x = torch.randn(256, 256, device=N)
+    ref = torch.tanh(x.cpu() @ w.cpu())
+    g(x), g(x)  # learnt on the host, then queued
+    torch.neuron.synchronize()
+    side = torch.neuron.Stream()
+    with torch.neuron.stream(side):
+        torch.ops.compile_probe.fails_queued(x)  # its first call: on the host, succeeds
+        torch.neuron.synchronize()
+        m = torch.ones(1536, 1536, device=N)
+        m @ m  # the next launches wait behind it, so the call below is queued before the op has failed
+        y = torch.ops.compile_probe.fails_queued(x)
+        out = g(y)
+        with pytest.raises(RuntimeError, match="fails_queued on the worker"):
+            torch.neuron.synchronize()
+        with pytest.raises(RuntimeError, match="fails_queued on the worker"):
+            out.cpu()
+    torch.testing.assert_close(g(x).cpu(), ref, atol=1e-5, rtol=1e-5)
+    del lib
+
+
 def test_a_compiled_optimizer_step_keeps_its_host_step_counts(queued_kernels):
     """Adam's step counts stay on the host (not capturable) and the compiled step updates them in place: a kernel
     with host tensor arguments runs on the host thread, so they are current whenever the host reads them."""

@@ -171,11 +171,12 @@ def _learn(outs: list, devices: list[int | None], inputs: list[torch.Tensor], re
     if results is None:
         return None
     by_ptr = {ptr: k for k, (_, ptr) in enumerate(rec.buffers) if ptr}  # a freed buffer's address: a later one's
+    groups = results.slot_groups  # per result: its fresh storage, or -1
     first: dict[int, int] = {}  # fresh storage -> its first result
-    for i, g in enumerate(results.slot_groups):
+    for i, g in enumerate(groups):
         first.setdefault(g, i)
     roots = {by_ptr[p]: g for g, i in first.items() if g >= 0 and (p := _base(outs[i])) in by_ptr}
-    copies = frozenset(i for i, g in enumerate(results.slot_groups) if g >= 0 and g not in roots.values())
+    copies = frozenset(i for i, g in enumerate(groups) if g >= 0 and g not in roots.values())
     return Layout(results, tuple(b for b, _ in rec.buffers), roots, copies)
 
 
