@@ -1,10 +1,14 @@
 """RNG: per-device counter-based (Philox4x32-10) generators with CUDA's [seed, offset] state, seeding, state
 save/restore, and numbers checked against an independent Python implementation of Philox."""
+import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.nn as nn
+from helpers import clean_env
 
 M32 = 0xFFFFFFFF
 
@@ -28,6 +32,17 @@ def reference_uniform(seed: int, offset: int, n: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float64)
 
 
+def reference_mask_uniform(seed: int, offset: int, n: int) -> torch.Tensor:
+    """What element i of a Bernoulli mask (dropout's) draws: position g = offset + i reads word (g >> 4) & 3 of counter
+    (g >> 6) * 16 + (g & 15) with the counter's third word 1 (the masks' own stream), as w / 2^32: kept below p."""
+    out = []
+    for i in range(n):
+        g = offset + i
+        c = (g >> 6) * 16 + (g & 15)
+        out.append(philox((seed & M32, seed >> 32), (c & M32, c >> 32, 1, 0))[(g >> 4) & 3] / 2.0**32)
+    return torch.tensor(out, dtype=torch.float64)
+
+
 def state_of(gen_state: torch.Tensor) -> tuple[int, int]:
     return gen_state[:8].view(torch.int64).item(), gen_state[8:].view(torch.int64).item()
 
@@ -48,20 +63,68 @@ def test_rand_is_philox_of_seed_and_position():
 
 def test_vectorised_draws_match_the_reference_across_a_carry_and_ragged_ends():
     """The kernels make eight (AVX2) or sixteen (AVX-512) counters at a time: a run that starts unaligned, crosses
-    the low counter word's wrap (2^32) and ends mid-vector draws exactly the reference values; so does dropout's
-    keep test, p at its ends too, and at one element's own draw and just above it (the 64-bit keep test's high
-    words equal: its low words decide)."""
+    the low counter word's wrap (2^32) and ends mid-vector draws exactly the reference values."""
     seed, offset = 0x1234_5678_9ABC_DEF0, 2**32 - 20
-    state = torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8)
-    torch.neuron.set_rng_state(state)
+    torch.neuron.set_rng_state(torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8))
     got = torch.empty(45, device="neuron", dtype=torch.float64).uniform_().cpu()
     assert torch.equal(got, reference_uniform(seed, offset, 45))
-    ref = reference_uniform(seed, offset + 48, 45)
+
+
+@pytest.mark.parametrize("offset", [2**34 - 100, 12], ids=["counter-wrap", "small"])
+def test_bernoulli_masks_match_the_reference_in_every_dtype_and_layout(offset):
+    """A mask's elements take one word each, sixteen consecutive elements from one word of sixteen counters: a run that
+    starts inside a 64-element block, crosses the mask counters' low-word wrap (position 2^34) and ends inside a block
+    keeps exactly the reference's elements, in every float dtype and bool, for p at its ends, at one element's own
+    draw and just above it; a strided tensor and an integer one get the same mask in logical order."""
+    seed = 0x1234_5678_9ABC_DEF0
+    ref = reference_mask_uniform(seed, offset, 150)
     for p in (0.0, 0.3, 0.9, 1.0, ref[17].item(), math.nextafter(ref[17].item(), 1.0)):
         for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool):
-            torch.neuron.set_rng_state(torch.tensor([seed, offset + 48], dtype=torch.int64).view(torch.uint8))
-            drawn = torch.empty(45, device="neuron", dtype=dtype).bernoulli_(p).cpu()
+            torch.neuron.set_rng_state(torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8))
+            drawn = torch.empty(150, device="neuron", dtype=dtype).bernoulli_(p).cpu()
             assert torch.equal(drawn, (ref < p).to(dtype)), (p, dtype)
+    torch.neuron.set_rng_state(torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8))
+    strided = torch.zeros(15, 20, device="neuron")[:, ::2].bernoulli_(0.5).cpu()
+    assert torch.equal(strided, (ref < 0.5).float().view(15, 10))
+    torch.neuron.set_rng_state(torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8))
+    assert torch.equal(torch.empty(150, device="neuron", dtype=torch.int32).bernoulli_(0.5).cpu(),
+                       (ref < 0.5).int())
+    assert state_of(torch.neuron.get_rng_state()) == (seed, offset + 152)  # 150 positions, rounded up to 4
+
+
+_DRAWS = """
+import json, sys, torch, torchneuron
+seed, offset = 0x1234_5678_9ABC_DEF0, int(sys.argv[1])
+torch.neuron.set_rng_state(torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8))
+u = torch.empty(45, device="neuron", dtype=torch.float64).uniform_().cpu()
+torch.neuron.set_rng_state(torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8))
+m = torch.empty(150, device="neuron").bernoulli_(0.3).cpu()
+print(json.dumps([u.tolist(), m.tolist()]))
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_every_vector_form_draws_the_reference(capability):
+    """ATEN_CPU_CAPABILITY caps the kernels' vector forms as it caps ATen's: the scalar and AVX2 forms (which an
+    AVX-512 machine never runs otherwise) draw the same uniforms and masks as the reference, across both wraps."""
+    seed = 0x1234_5678_9ABC_DEF0
+    for offset in (2**32 - 20, 2**34 - 100):
+        out = subprocess.run([sys.executable, "-c", _DRAWS, str(offset)], capture_output=True, text=True, timeout=120,
+                             env=clean_env(ATEN_CPU_CAPABILITY=capability))
+        assert out.returncode == 0, out.stderr
+        u, m = (torch.tensor(v, dtype=torch.float64) for v in json.loads(out.stdout))
+        assert torch.equal(u, reference_uniform(seed, offset, 45))
+        assert torch.equal(m, (reference_mask_uniform(seed, offset, 150) < 0.3).double())
+
+
+def test_masks_and_other_draws_do_not_share_words():
+    """A mask reads a stream of counters of its own: its words are never the words an earlier uniform drew, so a
+    dropout after `rand` over the same positions is not correlated with it."""
+    seed = 9
+    u = reference_uniform(seed, 0, 64)
+    m = reference_mask_uniform(seed, 0, 64)
+    words = {int(x * 2**53) >> 21 for x in u}  # rand's high words
+    assert not words & {int(x * 2**32) for x in m}
 
 
 def test_state_is_cudas_seed_offset_layout():
@@ -143,7 +206,7 @@ def test_init_and_dropout_follow_the_reference():
     assert torch.equal(lin.weight.cpu().flatten(), (reference_uniform(0, 0, 128) * (2 * b) - b).float())
     torch.manual_seed(1)
     x = torch.ones(32, 16, device="neuron")
-    keep = reference_uniform(1, 0, 512).view(32, 16) < 0.5
+    keep = reference_mask_uniform(1, 0, 512).view(32, 16) < 0.5
     assert torch.equal(nn.functional.dropout(x, 0.5).cpu(), keep.float() * 2)
 
 

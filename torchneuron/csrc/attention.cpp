@@ -46,9 +46,9 @@ bool cpu_takes_flash(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return at::_fused_sdp_choice(q, k, v, bias, p, causal, scale) == static_cast<int64_t>(SDPBackend::flash_attention);
 }
 
-// Attention dropout's [B, H, L, S] multiplier as a device tensor, drawn by a queued kernel from counters (offset +
-// i), as every neuron random op draws: 1 / (1 - p) where the element is kept, else 0. The backward draws it again
-// from the same counters (the forward returns them), so no mask is kept between the two.
+// Attention dropout's [B, H, L, S] multiplier as a device tensor, drawn by a queued kernel as every Bernoulli mask is
+// (philox_keep, from positions offset + i): 1 / (1 - p) where the element is kept, else 0. The backward draws it
+// again from the same positions (the forward returns them), so no mask is kept between the two.
 at::Tensor keep_scale(c10::DeviceIndex dev, PhiloxSlice draw, at::IntArrayRef sizes, double p) {
   auto m = at::empty(sizes, at::TensorOptions().dtype(at::kFloat).device(c10::DeviceType::PrivateUse1, dev));
   const int64_t n = m.numel();

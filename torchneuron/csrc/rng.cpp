@@ -1,5 +1,6 @@
 // Counter-based random kernels: element i (in the tensor's logical row-major order) of a random op draws only from
-// Philox counter (offset + i) of the generator (hooks.cpp), so a value depends on (seed, offset + position) alone.
+// Philox counter (offset + i) of the generator (hooks.cpp), or for a Bernoulli mask from one word of a counter of its
+// own stream (philox_keep), so a value depends on (seed, offset + position) alone.
 // A DTensor shard drawn at DTensor's shard offset therefore holds exactly the values of the same slice of the
 // unsharded tensor. Each kernel makes the values in float64 on the host and writes them with a cast.
 // Every argument check is the CPU's own (check_like_cpu). Random ops not listed here (multinomial, randperm, poisson,
@@ -14,7 +15,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
+#include <string>
 #include <type_traits>
 
 #include "runtime.h"
@@ -34,7 +37,7 @@ __attribute__((target("avx2"))) inline __m256i less_unsigned(__m256i a, __m256i 
   const __m256i sign = _mm256_set1_epi32(INT32_MIN);
   return _mm256_cmpgt_epi32(_mm256_xor_si256(b, sign), _mm256_xor_si256(a, sign));
 }
-__attribute__((target("avx2"))) void philox_chunk_avx2(uint64_t seed, uint64_t first, int n,
+__attribute__((target("avx2"))) void philox_chunk_avx2(uint64_t seed, uint64_t first, int n, uint32_t stream,
                                                        uint32_t (&words)[4][kPhiloxChunk]) {
   const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53)),
                 m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57));
@@ -45,7 +48,7 @@ __attribute__((target("avx2"))) void philox_chunk_avx2(uint64_t seed, uint64_t f
     __m256i c0 = _mm256_add_epi32(start, lane);  // a lane whose low word wrapped carries into its high word
     __m256i c1 = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr >> 32))),
                                   less_unsigned(c0, start));
-    __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
+    __m256i c2 = _mm256_set1_epi32(static_cast<int>(stream)), c3 = _mm256_setzero_si256();
     uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
     for (int round = 0; round < 10; ++round) {
       __m256i h0, l0, h1, l1;
@@ -78,8 +81,8 @@ __attribute__((target("avx512f"))) inline void mulhilo(__m512i a, __m512i m, __m
   lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
   hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
 }
-// Sixteen counters from `ctr` on: their four words after the ten rounds.
-__attribute__((target("avx512f"))) inline void philox16(uint64_t seed, uint64_t ctr, __m512i (&c)[4]) {
+// Sixteen counters from `ctr` on (in `stream`): their four words after the ten rounds.
+__attribute__((target("avx512f"))) inline void philox16(uint64_t seed, uint64_t ctr, uint32_t stream, __m512i (&c)[4]) {
   const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53)),
                 m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57));
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -87,7 +90,7 @@ __attribute__((target("avx512f"))) inline void philox16(uint64_t seed, uint64_t 
   c[0] = _mm512_add_epi32(start, lane);  // a lane whose low word wrapped carries into its high word
   const __m512i high = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(ctr >> 32)));
   c[1] = _mm512_mask_add_epi32(high, _mm512_cmplt_epu32_mask(c[0], start), high, _mm512_set1_epi32(1));
-  c[2] = _mm512_setzero_si512(), c[3] = _mm512_setzero_si512();
+  c[2] = _mm512_set1_epi32(static_cast<int>(stream)), c[3] = _mm512_setzero_si512();
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
     __m512i h0, l0, h1, l1;
@@ -102,37 +105,49 @@ __attribute__((target("avx512f"))) inline void philox16(uint64_t seed, uint64_t 
 __attribute__((target("avx512f"))) inline __mmask16 first_lanes(int64_t n) {
   return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
 }
-__attribute__((target("avx512f"))) void philox_chunk_avx512(uint64_t seed, uint64_t first, int n,
+__attribute__((target("avx512f"))) void philox_chunk_avx512(uint64_t seed, uint64_t first, int n, uint32_t stream,
                                                             uint32_t (&words)[4][kPhiloxChunk]) {
   for (int base = 0; base < n; base += 16) {
     __m512i c[4];
-    philox16(seed, first + static_cast<uint64_t>(base), c);
+    philox16(seed, first + static_cast<uint64_t>(base), stream, c);
     for (int k = 0; k < 4; ++k) _mm512_mask_storeu_epi32(words[k] + base, first_lanes(n - base), c[k]);
   }
 }
-// philox_keep's sixteen-at-a-time form: BelowP's 64-bit comparison (high word, then low word) on 32-bit lanes; a
-// float mask is stored as a vector, any other dtype's from the sixteen keep bits.
+// philox_keep's form where the CPU has AVX-512, for the 64-position blocks [b, e) (block numbers, positions / 64):
+// each block is sixteen counters, and word k of them the keep test of its sixteen elements from 16 k on. A float mask
+// is stored as a vector; any other dtype's from the sixteen keep bits.
 template <class T>
-__attribute__((target("avx512f"))) void philox_keep_avx512(uint64_t seed, uint64_t first, int64_t n, const BelowP& keep,
-                                                           T kept, T dropped, T* out) {
-  const __m512i bound_hi = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(keep.bound >> 32))),
-                bound_lo = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(keep.bound)));
-  for (int64_t base = 0; base < n; base += 16) {
+__attribute__((target("avx512f"))) void philox_keep_avx512(PhiloxSlice s, int64_t n, uint64_t b, uint64_t e,
+                                                           const BelowP& keep, T kept, T dropped, T* out) {
+  const __m512i bound = _mm512_set1_epi32(static_cast<int>(keep.bound));
+  for (; b < e; ++b) {
     __m512i c[4];
-    philox16(seed, first + static_cast<uint64_t>(base), c);
-    const __mmask16 below =
-        keep.all ? 0xFFFF
-                 : _mm512_cmplt_epu32_mask(c[1], bound_hi) |
-                       (_mm512_cmpeq_epu32_mask(c[1], bound_hi) & _mm512_cmplt_epu32_mask(c[0], bound_lo));
-    if constexpr (std::is_same_v<T, float>) {
-      _mm512_mask_storeu_ps(out + base, first_lanes(n - base),
-                            _mm512_mask_blend_ps(below, _mm512_set1_ps(dropped), _mm512_set1_ps(kept)));
-    } else {
-      for (int64_t j = 0; j < std::min<int64_t>(16, n - base); ++j) out[base + j] = below >> j & 1 ? kept : dropped;
+    philox16(s.seed, b * 16, kMaskStream, c);
+    for (int k = 0; k < 4; ++k) {
+      const auto at = static_cast<int64_t>(b * 64 + 16 * static_cast<uint64_t>(k) - s.offset);  // element of lane 0
+      const __mmask16 below = keep.all ? 0xFFFF : _mm512_cmplt_epu32_mask(c[k], bound);
+      const int j0 = static_cast<int>(std::max<int64_t>(0, -at)), j1 = static_cast<int>(std::min<int64_t>(16, n - at));
+      if (j0 >= j1) continue;
+      if constexpr (std::is_same_v<T, float>) {
+        const auto lanes = static_cast<__mmask16>(((1u << j1) - 1) & ~((1u << j0) - 1));
+        _mm512_mask_storeu_ps(out + at, lanes,
+                              _mm512_mask_blend_ps(below, _mm512_set1_ps(dropped), _mm512_set1_ps(kept)));
+      } else {
+        for (int j = j0; j < j1; ++j) out[at + j] = below >> j & 1 ? kept : dropped;
+      }
     }
   }
 }
-const bool kHaveAvx2 = __builtin_cpu_supports("avx2"), kHaveAvx512 = __builtin_cpu_supports("avx512f");
+// The vector forms in use: the CPU's, capped as ATen caps its own kernels by ATEN_CPU_CAPABILITY ("default": none,
+// "avx2": no AVX-512), so every form can be run, and compared, on one machine.
+bool capability_allows(const char* isa) {
+  const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+  if (cap == nullptr || *cap == 0) return true;
+  const std::string c = cap;
+  return c != "default" && (c != "avx2" || std::string(isa) == "avx2");
+}
+const bool kHaveAvx2 = __builtin_cpu_supports("avx2") && capability_allows("avx2"),
+           kHaveAvx512 = __builtin_cpu_supports("avx512f") && capability_allows("avx512");
 #else
 constexpr bool kHaveAvx2 = false, kHaveAvx512 = false;
 #endif
@@ -240,21 +255,22 @@ at::Tensor& geometric_(at::Tensor& self, double p, std::optional<at::Generator> 
 at::Tensor& bernoulli_float(at::Tensor& self, double p, std::optional<at::Generator> gen) {
   check_like_cpu(self, [&](at::Tensor& t, const at::Generator& g) { t.bernoulli_(p, g); });
   if (self.numel() == 0) return self;
-  if (self.is_contiguous() && (at::isFloatingType(self.scalar_type()) || self.scalar_type() == at::kBool)) {
-    // dropout's mask: the same draws and comparison as below, written straight into the tensor (no float64 array)
-    const c10::DeviceIndex dev = self.device().index();
-    const int64_t n = self.numel();
-    auto s = reserve_philox(gen, dev, static_cast<uint64_t>(n));
-    note_executed("aten::bernoulli_");
-    at::Tensor dst = host_alias(self);
-    launch(dev, "aten::bernoulli_", n, access({}, {self}), [dst, s, below = BelowP(p), n]() mutable {
-      AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kBool, dst.scalar_type(), "bernoulli_", [&] {
-        philox_keep(s, n, below, static_cast<scalar_t>(1), static_cast<scalar_t>(0), dst.data_ptr<scalar_t>());
-      });
-    });
-    return self;
+  if (!self.is_contiguous() || !(at::isFloatingType(self.scalar_type()) || self.scalar_type() == at::kBool)) {
+    // the same mask, made contiguous in bool (logical row-major order) and copied in: one draw rule for every layout
+    at::Tensor mask = at::empty(self.sizes(), self.options().dtype(at::kBool));
+    return self.copy_(bernoulli_float(mask, p, gen));
   }
-  return fill_random(self, self, gen, Want::one, "aten::bernoulli_", [=](Draws d) { return d.u1.lt(p); });
+  const c10::DeviceIndex dev = self.device().index();
+  const int64_t n = self.numel();
+  auto s = reserve_philox(gen, dev, static_cast<uint64_t>(n));
+  note_executed("aten::bernoulli_");
+  at::Tensor dst = host_alias(self);
+  launch(dev, "aten::bernoulli_", n, access({}, {self}), [dst, s, below = BelowP(p), n]() mutable {
+    AT_DISPATCH_FLOATING_TYPES_AND3(at::kBFloat16, at::kHalf, at::kBool, dst.scalar_type(), "bernoulli_", [&] {
+      philox_keep(s, n, below, static_cast<scalar_t>(1), static_cast<scalar_t>(0), dst.data_ptr<scalar_t>());
+    });
+  });
+  return self;
 }
 
 at::Tensor& bernoulli_tensor(at::Tensor& self, const at::Tensor& p, std::optional<at::Generator> gen) {
@@ -337,27 +353,42 @@ at::Tensor& random_full(at::Tensor& self, std::optional<at::Generator> gen) {  /
 
 }  // namespace
 
-void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPhiloxChunk]) {
+void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPhiloxChunk], uint32_t stream) {
 #if defined(__x86_64__)
-  if (kHaveAvx512) return philox_chunk_avx512(seed, first, n, words);
-  if (kHaveAvx2) return philox_chunk_avx2(seed, first, n, words);
+  if (kHaveAvx512) return philox_chunk_avx512(seed, first, n, stream, words);
+  if (kHaveAvx2) return philox_chunk_avx2(seed, first, n, stream, words);
 #endif
   for (int j = 0; j < n; ++j) {
-    auto w = philox(seed, first + static_cast<uint64_t>(j));
+    auto w = philox(seed, first + static_cast<uint64_t>(j), stream);
     for (int k = 0; k < 4; ++k) words[k][j] = w[k];
   }
 }
 
 template <class T>
 void philox_keep(PhiloxSlice s, int64_t n, const BelowP& keep, T kept, T dropped, T* out) {
+  const uint64_t first = s.offset >> 6, blocks = ((s.offset + static_cast<uint64_t>(n) + 63) >> 6) - first;
 #if defined(__x86_64__)
   if (kHaveAvx512)
-    return at::parallel_for(0, n, 2048, [&](int64_t lo, int64_t hi) {
-      philox_keep_avx512<T>(s.seed, s.offset + static_cast<uint64_t>(lo), hi - lo, keep, kept, dropped, out + lo);
+    return at::parallel_for(0, static_cast<int64_t>(blocks), 32, [&](int64_t lo, int64_t hi) {
+      philox_keep_avx512<T>(s, n, first + lo, first + hi, keep, kept, dropped, out);
     });
 #endif
-  parallel_philox(
-      s, n, [&](int64_t i, uint32_t w0, uint32_t w1, uint32_t, uint32_t) { out[i] = keep(w0, w1) ? kept : dropped; });
+  constexpr int kBlocks = kPhiloxChunk / 16;  // 64-position blocks per chunk of counters
+  at::parallel_for(0, static_cast<int64_t>(blocks), 32, [&](int64_t lo, int64_t hi) {
+    uint32_t w[4][kPhiloxChunk];
+    for (int64_t b = lo; b < hi; b += kBlocks) {
+      const int m = static_cast<int>(std::min<int64_t>(kBlocks, hi - b));
+      const uint64_t block = first + static_cast<uint64_t>(b);
+      philox_chunk(s.seed, block * 16, m * 16, w, kMaskStream);
+      for (int bb = 0; bb < m; ++bb)
+        for (int k = 0; k < 4; ++k) {
+          const auto at = static_cast<int64_t>((block + static_cast<uint64_t>(bb)) * 64 + 16 * k - s.offset);
+          const int j0 = static_cast<int>(std::max<int64_t>(0, -at));
+          const int j1 = static_cast<int>(std::min<int64_t>(16, n - at));
+          for (int j = j0; j < j1; ++j) out[at + j] = keep(w[k][16 * bb + j]) ? kept : dropped;
+        }
+    }
+  });
 }
 template void philox_keep(PhiloxSlice, int64_t, const BelowP&, float, float, float*);
 template void philox_keep(PhiloxSlice, int64_t, const BelowP&, double, double, double*);

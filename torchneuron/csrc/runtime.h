@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -186,9 +187,10 @@ void record_memory_event(MemoryAction action, c10::DeviceIndex device, uintptr_t
 // ---- hooks.cpp: hooks and generators ----
 void register_hooks();
 const at::Generator& default_generator(c10::DeviceIndex index);
-// Philox4x32-10: the four 32-bit words of counter `counter` under key `seed`.
-inline std::array<uint32_t, 4> philox(uint64_t seed, uint64_t counter) {
-  uint32_t c[4] = {static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), 0, 0};
+// Philox4x32-10: the four 32-bit words of counter `counter` under key `seed`. `stream` is the counter's third word:
+// 0 for every random op but Bernoulli masks (kMaskStream), so the two never share a counter.
+inline std::array<uint32_t, 4> philox(uint64_t seed, uint64_t counter, uint32_t stream = 0) {
+  uint32_t c[4] = {static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), stream, 0};
   uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
     uint64_t p0 = uint64_t{0xD2511F53} * c[0], p1 = uint64_t{0xCD9E8D57} * c[2];
@@ -199,9 +201,9 @@ inline std::array<uint32_t, 4> philox(uint64_t seed, uint64_t counter) {
   return {c[0], c[1], c[2], c[3]};
 }
 // The same words for a run of counters, eight at a time (AVX2 when the CPU has it; rng.cpp):
-// words[k][j] = philox(seed, first + j)[k] for j < n <= kPhiloxChunk.
+// words[k][j] = philox(seed, first + j, stream)[k] for j < n <= kPhiloxChunk.
 constexpr int kPhiloxChunk = 256;
-void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPhiloxChunk]);
+void philox_chunk(uint64_t seed, uint64_t first, int n, uint32_t (&words)[4][kPhiloxChunk], uint32_t stream = 0);
 // use(i, w0, w1, w2, w3) for i in [0, n), the words of counter first + i.
 template <class F>
 void for_each_philox(uint64_t seed, uint64_t first, int64_t n, F&& use) {
@@ -216,23 +218,14 @@ void for_each_philox(uint64_t seed, uint64_t first, int64_t n, F&& use) {
 inline double philox_unit(uint32_t lo, uint32_t hi) {
   return (static_cast<double>(static_cast<int64_t>((static_cast<uint64_t>(hi) << 32 | lo) >> 11)) + 0.5) * 0x1p-53;
 }
-// philox_unit(lo, hi) < p as one integer comparison (the draw is monotone in the 64-bit word): a Bernoulli keep
-// test with exactly the values of the double comparison.
+// A Bernoulli keep test on one 32-bit word w: w * 2^-32 < p, as one integer comparison with ceil(p * 2^32) (exact:
+// p * 2^32 is a double's exact product). A mask takes one word per element, four per counter, as CUDA's curand4 does.
 struct BelowP {
-  explicit BelowP(double p) {
-    uint64_t lo = 0, hi = uint64_t{1} << 53;  // the first 53-bit value whose draw is not below p
-    while (lo < hi) {
-      uint64_t mid = (lo + hi) / 2, x = mid << 11;
-      if (philox_unit(static_cast<uint32_t>(x), static_cast<uint32_t>(x >> 32)) < p)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    all = lo == uint64_t{1} << 53, bound = lo << 11;
-  }
-  bool operator()(uint32_t lo, uint32_t hi) const { return all || (static_cast<uint64_t>(hi) << 32 | lo) < bound; }
-  uint64_t bound;
-  bool all;
+  explicit BelowP(double p)
+      : all(p >= 1.0), bound(p <= 0.0 || p >= 1.0 ? 0 : static_cast<uint32_t>(std::ceil(std::ldexp(p, 32)))) {}
+  bool operator()(uint32_t w) const { return all || w < bound; }
+  bool all;        // p = 1: every word is kept
+  uint32_t bound;  // otherwise words below it are kept (0 for p = 0: none)
 };
 // The counters a random op of n elements owns: element i draws philox(seed, offset + i). Advances the generator
 // (the default one of `device` when `gen` is empty) by n rounded up to a multiple of 4, as CUDA's offsets are.
@@ -251,11 +244,13 @@ void parallel_philox(PhiloxSlice s, int64_t n, F&& use) {
         [&](int64_t j, uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) { use(lo + j, w0, w1, w2, w3); });
   });
 }
-// out[i] = keep(words of counter s.offset + i) ? kept : dropped for i in [0, n): a Bernoulli mask (dropout's in any
-// float dtype or bool, the attention dropout's multiplier) straight from the counters, sixteen at a time where the
-// CPU has AVX-512 (the Philox rounds and BelowP's comparison both vectorised: the scalar form cost 17% of an HF
-// GPT-2 training step's stream time). Values equal parallel_philox with the same test. For float, double,
-// c10::Half, c10::BFloat16 and bool (rng.cpp).
+// out[i] = keep(w) ? kept : dropped for i in [0, n): a Bernoulli mask (dropout's in any float dtype or bool, the
+// attention dropout's multiplier) from one word per element. Position g = s.offset + i reads word (g >> 4) & 3 of
+// counter (g >> 6) * 16 + (g & 15) in the mask stream: four masks per Philox evaluation (one used to cost 10% of an
+// HF GPT-2 training step's stream time), sixteen consecutive elements per vector of words, and still a function of
+// (seed, offset + position) alone, as DTensor's shards need. For float, double, c10::Half, c10::BFloat16 and bool
+// (rng.cpp).
+constexpr uint32_t kMaskStream = 1;
 template <class T>
 void philox_keep(PhiloxSlice s, int64_t n, const BelowP& keep, T kept, T dropped, T* out);
 // Random ops without a counter-based kernel run on the host: a CPU generator seeded from the neuron generator's
