@@ -74,11 +74,13 @@ def test_vectorised_draws_match_the_reference_across_a_carry_and_ragged_ends():
 def test_bernoulli_masks_match_the_reference_in_every_dtype_and_layout(offset):
     """A mask's elements take one word each, sixteen consecutive elements from one word of sixteen counters: a run that
     starts inside a 64-element block, crosses the mask counters' low-word wrap (position 2^34) and ends inside a block
-    keeps exactly the reference's elements, in every float dtype and bool, for p at its ends, at one element's own
-    draw and just above it; a strided tensor and an integer one get the same mask in logical order."""
+    keeps exactly the reference's elements, in every float dtype and bool, for p at its ends and just below 1 (every
+    word is below it), at one element's own draw and just above it; a strided tensor and an integer one get the same
+    mask in logical order."""
     seed = 0x1234_5678_9ABC_DEF0
     ref = reference_mask_uniform(seed, offset, 150)
-    for p in (0.0, 0.3, 0.9, 1.0, ref[17].item(), math.nextafter(ref[17].item(), 1.0)):
+    below_one, own, above_own = math.nextafter(1.0, 0.0), ref[17].item(), math.nextafter(ref[17].item(), 1.0)
+    for p in (0.0, 0.3, 0.9, 1.0, below_one, own, above_own):
         for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool):
             torch.neuron.set_rng_state(torch.tensor([seed, offset], dtype=torch.int64).view(torch.uint8))
             drawn = torch.empty(150, device="neuron", dtype=dtype).bernoulli_(p).cpu()

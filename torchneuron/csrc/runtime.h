@@ -221,10 +221,12 @@ inline double philox_unit(uint32_t lo, uint32_t hi) {
 // A Bernoulli keep test on one 32-bit word w: w * 2^-32 < p, as one integer comparison with ceil(p * 2^32) (exact:
 // p * 2^32 is a double's exact product). A mask takes one word per element, four per counter, as CUDA's curand4 does.
 struct BelowP {
-  explicit BelowP(double p)
-      : all(p >= 1.0), bound(p <= 0.0 || p >= 1.0 ? 0 : static_cast<uint32_t>(std::ceil(std::ldexp(p, 32)))) {}
+  explicit BelowP(double p) {  // p in [0, 1] (check_like_cpu)
+    const double scaled = std::ceil(std::ldexp(p, 32));
+    all = scaled >= 0x1p32, bound = all ? 0 : static_cast<uint32_t>(scaled);  // p within 2^-32 of 1 keeps all too
+  }
   bool operator()(uint32_t w) const { return all || w < bound; }
-  bool all;        // p = 1: every word is kept
+  bool all;        // every word is kept
   uint32_t bound;  // otherwise words below it are kept (0 for p = 0: none)
 };
 // The counters a random op of n elements owns: element i draws philox(seed, offset + i). Advances the generator
