@@ -1,5 +1,6 @@
 """DTensor tensor parallelism on `neuron`: `init_device_mesh("neuron", ...)` and `parallelize_module` with
-Colwise/Rowwise (and sequence-parallel) plans train an MLP exactly like the unsharded one."""
+Colwise/Rowwise (and sequence-parallel) plans train an MLP exactly like the unsharded one; DTensor's parallel RNG
+draws on each rank's shard the values of that slice of the unsharded tensor."""
 from __future__ import annotations
 
 import copy
@@ -9,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from dist_helpers import init, launch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -66,3 +68,31 @@ def test_parallel_mlp_equals_unsharded(ranks: list[dict[str, Any]], plan: str) -
             torch.testing.assert_close(sharded, ref, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(*r[f"{plan}_weights"], rtol=1e-5, atol=1e-6)
         assert r[f"{plan}_local"] == (16, 16)  # the row-wise layer's 32 input features split over 2 ranks
+
+
+def parallel_rng() -> dict[str, torch.Tensor]:
+    """Random ops on DTensors sharded by rows: DTensor's tracker moves the neuron generator's offset to each shard's
+    first position (its rule for CUDA's [seed, offset] state) and past the whole tensor after."""
+    _, n = init()
+    dev = torch.device("neuron", torch.neuron.current_device())
+    mesh = init_device_mesh("neuron", (n,))
+    torch.manual_seed(5)
+    ones = distribute_tensor(torch.ones(4 * n, 24, device=dev), mesh, [Shard(0)])
+    out = {"dropout": F.dropout(ones, 0.5).full_tensor().cpu(),
+           "uniform": nn.init.uniform_(distribute_tensor(torch.empty(4 * n, 24, device=dev), mesh, [Shard(0)]))
+           .full_tensor().cpu()}
+    dist.destroy_process_group()
+    return out
+
+
+def test_dtensor_random_ops_draw_the_unsharded_values() -> None:
+    """Dropout's mask and `uniform_` on a row-sharded DTensor over 2 ranks equal, gathered, the same ops on the whole
+    tensor from the same seed and offset: each value depends on (seed, offset + position) alone."""
+    ranks = launch("test_distributed_tensor_parallel.py::parallel_rng", 2)
+    torch.manual_seed(5)
+    drop = F.dropout(torch.ones(8, 24, device="neuron"), 0.5).cpu()
+    uniform = torch.empty(8, 24, device="neuron").uniform_().cpu()
+    assert 0 < (drop == 0).sum() < drop.numel()
+    for r in ranks:
+        assert torch.equal(r["dropout"], drop)
+        assert torch.equal(r["uniform"], uniform)
