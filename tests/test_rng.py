@@ -121,12 +121,19 @@ def test_every_vector_form_draws_the_reference(capability):
 
 def test_masks_and_other_draws_do_not_share_words():
     """A mask reads a stream of counters of its own: its words are never the words an earlier uniform drew, so a
-    dropout after `rand` over the same positions is not correlated with it."""
+    dropout over the positions a `rand` drew is not that `rand` thresholded (it was, when a mask element took its
+    position's counter)."""
     seed = 9
     u = reference_uniform(seed, 0, 64)
     m = reference_mask_uniform(seed, 0, 64)
     words = {int(x * 2**53) >> 21 for x in u}  # rand's high words
     assert not words & {int(x * 2**32) for x in m}
+    state = torch.tensor([seed, 0], dtype=torch.int64).view(torch.uint8)
+    torch.neuron.set_rng_state(state)
+    drawn = torch.rand(4096, device="neuron", dtype=torch.float64).cpu()
+    torch.neuron.set_rng_state(state)
+    kept = torch.empty(4096, device="neuron", dtype=torch.bool).bernoulli_(0.5).cpu()
+    assert 0.45 < (kept == (drawn < 0.5)).double().mean() < 0.55  # independent: agree about half the time
 
 
 def test_state_is_cudas_seed_offset_layout():
