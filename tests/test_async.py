@@ -860,17 +860,63 @@ def test_a_structured_op_writes_its_queued_results_in_place_with_the_cpus_bits(c
 
 
 @needs_async
-def test_an_op_without_a_structured_out_form_copies_its_queued_results():
-    """The counter's other side: layer norm's kernel makes its three results in memory of its own, and a queued call
-    copies them into the device's (counted once per call)."""
+def test_an_op_without_an_out_form_makes_its_queued_results_in_the_launchs_memory():
+    """Layer norm has no structured out= form: its functional kernel runs, and the CPU allocator hands its three
+    allocations the device blocks the launch handed out (the first request of each size), so nothing is copied
+    (`_C._copied_ops`) and the results equal the CPU's."""
     x = torch.randn(16, 64)
     F = torch.nn.functional
-    F.layer_norm(x.to(DEV), (64,))
     xd, wd = on_device(*operands())
+    for _ in range(2):  # its first call behind work: on the host thread, learning its results' layout
+        busy = slow(xd, wd, 1)
+        F.layer_norm(x.to(DEV), (64,))
     busy = slow(xd, wd, 1)
     torchneuron.clear_op_tracking()
     got = F.layer_norm(x.to(DEV), (64,))
     torch.neuron.synchronize()
-    assert torchneuron._C._copied_ops().get("aten::native_layer_norm", 0) == 1
+    assert torchneuron._C._queued_ops().get("aten::native_layer_norm", 0) == 1
+    assert "aten::native_layer_norm" not in torchneuron._C._copied_ops()
     del busy
     torch.testing.assert_close(got.cpu(), F.layer_norm(x, (64,)))
+
+
+def _pair_kernel(order: str):
+    """A CPU kernel returning (x + 1, x * 2) over two same-size allocations made in `order`: "scratch" asks for a
+    block of that size first and fills it with garbage, "swapped" makes the second result first (so it lands in the
+    block handed out for the first), "in order" makes them as returned."""
+    def kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if order == "scratch":
+            torch.empty_like(x).fill_(float("nan"))
+        if order == "swapped":
+            b = torch.mul(x, 2)
+            return torch.add(x, 1), b
+        return torch.add(x, 1), torch.mul(x, 2)
+    return kernel
+
+
+_PAIR_LIB = torch.library.Library("tn_pair", "DEF")
+for _order in ("scratch", "swapped", "in_order"):
+    _PAIR_LIB.define(f"{_order}(Tensor x) -> (Tensor, Tensor)")
+    _PAIR_LIB.impl(_order, _pair_kernel(_order.replace("_", " ")), "CPU")
+
+
+@needs_async
+@pytest.mark.parametrize("order", ["in_order", "scratch", "swapped"])
+def test_results_made_anywhere_by_a_queued_kernel_reach_the_launchs_memory(order):
+    """However a kernel with neither out= form places its results (in the blocks its launch handed out, after a
+    same-size scratch block, or each in the other's block), the queued call's results are its values; only the
+    first is computed where it lands, the others are copied there (counted)."""
+    op = getattr(torch.ops.tn_pair, order)
+    x = torch.randn(8, 32)
+    xd, wd = on_device(*operands())
+    for _ in range(2):  # its first call behind work: on the host thread, learning its results' layout
+        busy = slow(xd, wd, 1)
+        op(x.to(DEV))
+    busy = slow(xd, wd, 1)
+    torchneuron.clear_op_tracking()
+    got = op(x.to(DEV))
+    torch.neuron.synchronize()
+    assert torchneuron._C._queued_ops().get(f"tn_pair::{order}", 0) == 1
+    assert (f"tn_pair::{order}" in torchneuron._C._copied_ops()) == (order != "in_order")
+    del busy
+    assert torch.equal(got[0].cpu(), x + 1) and torch.equal(got[1].cpu(), x * 2)

@@ -1,12 +1,16 @@
 // A call queued on a stream (fallback.h): its results handed out now in the layout of its first call, its kernel run
 // later by the stream's worker in one of three forms (docs/device.md's paths): the op's out= overload into the
-// results' memory, a list op's per-tensor out= op, or the functional kernel with its fresh results copied there.
+// results' memory, a list op's per-tensor out= op, or the functional kernel, allocating in the results' memory.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "fallback.h"
 
@@ -81,6 +85,56 @@ const c10::OperatorHandle* per_tensor_out(const c10::OperatorHandle& op) {
   }
   memo.emplace(&f, found);
   return found;
+}
+
+// Fresh results made in the launch's memory. While a queued functional kernel runs (its op has no out= form), the
+// CPU allocator hands its allocations the blocks the launch handed out, each once, to the first request of its exact
+// size: a result the kernel makes there needs no copy (layer norm, batch norm, relu: most copies were whole results
+// of the first request of their size). A kernel that asked for that size first for scratch still gets its result
+// copied, as before; one whose result landed in another result's block is copied from a clone (read before any block
+// is written). Installed over the CPU's allocator when the core loads; outside a kernel it is the CPU's allocator.
+struct HandedOut {
+  const std::vector<void*>& mem;
+  const std::vector<size_t>& bytes;
+  std::vector<char> taken;
+};
+thread_local HandedOut* t_handed_out = nullptr;
+char g_handed_out_context;  // a handed-out block's DataPtr context: not its data, so raw_allocate's check refuses it
+
+class HandingOutCPUAllocator final : public c10::Allocator {
+ public:
+  explicit HandingOutCPUAllocator(c10::Allocator* cpu) : cpu_(cpu) {}
+  c10::DataPtr allocate(size_t n) override {
+    if (HandedOut* h = t_handed_out; C10_UNLIKELY(h != nullptr) && n > 0)
+      for (size_t g = 0; g < h->mem.size(); ++g)
+        if (!h->taken[g] && h->bytes[g] == n) {
+          h->taken[g] = 1;
+          return {h->mem[g], &g_handed_out_context, [](void*) {}, c10::Device(c10::DeviceType::CPU)};
+        }
+    return cpu_->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return cpu_->raw_deleter(); }
+  void copy_data(void* dst, const void* src, std::size_t n) const override { cpu_->copy_data(dst, src, n); }
+
+ private:
+  c10::Allocator* cpu_;
+};
+
+const bool g_hands_out = [] {
+  static HandingOutCPUAllocator a(c10::GetCPUAllocator());
+  c10::SetCPUAllocator(&a, /*priority=*/0);
+  return true;
+}();
+
+// Runs `kernel` with the launch's blocks `mem` (of `bytes`) handed to the allocations it makes on this thread.
+template <class F>
+void with_handed_out(const std::vector<void*>& mem, const std::vector<size_t>& bytes, F&& kernel) {
+  HandedOut h{mem, bytes, std::vector<char>(mem.size(), 0)};
+  struct Scope {
+    HandedOut* saved;
+    ~Scope() { t_handed_out = saved; }
+  } scope{std::exchange(t_handed_out, &h)};
+  kernel();
 }
 
 // Slot k is the first over fresh storage `group` (one Touch per storage).
@@ -268,8 +322,13 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device, &e,
          expect = std::move(expect), int64s = std::move(int64s)]() mutable {
           torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
-          with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
-          if (mem.empty()) return check_int64(e, int64s);  // arguments and views only: written in place
+          if (mem.empty()) {  // arguments and views only: written in place
+            with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
+            return check_int64(e, int64s);
+          }
+          with_handed_out(mem, layout->group_bytes, [&] {
+            with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
+          });
           std::vector<at::Tensor> out;
           out.reserve(layout->slots.size());
           for (const auto& v : st) {
@@ -290,9 +349,24 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
             if (s.kind == ResultSlot::arg && out[k].defined() && out[k].sizes() != c10::IntArrayRef(s.sizes))
               mispredicted(e, *layout, k, out[k]);  // the kernel resized an out= argument its launch did not
           }
-          e.copied.fetch_add(1, std::memory_order_relaxed);
+          auto block_of = [&](const at::Tensor& t) -> int {
+            if (!t.defined()) return -1;
+            auto it = std::find(mem.begin(), mem.end(), t.storage().data());
+            return it == mem.end() ? -1 : static_cast<int>(it - mem.begin());
+          };
+          bool misplaced = false;
+          for (size_t k = 0; k < out.size(); ++k) {
+            const int b = block_of(out[k]);
+            misplaced |= layout->slots[k].kind == ResultSlot::fresh && b >= 0 && b != layout->slots[k].source;
+          }
+          bool copied = false;
           for (size_t g = 0; g < mem.size(); ++g) {
             const at::Tensor& r = out[layout->group_slot[g]];
+            if (!misplaced && block_of(r) == static_cast<int>(g)) continue;  // made where it was handed out
+            if (!copied && misplaced)
+              for (at::Tensor& t : out)
+                if (block_of(t) >= 0) t = t.clone();  // read whole before any block is written
+            copied = true;
             if (r.storage().nbytes() == layout->group_bytes[g]) {  // the kernel's storage, whole: every view of it
               if (layout->group_bytes[g]) std::memcpy(mem[g], r.storage().data(), layout->group_bytes[g]);
               continue;
@@ -306,6 +380,7 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
               dst.copy_(out[k]);
             }
           }
+          if (copied) e.copied.fetch_add(1, std::memory_order_relaxed);
           check_int64(e, int64s);
         },
         false, std::move(fuse), work, std::move(access));
