@@ -880,43 +880,59 @@ def test_an_op_without_an_out_form_makes_its_queued_results_in_the_launchs_memor
     torch.testing.assert_close(got.cpu(), F.layer_norm(x, (64,)))
 
 
-def _pair_kernel(order: str):
-    """A CPU kernel returning (x + 1, x * 2) over two same-size allocations made in `order`: "scratch" asks for a
-    block of that size first and fills it with garbage, "swapped" makes the second result first (so it lands in the
-    block handed out for the first), "in order" makes them as returned."""
-    def kernel(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if order == "scratch":
-            torch.empty_like(x).fill_(float("nan"))
-        if order == "swapped":
-            b = torch.mul(x, 2)
-            return torch.add(x, 1), b
-        return torch.add(x, 1), torch.mul(x, 2)
-    return kernel
+def _bag(mode: int, forward_only: bool = False):
+    op = torch.ops.aten._embedding_bag_forward_only if forward_only else torch.ops.aten._embedding_bag
+    weight, idx = torch.randn(20, 6, generator=torch.Generator().manual_seed(1)), torch.arange(8)
+    return lambda t: op(weight.to(t.device), idx.to(t.device), idx.to(t.device), False, mode)
 
 
-_PAIR_LIB = torch.library.Library("tn_pair", "DEF")
-for _order in ("scratch", "swapped", "in_order"):
-    _PAIR_LIB.define(f"{_order}(Tensor x) -> (Tensor, Tensor)")
-    _PAIR_LIB.impl(_order, _pair_kernel(_order.replace("_", " ")), "CPU")
+def _pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A user's op (not ATen's): (x + 1, x * 2)."""
+    return torch.add(x, 1), torch.mul(x, 2)
+
+
+_LIBS: list[torch.library.Library] = []  # kept alive: a library unregisters its ops when collected
+
+
+def _user_pair(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if not hasattr(torch.ops.tn_pair, "pair"):  # defined once per process (this module is also imported as tests.*)
+        _LIBS.append(torch.library.Library("tn_pair", "FRAGMENT"))
+        _LIBS[-1].define("pair(Tensor x) -> (Tensor, Tensor)")
+        _LIBS[-1].impl("pair", _pair, "CPU")
+    return torch.ops.tn_pair.pair(t)
+
+# op, call, whether a queued call copies: where the kernel makes its results
+_PLACEMENTS = {
+    "in its blocks": ("aten::var_mean", lambda t: torch.var_mean(t, dim=1), False),
+    "in its blocks, group norm": ("aten::native_group_norm", lambda t: torch.nn.functional.group_norm(t, 3), False),
+    "after scratch of a result's size": ("aten::_embedding_bag", _bag(2), True),  # mode max
+    # mean: two int64 results are made each in the other's block; they hold equal values (bag_size, max_indices), so
+    # this case checks that such results are found and copied, not the order of the copies
+    "in each other's blocks": ("aten::_embedding_bag_forward_only", _bag(1, forward_only=True), True),
+    "a user's op, never handed blocks": ("tn_pair::pair", _user_pair, True),
+}
 
 
 @needs_async
-@pytest.mark.parametrize("order", ["in_order", "scratch", "swapped"])
-def test_results_made_anywhere_by_a_queued_kernel_reach_the_launchs_memory(order):
-    """However a kernel with neither out= form places its results (in the blocks its launch handed out, after a
-    same-size scratch block, or each in the other's block), the queued call's results are its values; only the
-    first is computed where it lands, the others are copied there (counted)."""
-    op = getattr(torch.ops.tn_pair, order)
-    x = torch.randn(8, 32)
+@pytest.mark.parametrize("case", list(_PLACEMENTS))
+def test_results_made_anywhere_by_a_queued_kernel_reach_the_launchs_memory(case):
+    """However a kernel with neither out= form places its results (in the blocks its launch handed out; after asking
+    for a result's size for scratch, so the result is made elsewhere; each in another result's block), the queued
+    call's results are the CPU's. Only results made elsewhere are copied (counted); a user's op is never handed
+    device memory (it may keep what it allocates), so its results are always copied."""
+    name, fn, copies = _PLACEMENTS[case]
+    x = torch.randn(8, 6, 16, 16)
     xd, wd = on_device(*operands())
     for _ in range(2):  # its first call behind work: on the host thread, learning its results' layout
         busy = slow(xd, wd, 1)
-        op(x.to(DEV))
+        fn(x.to(DEV))
     busy = slow(xd, wd, 1)
     torchneuron.clear_op_tracking()
-    got = op(x.to(DEV))
+    got = fn(x.to(DEV))
     torch.neuron.synchronize()
-    assert torchneuron._C._queued_ops().get(f"tn_pair::{order}", 0) == 1
-    assert (f"tn_pair::{order}" in torchneuron._C._copied_ops()) == (order != "in_order")
+    assert torchneuron._C._queued_ops().get(name, 0) == 1
+    assert (name in torchneuron._C._copied_ops()) == copies
     del busy
-    assert torch.equal(got[0].cpu(), x + 1) and torch.equal(got[1].cpu(), x * 2)
+    for g, e in zip(got, fn(x), strict=True):
+        assert g.dtype == e.dtype and g.stride() == e.stride()
+        torch.testing.assert_close(g.cpu(), e)

@@ -3,11 +3,13 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <map>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include "handed_out.h"
 #include "runtime.h"
 
 namespace torchneuron {
@@ -18,8 +20,9 @@ bool is_neuron(const at::Tensor& t) { return t.device().type() == kNeuron; }
 // An explicit kernel in stream order. The layouts of its results are those of the first call with the same
 // signature on this thread (the CPU's algorithm choice decides them), which runs on this thread after the stream's
 // work and adopts the CPU's results; later calls allocate their results at the launch and queue `compute` (host
-// tensors in, host results out), copying its results into them (below autograd, as every queued kernel runs). A
-// profiler trace runs every call on this thread.
+// tensors in, host results out, made in the launch's memory where the CPU allocator can: handed_out.h), copying a
+// result made elsewhere into it (below autograd, as every queued kernel runs). A profiler trace runs every call on
+// this thread.
 struct ResultShape {
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
@@ -67,10 +70,27 @@ std::vector<at::Tensor> explicit_kernel(const char* name, c10::DeviceIndex dev, 
     dst.push_back(on_host(res.back()));
     if (res.back().defined()) acc.push_back(touch(res.back(), false, true));
   }
-  launch(dev, name, elements, std::move(acc), [dev, compute = std::move(compute), dst = std::move(dst)] {
-    std::vector<at::Tensor> out = with_device_oom(dev, compute);
+  launch(dev, name, elements, std::move(acc), [dev, name, compute = std::move(compute), dst = std::move(dst)] {
+    std::vector<void*> blocks;
+    std::vector<size_t> bytes;
+    for (const at::Tensor& d : dst)
+      if (d.defined()) blocks.push_back(d.storage().mutable_data()), bytes.push_back(d.storage().nbytes());
+    std::vector<at::Tensor> out;
+    with_handed_out(blocks, bytes, [&] { out = with_device_oom(dev, compute); });
+    auto in_place = [&](size_t i) {
+      return out[i].data_ptr() == dst[i].data_ptr() && out[i].strides() == dst[i].strides();
+    };
+    auto in_a_block = [&](const at::Tensor& t) {
+      return t.defined() && std::find(blocks.begin(), blocks.end(), t.storage().data()) != blocks.end();
+    };
+    bool misplaced = false;  // a result made in another's block (or at other strides in its own): read all first
+    for (size_t i = 0; i < dst.size(); ++i) misplaced |= dst[i].defined() && in_a_block(out[i]) && !in_place(i);
     for (size_t i = 0; i < dst.size(); ++i)
-      if (dst[i].defined()) dst[i].copy_(out[i]);
+      if (misplaced && in_a_block(out[i])) out[i] = out[i].clone();
+    for (size_t i = 0; i < dst.size(); ++i)
+      if (dst[i].defined() && (misplaced || !in_place(i))) dst[i].copy_(out[i]);
+    out.clear();
+    check_handed_out_released(blocks, name);
   });
   return res;
 }

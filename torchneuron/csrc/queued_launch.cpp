@@ -2,7 +2,6 @@
 // later by the stream's worker in one of three forms (docs/device.md's paths): the op's out= overload into the
 // results' memory, a list op's per-tensor out= op, or the functional kernel, allocating in the results' memory.
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 
 #include <algorithm>
@@ -13,6 +12,7 @@
 #include <vector>
 
 #include "fallback.h"
+#include "handed_out.h"
 
 namespace torchneuron::fallback {
 namespace {
@@ -85,56 +85,6 @@ const c10::OperatorHandle* per_tensor_out(const c10::OperatorHandle& op) {
   }
   memo.emplace(&f, found);
   return found;
-}
-
-// Fresh results made in the launch's memory. While a queued functional kernel runs (its op has no out= form), the
-// CPU allocator hands its allocations the blocks the launch handed out, each once, to the first request of its exact
-// size: a result the kernel makes there needs no copy (layer norm, batch norm, relu: most copies were whole results
-// of the first request of their size). A kernel that asked for that size first for scratch still gets its result
-// copied, as before; one whose result landed in another result's block is copied from a clone (read before any block
-// is written). Installed over the CPU's allocator when the core loads; outside a kernel it is the CPU's allocator.
-struct HandedOut {
-  const std::vector<void*>& mem;
-  const std::vector<size_t>& bytes;
-  std::vector<char> taken;
-};
-thread_local HandedOut* t_handed_out = nullptr;
-char g_handed_out_context;  // a handed-out block's DataPtr context: not its data, so raw_allocate's check refuses it
-
-class HandingOutCPUAllocator final : public c10::Allocator {
- public:
-  explicit HandingOutCPUAllocator(c10::Allocator* cpu) : cpu_(cpu) {}
-  c10::DataPtr allocate(size_t n) override {
-    if (HandedOut* h = t_handed_out; C10_UNLIKELY(h != nullptr) && n > 0)
-      for (size_t g = 0; g < h->mem.size(); ++g)
-        if (!h->taken[g] && h->bytes[g] == n) {
-          h->taken[g] = 1;
-          return {h->mem[g], &g_handed_out_context, [](void*) {}, c10::Device(c10::DeviceType::CPU)};
-        }
-    return cpu_->allocate(n);
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return cpu_->raw_deleter(); }
-  void copy_data(void* dst, const void* src, std::size_t n) const override { cpu_->copy_data(dst, src, n); }
-
- private:
-  c10::Allocator* cpu_;
-};
-
-const bool g_hands_out = [] {
-  static HandingOutCPUAllocator a(c10::GetCPUAllocator());
-  c10::SetCPUAllocator(&a, /*priority=*/0);
-  return true;
-}();
-
-// Runs `kernel` with the launch's blocks `mem` (of `bytes`) handed to the allocations it makes on this thread.
-template <class F>
-void with_handed_out(const std::vector<void*>& mem, const std::vector<size_t>& bytes, F&& kernel) {
-  HandedOut h{mem, bytes, std::vector<char>(mem.size(), 0)};
-  struct Scope {
-    HandedOut* saved;
-    ~Scope() { t_handed_out = saved; }
-  } scope{std::exchange(t_handed_out, &h)};
-  kernel();
 }
 
 // Slot k is the first over fresh storage `group` (one Touch per storage).
@@ -326,9 +276,14 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
             with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
             return check_int64(e, int64s);
           }
-          with_handed_out(mem, layout->group_bytes, [&] {
+          const bool hand_out = op.operator_name().name.rfind("aten::", 0) == 0;  // ATen's kernels only
+          auto run = [&] {
             with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
-          });
+          };
+          if (hand_out)
+            with_handed_out(mem, layout->group_bytes, run);
+          else
+            run();
           std::vector<at::Tensor> out;
           out.reserve(layout->slots.size());
           for (const auto& v : st) {
@@ -349,6 +304,9 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
             if (s.kind == ResultSlot::arg && out[k].defined() && out[k].sizes() != c10::IntArrayRef(s.sizes))
               mispredicted(e, *layout, k, out[k]);  // the kernel resized an out= argument its launch did not
           }
+          // Where each result was made (handed_out.h): in its own block (done), elsewhere (copied in: the kernel asked
+          // for its size first for scratch), or in another result's block (every result read, cloned, before any block
+          // is written).
           auto block_of = [&](const at::Tensor& t) -> int {
             if (!t.defined()) return -1;
             auto it = std::find(mem.begin(), mem.end(), t.storage().data());
@@ -381,6 +339,10 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
             }
           }
           if (copied) e.copied.fetch_add(1, std::memory_order_relaxed);
+          if (hand_out) {
+            st.clear(), out.clear();
+            check_handed_out_released(mem, e.name.c_str());
+          }
           check_int64(e, int64s);
         },
         false, std::move(fuse), work, std::move(access));
