@@ -86,6 +86,28 @@ slow()
     assert child == parent
 
 
+def test_child_runs_a_cpu_convolution_after_the_parent_queued_convolutions():
+    """Queued convolutions make their results in device memory the CPU allocator hands them (docs/device.md), and
+    oneDNN's scratch goes through that allocator's raw deleter, which keeps a record under a lock: a child forked
+    right after them has a fresh record and lock, so its own convolution (oneDNN's scratch again) finishes and
+    equals the parent's, and the parent's queued results equal the CPU's."""
+    out = result("""
+torch.manual_seed(0)
+x, w = torch.randn(8, 16, 32, 32), torch.randn(32, 16, 3, 3)
+xd, wd = x.to("neuron"), w.to("neuron")
+ys = []
+for _ in range(6):
+    slow()
+    ys.append(torch.nn.functional.conv2d(xd, wd, padding=1))
+def body(out):
+    out.write(json.dumps(torch.nn.functional.conv2d(x, w, padding=1).double().sum().item()))
+child = in_child(body)
+ref = torch.nn.functional.conv2d(x, w, padding=1)
+print(json.dumps([child, ref.double().sum().item(), all(torch.allclose(y.cpu(), ref, atol=1e-4) for y in ys)]))
+""")
+    assert out[2] is True and out[0] == out[1]
+
+
 def test_device_use_in_the_child_raises_cudas_error():
     out = result("""
 x = torch.arange(4.0, device="neuron")

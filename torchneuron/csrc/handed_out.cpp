@@ -11,6 +11,9 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <pthread.h>
+
+#include <atomic>
 #include <mutex>
 #include <unordered_set>
 #include <utility>
@@ -26,22 +29,27 @@ struct HandedOut {
 thread_local HandedOut* t_handed_out = nullptr;
 
 // Blocks handed to an allocation and not yet released by it. A raw allocation (oneDNN's scratch) is released
-// through the allocator's raw deleter, which frees only memory that is not a block.
-std::mutex g_mu;
-std::unordered_set<void*> g_held;
+// through the allocator's raw deleter, which frees only memory that is not a block: every raw CPU deallocation of
+// the process passes there, so it takes the lock only while some block is held. A forked child starts with a fresh
+// lock and an empty record (a thread that held the lock at the fork does not exist there, and no kernel ran on the
+// forking thread): a child's raw deallocations would otherwise wait forever.
+std::mutex* g_mu = new std::mutex;
+std::unordered_set<void*>* g_held = new std::unordered_set<void*>;
+std::atomic<size_t> g_held_count{0};
 c10::DeleterFnPtr g_cpu_raw_deleter = nullptr;
 
-void release_block(void* p) {
-  std::lock_guard<std::mutex> g(g_mu);
-  g_held.erase(p);
+bool release(void* p) {
+  if (g_held_count.load() == 0) return false;
+  std::lock_guard<std::mutex> g(*g_mu);
+  if (!g_held->erase(p)) return false;
+  g_held_count.fetch_sub(1);
+  return true;
 }
 
+void release_block(void* p) { release(p); }
+
 void raw_release(void* p) {
-  {
-    std::lock_guard<std::mutex> g(g_mu);
-    if (g_held.erase(p)) return;
-  }
-  g_cpu_raw_deleter(p);
+  if (!release(p)) g_cpu_raw_deleter(p);
 }
 
 class HandingOutCPUAllocator final : public c10::Allocator {
@@ -53,8 +61,8 @@ class HandingOutCPUAllocator final : public c10::Allocator {
         if (!h->taken[g] && h->bytes[g] == n) {
           h->taken[g] = 1;
           {
-            std::lock_guard<std::mutex> lock(g_mu);
-            g_held.insert(h->blocks[g]);
+            std::lock_guard<std::mutex> lock(*g_mu);
+            if (g_held->insert(h->blocks[g]).second) g_held_count.fetch_add(1);
           }
           return {h->blocks[g], h->blocks[g], &release_block, c10::Device(c10::DeviceType::CPU)};
         }
@@ -71,6 +79,9 @@ const bool g_installed = [] {
   static HandingOutCPUAllocator a(c10::GetCPUAllocator());
   g_cpu_raw_deleter = c10::GetCPUAllocator()->raw_deleter();
   c10::SetCPUAllocator(&a, /*priority=*/0);
+  pthread_atfork(nullptr, nullptr, [] {  // the old lock and record are left behind, not destroyed
+    g_mu = new std::mutex, g_held = new std::unordered_set<void*>, g_held_count.store(0);
+  });
   return true;
 }();
 
@@ -87,9 +98,8 @@ void with_handed_out(const std::vector<void*>& blocks, const std::vector<size_t>
 }
 
 void check_handed_out_released(const std::vector<void*>& blocks, const char* name) {
-  std::lock_guard<std::mutex> g(g_mu);
   for (void* b : blocks)
-    TORCH_CHECK(!g_held.erase(b), "neuron: ", name,
+    TORCH_CHECK(!release(b), "neuron: ", name,
                 " kept a tensor it allocated past its call; its results may be wrong. Please report this; "
                 "TORCHNEURON_LAUNCH_BLOCKING=1 runs every op at its launch.");
 }
