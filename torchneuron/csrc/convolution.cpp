@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -80,13 +79,11 @@ std::vector<at::Tensor> explicit_kernel(const char* name, c10::DeviceIndex dev, 
     auto in_place = [&](size_t i) {
       return out[i].data_ptr() == dst[i].data_ptr() && out[i].strides() == dst[i].strides();
     };
-    auto in_a_block = [&](const at::Tensor& t) {
-      return t.defined() && std::find(blocks.begin(), blocks.end(), t.storage().data()) != blocks.end();
-    };
     bool misplaced = false;  // a result made in another's block (or at other strides in its own): read all first
-    for (size_t i = 0; i < dst.size(); ++i) misplaced |= dst[i].defined() && in_a_block(out[i]) && !in_place(i);
     for (size_t i = 0; i < dst.size(); ++i)
-      if (misplaced && in_a_block(out[i])) out[i] = out[i].clone();
+      misplaced |= dst[i].defined() && block_of(out[i], blocks) >= 0 && !in_place(i);
+    for (size_t i = 0; i < dst.size(); ++i)
+      if (misplaced && block_of(out[i], blocks) >= 0) out[i] = out[i].clone();
     for (size_t i = 0; i < dst.size(); ++i)
       if (dst[i].defined() && (misplaced || !in_place(i))) dst[i].copy_(out[i]);
     out.clear();

@@ -13,6 +13,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 #include <unordered_set>
@@ -95,6 +96,12 @@ void with_handed_out(const std::vector<void*>& blocks, const std::vector<size_t>
     ~Scope() { t_handed_out = saved; }
   } scope{std::exchange(t_handed_out, &h)};
   kernel();
+}
+
+int block_of(const at::Tensor& t, const std::vector<void*>& blocks) {
+  if (!t.defined()) return -1;
+  auto it = std::find(blocks.begin(), blocks.end(), t.storage().data());
+  return it == blocks.end() ? -1 : static_cast<int>(it - blocks.begin());
 }
 
 void check_handed_out_released(const std::vector<void*>& blocks, const char* name) {

@@ -1,6 +1,8 @@
 // handed_out.cpp's interface: a queued kernel allocating its results in the device memory its launch handed out.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstddef>
 #include <functional>
 #include <vector>
@@ -13,6 +15,9 @@ namespace torchneuron {
 // drops the kernel's tensors and calls check_handed_out_released. Only for ATen's own kernels (see handed_out.cpp).
 void with_handed_out(const std::vector<void*>& blocks, const std::vector<size_t>& bytes,
                      const std::function<void()>& kernel);
+
+// Which of `blocks` holds `t`'s storage (-1: none, or `t` undefined): where a kernel made a result.
+int block_of(const at::Tensor& t, const std::vector<void*>& blocks);
 
 // Raises if a block the kernel `name` was handed is still held once its tensors are dropped: something kept a
 // tensor it made past its call (a cache), which would alias device memory the runtime reuses.

@@ -4,7 +4,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
 
-#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -272,14 +271,14 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
         [op, host = std::move(host), layout = std::move(layout), mem = std::move(group_memory), device, &e,
          expect = std::move(expect), int64s = std::move(int64s)]() mutable {
           torch::jit::Stack st(std::make_move_iterator(host.begin()), std::make_move_iterator(host.end()));
-          if (mem.empty()) {  // arguments and views only: written in place
-            with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
-            return check_int64(e, int64s);
-          }
-          const bool hand_out = op.operator_name().name.rfind("aten::", 0) == 0;  // ATen's kernels only
           auto run = [&] {
             with_device_oom(device, [&] { op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), &st); });
           };
+          if (mem.empty()) {  // arguments and views only: written in place
+            run();
+            return check_int64(e, int64s);
+          }
+          const bool hand_out = op.operator_name().name.rfind("aten::", 0) == 0;  // ATen's kernels only
           if (hand_out)
             with_handed_out(mem, layout->group_bytes, run);
           else
@@ -307,23 +306,18 @@ void launch_queued(const c10::OperatorHandle& op, torch::jit::Stack* stack, OpEn
           // Where each result was made (handed_out.h): in its own block (done), elsewhere (copied in: the kernel asked
           // for its size first for scratch), or in another result's block (every result read, cloned, before any block
           // is written).
-          auto block_of = [&](const at::Tensor& t) -> int {
-            if (!t.defined()) return -1;
-            auto it = std::find(mem.begin(), mem.end(), t.storage().data());
-            return it == mem.end() ? -1 : static_cast<int>(it - mem.begin());
-          };
           bool misplaced = false;
           for (size_t k = 0; k < out.size(); ++k) {
-            const int b = block_of(out[k]);
+            const int b = block_of(out[k], mem);
             misplaced |= layout->slots[k].kind == ResultSlot::fresh && b >= 0 && b != layout->slots[k].source;
           }
+          if (misplaced)
+            for (at::Tensor& t : out)
+              if (block_of(t, mem) >= 0) t = t.clone();
           bool copied = false;
           for (size_t g = 0; g < mem.size(); ++g) {
             const at::Tensor& r = out[layout->group_slot[g]];
-            if (!misplaced && block_of(r) == static_cast<int>(g)) continue;  // made where it was handed out
-            if (!copied && misplaced)
-              for (at::Tensor& t : out)
-                if (block_of(t) >= 0) t = t.clone();  // read whole before any block is written
+            if (block_of(r, mem) == static_cast<int>(g)) continue;  // made where it was handed out
             copied = true;
             if (r.storage().nbytes() == layout->group_bytes[g]) {  // the kernel's storage, whole: every view of it
               if (layout->group_bytes[g]) std::memcpy(mem[g], r.storage().data(), layout->group_bytes[g]);
