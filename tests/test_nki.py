@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -641,7 +642,46 @@ def test_rule_out_of_bounds():
     def k(x):
         return nl.load(x[nl.ds(64, 128), :])
 
-    _raises(IndexError, "out of bounds for axis 0 of size 128", k, torch.zeros(128, 8))
+    _raises(IndexError, r"reaches 512 elements outside its \(128, 8\) tensor .* mask= does not exclude", k,
+            torch.zeros(128, 8))
+
+
+def test_a_slice_past_the_end_is_a_tile_the_mask_cuts_to_the_tensor():
+    """AWS's rule for a tile running past the end of a tensor (the last tile of a tiled loop): the instruction's
+    mask= excludes the outside elements; written as a slice or nl.ds it is the same tile as with nl.arange."""
+    @nki.jit
+    def k(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        ip = nl.arange(128)[:, None]
+        for b in nl.affine_range((x.shape[0] + 127) // 128):
+            t = nl.load(x[nl.ds(b * 128, 128), 0:8], mask=(b * 128 + ip < x.shape[0]))
+            nl.store(out[b * 128:b * 128 + 128, :], nl.exp(t), mask=(b * 128 + ip < x.shape[0]))
+        return out
+
+    x = torch.randn(200, 8)
+    close(k(x), x.exp(), 1e-6)
+
+
+def test_a_masked_transpose_masks_its_input_axes():
+    """mask= on nc_transpose names the input tile's [P, F] axes (AWS's masking rule): the output holds the
+    transpose of the unmasked input region, also through the tile assigning the legacy result copies into."""
+    @nki.jit
+    def k(x):
+        out = nl.ndarray((x.shape[1], x.shape[0]), dtype=x.dtype, buffer=nl.shared_hbm)
+        i, j = nl.arange(96)[:, None], nl.arange(40)[None, :]
+        t = nl.ndarray((96, 40), dtype=x.dtype, buffer=nl.sbuf)
+        t[i, j] = nl.load(x[i, j], mask=(j < 30))
+        a, b = nl.arange(40)[:, None], nl.arange(96)[None, :]
+        o = nl.ndarray((40, 96), dtype=x.dtype, buffer=nl.sbuf)
+        o[a, b] = nisa.nc_transpose(t[i, j], mask=(j < 30))
+        nl.store(out[a, b], o[a, b], mask=(a < 30))
+        return out
+
+    x = torch.randn(96, 40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no element stored from uninitialised memory
+        y = k(x)
+    assert torch.equal(y[:30], x[:, :30].T)
 
 
 def test_rule_uninitialised_sbuf():

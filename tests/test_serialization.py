@@ -1,5 +1,6 @@
 """torch.save / torch.load of neuron tensors and modules, with every map_location form."""
 import io
+import warnings
 
 import pytest
 import torch
@@ -68,3 +69,25 @@ def test_untyped_storage_on_device():
     assert s.device == torch.device("neuron:1") and s.nbytes() == 16
     s.resize_(64)
     assert s.nbytes() == 64
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_checkpoint_loaded_onto_the_device_is_held_to_the_dtype_rules(weights_only):
+    """torch.load moves storages as raw bytes; the tensors rebuilt on the device get what `.to("neuron")` gives:
+    float64 values rounded to float32 precision (also through a view and an expanded tensor over one storage),
+    int64 outside the int32 range warned and counted."""
+    import torchneuron
+
+    d = torch.tensor([1 + 1e-12, 3.0], dtype=torch.float64)
+    obj = {"d": d, "view": d[1:], "wide": torch.tensor([2**40, 1]), "expanded": d[:1].expand(3)}
+    key = "aten::copy_ (host to neuron)"  # what `.to("neuron")` counts (warned once per process)
+    before = torchneuron.get_dtype_events().get(key, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = roundtrip(obj, map_location="neuron", weights_only=weights_only)
+    assert torchneuron.get_dtype_events().get(key, 0) - before == 4  # each tensor, as `.to` would count it
+    moved = d.to("neuron")
+    assert torch.equal(back["d"].cpu(), moved.cpu()) and back["d"].cpu()[0].item() == 1.0  # not 1 + 1e-12
+    assert torch.equal(back["view"].cpu(), moved[1:].cpu())
+    assert torch.equal(back["expanded"].cpu(), moved[:1].expand(3).cpu())
+    assert torch.equal(back["wide"].cpu(), obj["wide"])  # kept exactly (host memory), but reported

@@ -51,7 +51,8 @@ def register() -> None:
         _C._set_launch_blocking(cfg.launch_blocking)
         atexit.register(_at_exit)  # registered at `import torch`: runs after the atexit handlers of the program
         os.register_at_fork(before=_C._drain_all)  # the child's copy of memory holds finished results
-    for p in (NEURON_DEVICE, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, BACKWARD_ON_CALLING_THREAD,
+    for p in (NEURON_DEVICE, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, LOADED_TENSORS_TAKE_THE_DTYPE_RULES,
+              BACKWARD_ON_CALLING_THREAD,
               STORAGE_CLASSES, flex_attention.WIDEN_DEVICE_CHECK, parallel.DATA_PARALLEL_COMM):
         patches.apply(p)
     if cfg is not None and cfg.stream_check:  # TORCHNEURON_STREAM_CHECK=1
@@ -138,6 +139,28 @@ def _register_device(done: patches.Applied) -> None:
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
 
 
+_HELD_TO_RULES = (torch.float64, torch.complex128, torch.int64)  # the dtypes the Trainium rules look at on entry
+
+
+def _loaded_tensors_take_the_dtype_rules(done: patches.Applied) -> None:
+    """`torch.load(map_location="neuron")` moves each storage as raw bytes (`UntypedStorage.to`), which no dtype
+    rule can see; the tensors are rebuilt over them in `torch._utils._rebuild_tensor` (every load path, weights_only
+    too). There a float64 or int64 tensor on the device enters it as a host->device copy would: its values are
+    copied in again (rounded, int64 range checked, warned and counted as `.to("neuron")` is)."""
+    import torch._utils as utils
+
+    def _rebuild_tensor(storage, storage_offset, size, stride):
+        t = plain(storage, storage_offset, size, stride)
+        if t.device.type == "neuron" and t.dtype in _HELD_TO_RULES and t.numel() \
+                and _config.current().dtype_policy == "trainium":
+            into = t if torch._debug_has_internal_overlap(t) == 0 else \
+                torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage())  # (an expanded t)
+            into.copy_(into.cpu())
+        return t
+    plain = utils._rebuild_tensor
+    done.replace(utils, "_rebuild_tensor", functools.wraps(plain)(_rebuild_tensor))
+
+
 def _backward_on_calling_thread(done: patches.Applied) -> None:
     """Backward runs on the calling thread, as on the CPU. PyTorch gives each accelerator an autograd worker
     thread so host and device work overlap; this device executes on the host synchronously, so that thread only
@@ -161,6 +184,12 @@ PRINT_WITHOUT_DTYPE_EVENTS = patches.declare(
     "print-without-dtype-events", "torch._tensor_str._str",
     "printing a tensor does not trip the float64 rule with torch's own layout math",
     "tests/test_device_rules.py::test_printing_does_not_report_dtype_events", _print_without_dtype_events)
+LOADED_TENSORS_TAKE_THE_DTYPE_RULES = patches.declare(
+    "loaded-tensors-take-the-dtype-rules", "torch._utils._rebuild_tensor",
+    "a float64 or int64 checkpoint loaded onto the device is held to the Trainium rules as `.to(\"neuron\")` is "
+    "(torch.load moves storages as raw bytes, which no dtype rule sees)",
+    "tests/test_serialization.py::test_a_checkpoint_loaded_onto_the_device_is_held_to_the_dtype_rules",
+    _loaded_tensors_take_the_dtype_rules)
 BACKWARD_ON_CALLING_THREAD = patches.declare(
     "backward-on-calling-thread", "torch.autograd.set_multithreading_enabled (the importing thread)",
     "backward runs on the calling thread: the device executes on the host, a worker thread only adds a hand-off",

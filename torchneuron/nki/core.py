@@ -412,6 +412,23 @@ class IndexExpr:
         return slice(int(v[0]), int(v[-1]) + 1, step)
 
 
+def _bounds(k: slice | DynSlice, size: int) -> tuple[int, int, int]:
+    """(start, stop, step) of a slice or nl.ds over an axis of `size`, the stop not clipped to the axis."""
+    if isinstance(k, DynSlice):
+        return int(k.start), int(k.start) + int(k.size) * int(k.step), int(k.step)
+    step = 1 if k.step is None else int(k.step)
+    return 0 if k.start is None else int(k.start), size if k.stop is None else int(k.stop), step
+
+
+def _past_end(k: Any, size: int) -> bool:
+    """Whether a slice or nl.ds runs past the end of its axis: like an nl.arange expression that does, it
+    addresses a tile the instruction's mask= must cut to the tensor (AWS's rule), so it is a gathered tile."""
+    if not isinstance(k, slice | DynSlice):
+        return False
+    start, stop, step = _bounds(k, size)
+    return step > 0 and 0 <= start < stop and stop > size
+
+
 def _reordered(key: tuple) -> bool:
     """Whether nl.arange expressions place the tensor's axes in another order in the tile (`t[i_f, i_p]` with
     i_p = arange[:, None], i_f = arange[None, :]: a transposed access, gathered element by element), or give the
@@ -517,6 +534,8 @@ class NkiTensor:
         if any(isinstance(k, NkiTensor) or (isinstance(k, IndexExpr) and (not k.is_affine() or not k.within(n)))
                for k, n in zip(key, self.shape, strict=False)) or _reordered(key):
             return GatherTile(self, key)
+        if any(_past_end(k, n) for k, n in zip(key, self.shape, strict=False)):
+            return GatherTile(self, self._as_arange(key))
         key = key + (slice(None),) * (self.ndim - len(key))
         key = self._keep_free_axis(key)
         torch_key, dims, fixed, pdim = [], [], list(self.fixed), self.pdim
@@ -559,6 +578,24 @@ class NkiTensor:
                 dims.append((dim[0], dim[1] + dim[2] * start, dim[2] * step, n))
         data = self.data[tuple(torch_key)]
         return NkiTensor(self.alloc, data, tuple(dims) if self.dims is not None else None, pdim, tuple(fixed))
+
+    def _as_arange(self, key: tuple) -> tuple:
+        """A key of slices and ints as the nl.arange expressions that address the same tile (one tile axis per
+        slice, in order; an int on an on-chip tile's partition axis keeps it as one partition)."""
+        key = key + (slice(None),) * (self.ndim - len(key))
+        on_chip = self.buffer.on_chip
+        key = tuple(slice(k, k + 1) if on_chip and axis == self.pdim and isinstance(k, int) else k
+                    for axis, k in enumerate(key))
+        kept = sum(not isinstance(k, int) for k in key)
+        out, j = [], 0
+        for k, size in zip(key, self.shape, strict=True):
+            if isinstance(k, int):
+                out.append(k)
+                continue
+            start, stop, step = _bounds(k, size)
+            out.append(IndexExpr(torch.arange(start, stop, step).view([-1 if i == j else 1 for i in range(kept)])))
+            j += 1
+        return tuple(out)
 
     def _keep_free_axis(self, key: tuple) -> tuple:
         """An on-chip tile keeps a free axis: when ints index every free axis (`t[:, i]`), the last one stays as
@@ -848,7 +885,7 @@ def accept_masks(namespace: dict) -> None:
                 result = fn(*args, **kwargs)
             finally:
                 CURRENT.mask = outer
-            if isinstance(result, NkiTensor):
+            if isinstance(result, NkiTensor) and result.alloc.mask is None:  # unless the call set it (nc_transpose)
                 result.alloc.mask = m
             return result
         return masked

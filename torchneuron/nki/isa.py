@@ -450,10 +450,18 @@ def nc_transpose(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | Non
         fail(ValueError, f"nc_transpose: dst must be [{f}, {p}], got {dst.shape}")
     cycles = matmul_cycles(run.chip, p, data.dtype == torch.float32) if eng == "tensor" else \
         engine_cycles(run.chip, eng, p, data.dtype.itemsize)
+    m = core.mask_for(data)  # mask= names the input's [P, F] axes (AWS): it reaches dst transposed
     _issue("nc_transpose", eng, cycles, [("data", data)], [("dst", dst)])
+    saved, mt = core.CURRENT.mask, None if m is None else m.reshape(p, f).T.reshape(dst.shape)
+    if mt is not None:
+        core.CURRENT.mask = mt
+        if legacy:  # what assigning the result copies (`t[...] = nc_transpose(x, mask=...)`)
+            dst.alloc.mask = mt
     if run.compute:
         _store(run, dst, _rows(data).T)
     _mark_written([("dst", dst)])
+    if mt is not None and core.CURRENT.mask is mt:  # (_mark_written restored an operand mask's outer one)
+        core.CURRENT.mask = saved
     return dst if legacy else None
 
 
