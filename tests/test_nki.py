@@ -788,6 +788,59 @@ def test_profile_engines_and_bottleneck():
     assert len([e for e in trace["traceEvents"] if e["ph"] == "X"]) == sum(q.instructions.values())
 
 
+def test_a_result_assigned_to_a_tile_is_written_there_by_its_instruction():
+    """`t[...] = instr(...)` as AWS's compiler places it: the instruction writes t (one DMA for a load, one Scalar
+    instruction for nl.exp), so a DMA may land on any partition; a result kept in a name and assigned after other
+    instructions is copied (Vector engine), with the same values."""
+    @nki.jit
+    def direct(x):
+        out = nl.ndarray((16, 64), dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray((16, 64), dtype=x.dtype, buffer=nl.sbuf)
+        t[0:8, :] = nl.load(x)
+        t[8:16, :] = nl.load(x)  # partitions 8..15: a DMA writes them; an engine copy could not start there
+        u = nl.ndarray((16, 64), dtype=x.dtype, buffer=nl.sbuf)
+        u[...] = nl.exp(t)
+        nl.store(out, u)
+        return out
+
+    @nki.jit
+    def kept(x):
+        out = nl.ndarray((8, 64), dtype=x.dtype, buffer=nl.shared_hbm)
+        e = nl.exp(nl.load(x))
+        other = nl.load(x)  # another instruction between the result and its assignment
+        u = nl.ndarray((8, 64), dtype=x.dtype, buffer=nl.sbuf)
+        u[...] = e
+        nl.store(out, nl.add(u, other))
+        return out
+
+    x = torch.randn(8, 64)
+    close(direct(x), torch.cat([x, x]).exp(), 1e-6)
+    assert [i.engine for i in direct.last_profile.timeline] == ["dma", "dma", "scalar", "dma"]
+    close(kept(x), x.exp() + x, 1e-6)
+    engines = [i.engine for i in kept.last_profile.timeline]
+    assert engines.count("vector") == 2 and engines.count("scalar") == 1  # the copy, the add; the exp
+
+
+def test_an_instruction_writing_an_assigned_tile_waits_for_its_readers():
+    """The redirected write is placed against the tile it now writes: it starts after the last read of that tile
+    (write-after-read), which the temporary it first wrote did not have."""
+    @nki.jit
+    def k(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.load(x)
+        s = nl.exp(t)  # reads t (Scalar engine)
+        t[...] = nl.load(x)  # the DMA now writes t: after the exp read it
+        nl.store(out, nl.add(s, t))
+        return out
+
+    x = torch.randn(128, 512)
+    close(k(x), x.exp() + x, 1e-5)
+    tl = k.last_profile.timeline
+    exp = next(i for i in tl if i.engine == "scalar")
+    second_load = [i for i in tl if i.engine == "dma"][1]
+    assert second_load.start >= exp.end
+
+
 def test_dependencies_order_the_timeline():
     """An instruction starts after the one that wrote its input ends; independent engines overlap."""
     x = torch.randn(128, 512)

@@ -91,6 +91,17 @@ def test_elapsed_time_requires_recorded_events():
         a.elapsed_time(b)
 
 
+def test_an_interprocess_event_handle_is_refused_clearly():
+    """CUDA code sharing an event with another process (`ipc_handle`) gets an error naming why at the call, not an
+    AttributeError."""
+    e = torch.neuron.Event(interprocess=True)
+    e.record()
+    with pytest.raises(RuntimeError, match="cannot be shared between processes"):
+        e.ipc_handle()
+    with pytest.raises(RuntimeError, match="cannot be shared between processes"):
+        torch.neuron.Event.from_ipc_handle(0, b"")
+
+
 def test_stream_on_invalid_device():
     with pytest.raises(torch.AcceleratorError, match="invalid device ordinal 8.*valid indices are 0..3"):
         torch.neuron.Stream(device=8)

@@ -87,8 +87,21 @@ class Event:
     def device(self) -> torch.device:
         return self.event.device
 
+    def ipc_handle(self) -> bytes:
+        """torch.cuda.Event's handle for another process: refused, as device memory is private to the process."""
+        raise RuntimeError(_NO_IPC)
+
+    @classmethod
+    def from_ipc_handle(cls, device: _device_t, handle: bytes) -> Event:
+        raise RuntimeError(_NO_IPC)
+
     def __repr__(self) -> str:
         return f"<torch.neuron.Event {self.event!r}>"
+
+
+_NO_IPC = ("neuron events cannot be shared between processes (interprocess=True): device memory and its events "
+           "are private to the process (docs/device.md, Between processes); synchronize in the producing process "
+           "and send CPU tensors")
 
 
 def _unwrap(event: Event | torch.Event) -> torch.Event:

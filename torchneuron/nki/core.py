@@ -24,9 +24,10 @@ import torch
 from ..hardware.chips import CHIPS, Chip
 from .ops import OPS
 
-# The nki.isa instructions a tile's item assignment and `+=` issue (dma_copy, tensor_copy, memset,
-# accumulate_psum): nki.isa builds on this module, so it hands them over when it is imported (`provide`; nki.kernel
-# imports it before any kernel runs) instead of this module importing it.
+# The nki.isa instructions a tile's item assignment and `+=` issue (dma_copy, tensor_copy, memset, accumulate_psum,
+# and assign_result, which redirects the instruction that made the value instead): nki.isa builds on this module,
+# so it hands them over when it is imported (`provide`; nki.kernel imports it before any kernel runs) instead of
+# this module importing it.
 _ISSUED: dict[str, Callable[..., Any]] = {}
 
 
@@ -235,7 +236,7 @@ class Allocation:
     """The memory behind one `nl.ndarray`: a torch tensor; on-chip memory is charged to the run while alive."""
 
     __slots__ = ("base", "buffer", "init", "run", "charge", "psum_charge", "written", "matmul_result", "mm_read",
-                 "mask", "pdim", "poffset", "__weakref__")
+                 "mask", "pdim", "poffset", "result", "__weakref__")
 
     def __init__(self, base: torch.Tensor, buffer: Buffer, run: Run | None, charge: int = 0, psum_charge: int = 0,
                  initialised: bool = False):
@@ -248,6 +249,7 @@ class Allocation:
         self.mask: torch.Tensor | None = None  # the mask= of the legacy call that returned this tile
         self.pdim = 0  # the partition axis of `base` (after any nl.par_dim block axes)
         self.poffset = 0  # the first physical partition (`nl.ndarray(address=(partition, byte))`)
+        self.result = False  # a call's result tile: assigned to a tile at once, its instruction writes there instead
 
     def __del__(self) -> None:
         run = getattr(self, "run", None)  # unset if __init__ did not finish
@@ -458,7 +460,7 @@ class DynSlice:
 class NkiTensor:
     """A tensor or tile of an NKI kernel: a view of its allocation's torch tensor."""
 
-    __slots__ = ("alloc", "data", "dims", "fixed", "pdim", "pmask")
+    __slots__ = ("alloc", "data", "dims", "fixed", "pdim", "pmask", "__weakref__")
 
     def __init__(self, alloc: Allocation, data: torch.Tensor, dims: tuple, pdim: int, fixed: tuple = ()):
         self.alloc, self.data, self.dims, self.pdim, self.fixed = alloc, data, dims, pdim, fixed
@@ -625,6 +627,8 @@ class NkiTensor:
             return
         with _value_mask(value):
             if isinstance(value, NkiTensor):
+                if _issue("assign_result")(dst, value):  # `t[...] = instr(...)`: instr wrote t, no copy
+                    return
                 if value.buffer.is_hbm or dst.buffer.is_hbm:
                     _issue("dma_copy")(dst=dst, src=value)
                 else:

@@ -74,8 +74,28 @@ def _covers(a: tuple, b: tuple) -> bool:
     return all(x0 <= y0 and y1 <= x1 for (x0, x1), (y0, y1) in zip(a, b, strict=True))
 
 
+@dataclass
+class _Pending:
+    """The last instruction issued, not placed yet: the memory it reads and writes as (allocation, box) pairs held
+    weakly (a temporary it touches is not kept alive by the timeline), and how to place it."""
+
+    name: str
+    engine: str
+    reads: list
+    writes: list
+    result: Any  # weakref to the one tile it wrote, which `retarget` may redirect
+    place: Any  # (reads, writes, when its inputs are ready) -> None
+    ready: float  # when what it reads was written (known at issue: a temporary it reads may die before placing)
+
+
+def _accesses(tiles: list) -> list:
+    return [(weakref.ref(t.alloc), t.box()) for t in tiles]
+
+
 class Timeline:
-    """Places instructions; `profile()` summarises them."""
+    """Places instructions; `profile()` summarises them. The last instruction is placed when the next one is issued
+    (or at `profile`), so that `t[...] = instr(...)` can make it write `t` directly (`retarget`), as AWS's compiler
+    does, instead of through a temporary and a copy."""
 
     KEEP = 200_000  # instructions kept for the trace (all are counted)
 
@@ -90,38 +110,60 @@ class Timeline:
         self.dma_bytes = self.flops = 0
         self.records: list[Instruction] = []
         self.regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Allocation -> [[box, w, r]]
+        self.pending: _Pending | None = None
+
+    # ---- the last instruction
+    def _hold(self, name: str, engine: str, reads: list, writes: list, place: Any) -> None:
+        self.flush()
+        result = weakref.ref(writes[0]) if len(writes) == 1 else None
+        ready = self._ready([(t.alloc, t.box()) for t in reads], [])
+        self.pending = _Pending(name, engine, _accesses(reads), _accesses(writes), result, place, ready)
+
+    def flush(self) -> None:
+        """Place the held instruction (its memory that died since is no longer tracked)."""
+        p, self.pending = self.pending, None
+        if p is not None:
+            live = lambda acc: [(a, box) for r, box in acc if (a := r()) is not None]  # noqa: E731
+            p.place(live(p.reads), live(p.writes), p.ready)
+
+    def held_engine(self, tile: Any) -> str | None:
+        """The engine of the held instruction if it wrote exactly `tile` (and nothing else), else None."""
+        p = self.pending
+        return p.engine if p is not None and p.result is not None and p.result() is tile else None
+
+    def retarget(self, tile: Any, dst: Any) -> None:
+        """The held instruction, which wrote exactly `tile` (`held_engine`), writes `dst` instead."""
+        p = self.pending
+        assert p is not None and p.result is not None and p.result() is tile
+        p.writes, p.result = _accesses([dst]), None
 
     # ---- dependencies
     def _ready(self, reads: list, writes: list) -> float:
         t = 0.0
-        for tile in reads:
-            box = tile.box()
-            for b, w, _ in self.regions.get(tile.alloc, ()):
+        for alloc, box in reads:
+            for b, w, _ in self.regions.get(alloc, ()):
                 if w > t and _overlap(b, box):
                     t = w
-        for tile in writes:
-            box = tile.box()
-            for b, w, r in self.regions.get(tile.alloc, ()):
+        for alloc, box in writes:
+            for b, w, r in self.regions.get(alloc, ()):
                 if max(w, r) > t and _overlap(b, box):
                     t = max(w, r)
         return t
 
     def _record(self, reads: list, writes: list, end: float) -> None:
-        for tile in reads:
-            if not tile.alloc.written:
+        for alloc, box in reads:
+            if not alloc.written:
                 continue
-            entries = self.regions.setdefault(tile.alloc, [])
-            box = tile.box()
+            entries = self.regions.setdefault(alloc, [])
             for e in entries:
                 if e[0] == box:
                     e[2] = max(e[2], end)
                     break
             else:
                 entries.append([box, 0.0, end])
-        for tile in writes:
-            tile.alloc.written = True
-            entries = self.regions.setdefault(tile.alloc, [])
-            box = tile.box()
+        for alloc, box in writes:
+            alloc.written = True
+            entries = self.regions.setdefault(alloc, [])
             last_read = 0.0
             keep = []
             for e in entries:
@@ -130,34 +172,37 @@ class Timeline:
                 else:
                     keep.append(e)
             keep.append([box, end, last_read])
-            self.regions[tile.alloc] = keep
+            self.regions[alloc] = keep
 
     # ---- placement
     def compute(self, name: str, engine: str, cycles: float, reads: list, writes: list, line: int,
                 flops: int = 0) -> None:
-        clock = getattr(self.chip, engine).clock_hz
-        dur = cycles / clock
-        start = max(self._ready(reads, writes), self.free[engine])
-        end = start + dur
-        self.free[engine] = end
-        self._place(name, engine, start, end, dur, line)
-        self.flops += flops
-        self._record(reads, writes, end)
+        def place(reads: list, writes: list, ready: float) -> None:
+            dur = cycles / getattr(self.chip, engine).clock_hz
+            start = max(ready, self._ready([], writes), self.free[engine])
+            end = start + dur
+            self.free[engine] = end
+            self._place(name, engine, start, end, dur, line)
+            self.flops += flops
+            self._record(reads, writes, end)
+        self._hold(name, engine, reads, writes, place)
 
     def dma(self, name: str, nbytes: int, row_bytes: int, reads: list, writes: list, line: int,
             efficiency: float = 1.0) -> None:
-        chip = self.chip
-        q = min(range(len(self.queues)), key=self.queues.__getitem__)
-        start = max(self._ready(reads, writes), self.queues[q])
-        eff = efficiency * row_bytes / (row_bytes + chip.dma_row_overhead_bytes)
-        xfer = nbytes / (chip.dma_bw_per_core * eff)
-        xfer_start = max(start, self.dma_bw_free)
-        self.dma_bw_free = xfer_start + xfer
-        end = self.dma_bw_free + chip.dma_fixed_s
-        self.queues[q] = end
-        self._place(name, "dma", start, end, xfer, line)
-        self.dma_bytes += nbytes
-        self._record(reads, writes, end)
+        def place(reads: list, writes: list, ready: float) -> None:
+            chip = self.chip
+            q = min(range(len(self.queues)), key=self.queues.__getitem__)
+            start = max(ready, self._ready([], writes), self.queues[q])
+            eff = efficiency * row_bytes / (row_bytes + chip.dma_row_overhead_bytes)
+            xfer = nbytes / (chip.dma_bw_per_core * eff)
+            xfer_start = max(start, self.dma_bw_free)
+            self.dma_bw_free = xfer_start + xfer
+            end = self.dma_bw_free + chip.dma_fixed_s
+            self.queues[q] = end
+            self._place(name, "dma", start, end, xfer, line)
+            self.dma_bytes += nbytes
+            self._record(reads, writes, end)
+        self._hold(name, "dma", reads, writes, place)
 
     def _place(self, name: str, engine: str, start: float, end: float, busy: float, line: int) -> None:
         self.busy[engine] += busy
@@ -167,6 +212,7 @@ class Timeline:
             self.records.append(Instruction(name, engine, start, end, line))
 
     def profile(self) -> KernelProfile:
+        self.flush()
         return KernelProfile(self.name, self.chip.name, self.end, dict(self.busy), dict(self.count),
                              self.dma_bytes, self.flops, self.records)
 

@@ -310,7 +310,34 @@ def _store(run: core.Run, dst: NkiTensor, v: torch.Tensor) -> None:
 
 
 def _new(shape: tuple, dtype: Any, buffer: Any = SBUF) -> NkiTensor:
-    return core.allocate(shape, dtype, buffer)
+    """A legacy form's result tile (see `assign_result`)."""
+    t = core.allocate(shape, dtype, buffer)
+    t.alloc.result = True
+    return t
+
+
+def assign_result(dst: NkiTensor, src: NkiTensor) -> bool:
+    """`dst[...] = instr(...)` right after the call: AWS's compiler places the instruction's output in dst, so the
+    instruction that made `src` (a call's result tile, the last instruction issued) writes dst instead: no copy
+    on the timeline, dst held to that instruction's engine rules (a DMA writes any partition). False when it
+    cannot (another instruction came between, the engine cannot write dst's memory or place, a reshaping or
+    narrowing assignment): the caller copies."""
+    run = core.current_run()
+    if type(src) is not NkiTensor or not src.alloc.result or src.shape != dst.shape or src.alloc is dst.alloc:
+        return False
+    eng = run.timeline.held_engine(src)
+    if eng is None or (src.dtype != dst.dtype and eng != "dma" and src.dtype != torch.float32):
+        return False  # (a narrow result widened would be rounded twice)
+    try:
+        _check_access(eng, "assign", [], [("dst", dst)])
+    except (ValueError, TypeError, IndexError):
+        return False
+    run.timeline.retarget(src, dst)
+    _check_initialised("assign", [("src", src)], [("dst", dst)])
+    if run.compute:
+        _store(run, dst, value(src))
+    _mark_written([("dst", dst)])
+    return True
 
 
 def _tiles(args: tuple) -> int:
@@ -1541,4 +1568,4 @@ def tensor_tensor_scan(*args: Any, dst: NkiTensor | None = None, data0: NkiTenso
 
 core.accept_masks(globals())
 core.provide(dma_copy=dma_copy, tensor_copy=tensor_copy, memset=memset, accumulate_psum=accumulate_psum,
-             tensor_tensor=tensor_tensor)
+             tensor_tensor=tensor_tensor, assign_result=assign_result)
