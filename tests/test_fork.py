@@ -108,6 +108,33 @@ print(json.dumps([child, ref.double().sum().item(), all(torch.allclose(y.cpu(), 
     assert out[2] is True and out[0] == out[1]
 
 
+def test_a_fork_during_a_fusion_compile_that_takes_file_locks_finishes():
+    """pytorch/examples' mnist (DataLoader workers) hung at its second epoch's fork: the fork waited for the eager
+    fusion compile in progress, which waited at filelock's fork gate (Inductor takes file locks), closed by
+    filelock's own fork hook. The wait now runs first and ends when the compile does (a stand-in compile taking file
+    locks for 2 s here), well inside its FORK_WAIT bound."""
+    p = run_py(FORK + textwrap.dedent("""
+        import filelock, tempfile, time
+        from torchneuron.compiler import eager_fusion as ef
+        signal.alarm(100)  # a hang ends the script (the fork itself would never return)
+        started = threading.Event()
+        def compile_key(key, nodes, mutations):
+            lock = filelock.FileLock(os.path.join(tempfile.mkdtemp(), "x.lock"))
+            started.set()
+            end = time.time() + 2
+            while time.time() < end:
+                with lock:
+                    pass
+        ef._compile_key = compile_key
+        ef._BACKGROUND.submit(("stand-in",), (), ())
+        started.wait(30)
+        t0 = time.time()
+        child = in_child(lambda out: out.write(json.dumps("ok")))
+        print(json.dumps([child, time.time() - t0 < ef.FORK_WAIT]))
+        """), timeout=150)
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == ["ok", True]
+
+
 def test_device_use_in_the_child_raises_cudas_error():
     out = result("""
 x = torch.arange(4.0, device="neuron")

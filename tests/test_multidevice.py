@@ -23,6 +23,63 @@ def test_copies_between_devices_and_host():
     assert torch.equal(h, a.t())
 
 
+def test_a_queued_copy_between_devices_reads_the_source_as_it_was_at_the_copy():
+    """A copy from neuron:1 launched on neuron:0 while neuron:0 is busy runs later, on neuron:0's stream: neuron:1's
+    stream waits for it (as CUDA's copy runs on the source's stream), so neither a write launched on neuron:1 after
+    it nor the source freed and its memory reused there reaches what it reads (nn.DataParallel's replicas'
+    gradients did: silent garbage)."""
+    busy = torch.randn(768, 768, device="neuron:0")
+    for reuse in (True, False):
+        with torch.accelerator.device_index(1):
+            t = torch.full((4096,), 7.0, device="neuron:1")
+            torch.neuron.synchronize(1)
+        for _ in range(6):
+            busy = (busy @ busy).tanh()  # neuron:0 busy: the copy waits in its queue
+        u = t.to("neuron:0")
+        with torch.accelerator.device_index(1):
+            if reuse:
+                del t
+                torch.full((4096,), -1.0, device="neuron:1")  # t's memory, on neuron:1's stream
+            else:
+                t.fill_(-1.0)
+        assert u.cpu().eq(7.0).all(), reuse
+
+
+def test_data_parallel_steps_without_a_host_sync_match_the_cpu():
+    """pytorch/examples' imagenet under DataParallel (its default on 4 cores): steps launched back to back, the host
+    never waiting, then evaluation. The replicas' gradients reach the first core by copies queued behind its work;
+    the result equals the CPU running the chunks one by one."""
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU(),  # noqa: E731
+                                 nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(128, 10))
+    net, ref = make(), make()
+    ref.load_state_dict(net.state_dict())
+    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    model = nn.DataParallel(net.to("neuron"))
+    opt, ropt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    n = torch.neuron.device_count()
+    for _ in range(3):
+        loss = nn.functional.cross_entropy(model(x.to("neuron")), y.to("neuron"))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        chunks = x.chunk(n)
+        outs = [ref(chunks[0])]  # BatchNorm: each replica's own statistics; the running ones are the first's
+        buffers = {k: b.clone() for k, b in ref.named_buffers()}
+        outs += [ref(c) for c in chunks[1:]]
+        ropt.zero_grad()
+        nn.functional.cross_entropy(torch.cat(outs), y).backward()
+        for k, b in ref.named_buffers():
+            b.copy_(buffers[k])
+        ropt.step()
+    model.eval()
+    ref.eval()
+    with torch.no_grad():
+        assert torch.allclose(model(x.to("neuron")).cpu(), ref(x), atol=1e-4)
+    for p, r in zip(net.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p.detach().cpu(), r.detach(), atol=1e-4)
+
+
 def test_device_context_manager():
     with torch.neuron.device(2):
         assert torch.randn(2, device="neuron").device.index == 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -425,6 +426,7 @@ class _Background:
             self.jobs.append((key, nodes, mutations))
             if self.thread is None:
                 patches.apply(PER_THREAD_FX_TRACING)
+                _wait_for_the_compile_at_fork()
                 self.thread = threading.Thread(target=self._loop, name="torchneuron-fusion-compiler", daemon=True)
                 self.thread.start()
             self.ready.notify_all()
@@ -463,11 +465,44 @@ class _Background:
 
 
 _BACKGROUND = _Background()
-# A fork waits for the compile in progress (as it waits for the streams): the compiler thread must not hold
-# Dynamo's compile lock in a child where it does not exist, or the child's first torch.compile would hang.
-os.register_at_fork(before=_BACKGROUND.compiling.acquire, after_in_parent=_BACKGROUND.compiling.release,
-                    after_in_child=_BACKGROUND.forget)
 atexit.register(_BACKGROUND.stop)
+FORK_WAIT = 10.0  # seconds a fork waits for the compile in progress (then the child is repaired instead)
+_FORK: dict[str, bool] = {"registered": False, "waited": False}
+
+
+def _before_fork() -> None:
+    _FORK["waited"] = _BACKGROUND.compiling.acquire(timeout=FORK_WAIT)
+
+
+def _after_fork_in_parent() -> None:
+    if _FORK["waited"]:
+        _BACKGROUND.compiling.release()
+
+
+def _after_fork_in_child() -> None:
+    """The parent's compiler thread does not exist here: its jobs are forgotten, and when the fork did not wait for
+    its compile, Dynamo's compile lock, which that thread may hold, is replaced (the child's first torch.compile
+    would otherwise wait for it forever)."""
+    _BACKGROUND.forget()
+    if not _FORK["waited"] and "torch._dynamo.convert_frame" in sys.modules:
+        sys.modules["torch._dynamo.convert_frame"].compile_lock = threading.RLock()
+
+
+def _wait_for_the_compile_at_fork() -> None:
+    """A fork waits (FORK_WAIT at most) for the compile in progress, as it waits for the streams, so the child is
+    not left with the compiler thread's locks. Registered when the compiler thread first starts, after filelock's
+    own fork hooks (Inductor takes file locks while compiling): hooks run last-registered first, so this wait ends
+    before filelock closes its gate; the other way round the compile blocked at the gate while the fork waited for
+    it, and a DataLoader's fork hung for good."""
+    if _FORK["registered"]:
+        return
+    _FORK["registered"] = True
+    try:
+        import filelock  # noqa: F401  (registers its fork hooks now, before ours)
+    except ImportError:
+        pass
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                        after_in_child=_after_fork_in_child)
 
 
 def wait_compiles(timeout: float | None = None) -> bool:

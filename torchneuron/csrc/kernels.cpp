@@ -85,7 +85,8 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   const bool to_device = is_neuron(dst), from_device = is_neuron(self);
   const at::Tensor& on_device = to_device ? dst : self;
   const c10::DeviceIndex dev = on_device.device().index();
-  if (to_device && from_device && self.device() != dst.device()) drain_current(self.device().index());
+  const bool cross_device = to_device && from_device && self.device() != dst.device();
+  if (cross_device) drain_current(self.device().index());
   StreamQueue& q = current_queue(dev);
   const bool rules = to_device && !from_device && trainium_rules() && (is_fp64(dst) || dst.scalar_type() == at::kLong);
   const bool now = g_launch_blocking.load(std::memory_order_relaxed) ||
@@ -134,7 +135,16 @@ at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blo
   } else if (!from_device && !(non_blocking && self.is_pinned())) {
     src = src.clone();  // read now: the caller may change it
   }
-  q.push("aten::copy_", [d, src]() mutable { d.copy_(src); }, false, nullptr, dst.numel(), std::move(acc));
+  const uint64_t copied =
+      q.push("aten::copy_", [d, src]() mutable { d.copy_(src); }, false, nullptr, dst.numel(), std::move(acc));
+  // Queued on the destination's stream, the copy reads the source device's memory later: the source device's
+  // current stream waits for it (as CUDA's copy, run on the source's stream), so neither that stream's next writes
+  // nor the source's memory freed and reused there overtake the read (nn.DataParallel's replicas' gradients did).
+  if (cross_device)
+    current_queue(self.device().index())
+        .push(
+            "aten::copy_ (wait, cross-device)", [&q, copied] { q.wait_quiet(copied); },
+            /*control=*/true);
   return dst;
 }
 
