@@ -113,6 +113,21 @@ def test_ddp_under_torchrun_with_nccl(tmp_path):
     assert out["losses"] == pytest.approx(common.reference(batch=8, n=8 * common.STEPS), rel=1e-5, abs=1e-5)
 
 
+def test_env_compat_under_torchrun_writes_one_report_per_rank(tmp_path):
+    """compat.md's `TORCHNEURON_PORTING_REPORT=port.json torchrun ...`: every process writes at exit, torchrun's
+    launcher too (it imports torch), which exited last and left an empty report. Each rank now writes its own, with
+    its redirects; the launcher writes none."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+           str(SCRIPTS / "ddp_train.py")]
+    env = _env(OMP_NUM_THREADS="1", TORCHNEURON_CUDA_COMPAT="1", TORCHNEURON_PORTING_REPORT=str(tmp_path / "port.json"))
+    out = last_json(run_script(cmd, env, tmp_path).stdout)
+    assert out["backend"] == "neuron"
+    assert not (tmp_path / "port.json").exists()
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"port.rank{rank}.json").read_text())
+        assert any("ddp_train.py:" in site for sites in report["redirects"].values() for site in sites), report
+
+
 def test_redirect_depth_isinstance_and_compile():
     run_py("""
         import io, torch
@@ -325,7 +340,7 @@ def test_fixed_scripts_run_without_compat(fixed_scripts, target, tmp_path):
     env = _env(**({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"} if target == "cpu" else {}))
     for name, out in run_all(env, tmp_path, fixed_scripts).items():
         assert out.get("device", "").startswith(target), (name, out)
-        if name == "amp_train":  # the fixed script autocasts in the device's default dtype (bf16), not CUDA's fp16
+        if name == "amp_train":  # the fixed script autocasts in the device's default dtype (fp16 on neuron, bf16 on CPU)
             dtype = getattr(torch, out["amp_dtype"].removeprefix("torch."))
             ref, tol = common.reference(amp=True, amp_dtype=dtype), 2e-2
         else:

@@ -518,6 +518,25 @@ def test_device_string_idioms():
     assert "device = accel_device.type\nd = torch.device(accel_device.type, rank)" in new
 
 
+def test_a_test_against_a_rewritten_device_variable_keeps_its_meaning():
+    """nanoGPT: `device = 'cuda'`, then `device_type = 'cuda' if 'cuda' in device else 'cpu'` and later
+    `if device_type == 'cuda':`. Rewriting the assignments but not the tests made `device_type` "cpu" on any other
+    device (no autocast, no fused AdamW: the fixed script trained in fp32). The tests' "cuda" is rewritten alike; a
+    test of a variable the fix did not rewrite stays a suggestion. Checked by running the fixed code on the CPU,
+    where the accelerator is the CPU and every test must still pick the device's branch."""
+    src = ("import torch\ndevice = 'cuda'\ndevice_type = 'cuda' if 'cuda' in device else 'cpu'\n"
+           "pin = device_type == 'cuda'\nother = 'cpu'\nflag = 'cuda' in other\n")
+    res = fix.fix_source(src)
+    assert "device_type = accel_device.type if accel_device.type in device else 'cpu'" in res.new
+    assert "pin = device_type == accel_device.type" in res.new
+    assert "flag = 'cuda' in other" in res.new
+    assert [(f.line, f.code) for f in res.remaining if f.code == "NRN009"] == [(6, "NRN009")]
+    scope: dict = {}
+    exec(res.new, scope)  # noqa: S102  (the fixed module, on this host)
+    accel = scope["accel_device"].type
+    assert scope["device_type"] == accel and scope["pin"] is True
+
+
 def test_cuda_seeding_seeds_only_the_accelerator():
     """`torch.cuda.manual_seed_all(s)` must not become `torch.manual_seed(s)`, which reseeds the CPU too."""
     new = fix.fix_source("import torch\ntorch.manual_seed(1)\ncpu = torch.get_rng_state()\n"

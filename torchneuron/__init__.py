@@ -58,7 +58,7 @@ if _aws.installed() is None:  # ours owns the `neuron` device
 
             from .integrations import porting_report as _porting_report
 
-            atexit.register(_porting_report.write, _cfg.porting_report)
+            atexit.register(_porting_report.write_at_exit, _cfg.porting_report)
 
     from .integrations import install as _install_integrations
 

@@ -105,6 +105,21 @@ def render_markdown(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def write_at_exit(dest: str) -> None:
+    """TORCHNEURON_PORTING_REPORT's write at exit. Under torchrun every process runs it: each rank of a run of
+    several writes its own file (`port.json` -> `port.rank1.json`), and torchrun's launcher, which imports torch but
+    runs no script, writes none (it exited last and left an empty report where the ranks' had been)."""
+    import os
+
+    rank, world = os.environ.get("RANK"), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if rank is None and "torch.distributed.run" in sys.modules:
+        return
+    if rank is not None and world > 1 and dest != "-":
+        stem, dot, ext = dest.rpartition(".")
+        dest = f"{stem}.rank{rank}.{ext}" if dot and "/" not in ext else f"{dest}.rank{rank}"
+    write(dest)
+
+
 def write(dest: str, r: dict[str, Any] | None = None) -> None:
     """Write the report to `dest`: *.json, *.md, any other path as text, "-" to stdout."""
     r = collect() if r is None else r

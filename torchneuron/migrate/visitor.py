@@ -93,6 +93,7 @@ class _Visitor:
         self.decorators: set[int] = set()
         self.with_items: set[int] = set()
         self.assigned: dict[int, str] = {}  # id(value of an assignment) -> its target, dotted
+        self.device_vars: set[str] = set()  # targets whose CUDA string assignment is rewritten (NRN019)
         self.elifs: set[int] = set()
         self.fquotes: list[str] = []  # the quotes of the single-quoted f-strings around the current node
         self.module: cst.Module | None = None
@@ -191,6 +192,19 @@ class _Visitor:
             self.assigned |= {id(b): name for b in _branches(node.value, self)}
 
     visit_AnnAssign = visit_Assign
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        """`"cuda" in device`, `device_type == "cuda"` against a variable whose `"cuda"` was rewritten: the literal
+        is rewritten alike, so the test keeps its meaning (is it the device the script runs on?); left alone, it
+        turned false on every other device (nanoGPT's `device_type` became "cpu": no autocast, no fused AdamW)."""
+        if len(node.comparisons) != 1 or not isinstance(
+                node.comparisons[0].operator, (cst.In, cst.NotIn, cst.Equal, cst.NotEqual)):
+            return
+        for lit_side, var_side in ((node.left, node.comparisons[0].comparator),
+                                   (node.comparisons[0].comparator, node.left)):
+            name, lit = _dotted(var_side), literal(lit_side)
+            if name in self.device_vars and lit is not None and lit[0] == "cuda" and lit[1] is None:
+                self.assigned[id(lit_side)] = name
 
     def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
         if len(node.body) == 1 and isinstance(node.body[0], cst.Expr) and isinstance(node.body[0].value, cst.Call):
@@ -345,6 +359,8 @@ class _Visitor:
             site, why = self.site(rule, node, None, subject="value", index=lit[1])
             if site and "{}" in lit[0] and lit[1] is None:
                 site, why = None, "the index is not a number (`str(i)` or a number is)"
+            if site and rule in assigned:
+                self.device_vars.add(target)
             self.hit(rule, node, site, why)
 
     def visit_BinaryOperation(self, node: cst.BinaryOperation) -> None:
