@@ -340,7 +340,7 @@ def test_fixed_scripts_run_without_compat(fixed_scripts, target, tmp_path):
     env = _env(**({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"} if target == "cpu" else {}))
     for name, out in run_all(env, tmp_path, fixed_scripts).items():
         assert out.get("device", "").startswith(target), (name, out)
-        if name == "amp_train":  # the fixed script autocasts in the device's default dtype (fp16 on neuron, bf16 on CPU)
+        if name == "amp_train":  # the fixed script autocasts in the device's default dtype (neuron: fp16, CPU: bf16)
             dtype = getattr(torch, out["amp_dtype"].removeprefix("torch."))
             ref, tol = common.reference(amp=True, amp_dtype=dtype), 2e-2
         else:
