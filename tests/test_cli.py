@@ -61,6 +61,10 @@ def test_help_describes_the_tool_in_whole_sentences():
     ("estimate --target trn1 --instance trn2.48xlarge", "trn2.48xlarge has trn2 chips, not trn1"),
     ("estimate --top -1", "--top: expected an integer >= 0"),
     ("estimate --model nope", "use one of gpt2-small"),
+    ("estimate --model nonexistent.py:make", "--model 'nonexistent.py:make': no file 'nonexistent.py'"),
+    (f"estimate --model {__file__}:no_such_function", "defines no function 'no_such_function'"),
+    ("estimate --model llama-1b --mode decode --speculate 4 --draft foo --acceptance 0.8", "--draft 'foo': use one of"),
+    ("estimate --model llama-1b --ep 2 --dp 2", "ep=2 must divide the experts per layer"),
     ("profile --top -2 x.py", "--top: expected an integer >= 0"),
     ("profile --device gpu0 x.py", "--device: expected 'all' or a device type"),
     ("profile does_not_exist.py", "no such script: does_not_exist.py"),
@@ -104,3 +108,15 @@ def test_run_behaves_like_python_for_exits_and_tracebacks(tmp_path):
     tb = lines[lines.index("Traceback (most recent call last):"):]
     assert tb[1] == f'  File "{tmp_path / "raises.py"}", line 4, in <module>', err
     assert "cli.py" not in err and "runpy" not in err
+
+
+def test_profile_reports_a_script_that_exits(tmp_path):
+    """`torchneuron profile` of a script ending `sys.exit(main())` (or raising) still prints its summary and writes
+    its trace, and exits with the script's status (the profile was lost before, with status 0)."""
+    body = 'import sys, torch\nx = torch.randn(64, 64, device="neuron")\n(x @ x).sum().item()\n'
+    for name, tail, status in (("exits", "sys.exit(3)\n", 3), ("raises", "raise ValueError('bad')\n", 1)):
+        (tmp_path / f"{name}.py").write_text(body + tail)
+        p = subprocess.run([sys.executable, "-m", "torchneuron.cli", "profile", "--trace", f"{name}.json",
+                            f"{name}.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert p.returncode == status and "aten::mm" in p.stdout, (p.stdout, p.stderr)
+        assert json.loads((tmp_path / f"{name}.json").read_text())["traceEvents"]

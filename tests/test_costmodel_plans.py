@@ -133,6 +133,24 @@ def test_gpu_comparison_is_the_cheapest_layout_as_fast_as_trainium():
     assert fp8.comparison.memory["weights"] == pytest.approx(sum(p.numel() for p in model.parameters()) / 2)
 
 
+def test_a_training_comparison_takes_the_fewest_gpus_that_fit_and_no_ratio_is_given_for_a_job_that_does_not():
+    """Llama-3-8B at 4,096 tokens on 8 trn2 cores (1/8 of the instance): its share of a p5 is one H100, whose 80 GB
+    cannot hold the weights, gradients and AdamW state (16 bytes a parameter, 128 GB). The comparison takes the fewest
+    GPUs that hold it (two, tensor parallel), not the one that does not fit; a comparison forced onto one GPU does
+    not fit and the buyer's table prints no cost ratio for it."""
+    model = _llama8b()
+    inputs = presets.lm_inputs(model, seq=4096)
+    r = estimate(model, inputs, target="trn2", tp=8, dtype=BF16)
+    assert r.fits and r.comparison.fits and r.comparison.cores == 2
+    assert r.comparison.memory["total"] <= r.comparison.memory["capacity"]
+    assert "Trainium / GPU cost per token" in cli.buyer_table(r)
+    one = estimate(model, inputs, target="trn2", tp=8, dtype=BF16, gpu_count=1, gpu_tp=1)
+    assert not one.comparison.fits and one.comparison.memory["total"] > 16 * 8.03e9 * 0.99
+    table = cli.buyer_table(one)
+    assert "DOES NOT FIT" in table and "no cost ratio: the GPU job does not fit" in table
+    assert "cost per token" not in table
+
+
 @pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
 def test_pipeline_bubble_and_stage_memory(schedule, vpp):
     """4 stages, 8 micro-batches of 512 tokens: a stage runs a quarter of each micro-batch's forward and backward

@@ -47,54 +47,20 @@ def _run_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run(a: argparse.Namespace) -> int:
-    """Run the script as `python script.py` would (sys.argv, sys.path[0], exit status, the message of
-    sys.exit("..."), a traceback that starts at the script's own frame), then print the porting report,
-    whatever the script's outcome."""
-    import runpy
-
+    """Run the script as `python script.py` would (runtime/script.py), then print the porting report, whatever the
+    script's outcome."""
     from .hardware import config
     from .integrations import cuda_compat, porting_report
+    from .runtime.script import run_as_main
 
     if not os.path.isfile(a.script):
         a.parser.error(f"no such script: {a.script}")
     cuda_compat.enable()
-    sys.argv = [a.script, *a.args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(a.script)))
-    try:
-        # the processes the script starts (mp.spawn, subprocess) run in the mode too
-        with config.scoped_env("TORCHNEURON_CUDA_COMPAT", "1"):
-            runpy.run_path(os.path.abspath(a.script), run_name="__main__")  # __file__ absolute, as Python's
-        code = 0
-    except SystemExit as e:
-        code = _exit_status(e.code)
-    except BaseException as e:  # noqa: BLE001  (reported as Python reports an uncaught exception)
-        tb = _from_script(e.__traceback__, a.script)
-        sys.excepthook(type(e), e.with_traceback(tb), tb)
-        code = 130 if isinstance(e, KeyboardInterrupt) else 1
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # the processes the script starts (mp.spawn, subprocess) run in the mode too
+    with config.scoped_env("TORCHNEURON_CUDA_COMPAT", "1"):
+        code = run_as_main(a.script, a.args)
     porting_report.write(a.report or "-")
     return code
-
-
-def _exit_status(code: object) -> int:
-    """What the interpreter does with SystemExit(code): None is 0, an int is the status, anything else is
-    printed to stderr and the status is 1."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _from_script(tb, script: str):
-    """The traceback from the script's first frame on, without runpy's and this module's frames (None when the
-    script never ran, e.g. a syntax error, which Python also reports without frames)."""
-    path = os.path.abspath(script)
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
-        tb = tb.tb_next
-    return tb
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:

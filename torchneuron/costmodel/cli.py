@@ -122,7 +122,7 @@ def add_estimate_arguments(p: argparse.ArgumentParser) -> None:
 def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any]) -> None:
     """The checks that involve several arguments; `error` is the parser's (a usage error, exit status 2)."""
     from .estimate import Layout
-    from .presets import PRESETS
+    from .presets import PRESETS, check_spec
 
     try:
         lay = Layout.of(a.target, a.instance, a.lnc)
@@ -155,6 +155,12 @@ def check_estimate_arguments(a: argparse.Namespace, error: Callable[[str], Any])
         error("--vpp needs --schedule interleaved")
     if a.fsdp and a.mode != "train":
         error("--fsdp shards training state: use it with --mode train")
+    for flag, spec in (("--model", a.model), ("--draft", a.draft)):
+        try:
+            if spec is not None and not (flag == "--model" and a.from_profile):
+                check_spec(spec, flag)
+        except ValueError as e:
+            error(str(e))
     if a.speculate is not None or a.draft is not None or a.acceptance is not None:
         if a.mode != "decode" or a.speculate is None or a.draft is None or a.acceptance is None:
             error("speculative decoding needs --mode decode, --speculate K, --draft MODEL and --acceptance A")
@@ -220,8 +226,12 @@ def buyer_table(r: EstimateResult) -> str:
     lines = [f"  {'':<34} {per:>14} {'$/hour':>10} {'$/M ' + r.unit:>14}  layout"]
     for name, e in rows:
         lines.append(f"  {name:<34} {e.step_time_s * 1e3:>11,.2f} ms {money(e.cost_per_hour):>10} "
-                     f"{money(e.cost_per_million, 4):>14}  dp={e.dp} tp={e.tp} {e.precision or 'as traced'}")
-    if r.cost_per_million and c.cost_per_million:
+                     f"{money(e.cost_per_million, 4):>14}  dp={e.dp} tp={e.tp}{f' pp={e.pp}' if e.pp > 1 else ''} "
+                     f"{e.precision or 'as traced'}{'' if e.fits else '  DOES NOT FIT'}")
+    if not (r.fits and c.fits):  # a job that does not fit has no cost to compare
+        lines.append("  no cost ratio: " + " and ".join(
+            f"the {side} job does not fit in memory" for side, e in (("Trainium", r), ("GPU", c)) if not e.fits))
+    elif r.cost_per_million and c.cost_per_million:
         lines.append(f"  Trainium / GPU cost per {r.unit[:-1]}: {r.cost_per_million / c.cost_per_million:.2f}x")
     return "\n".join(lines)
 
@@ -229,18 +239,19 @@ def buyer_table(r: EstimateResult) -> str:
 def run_estimate(a: argparse.Namespace) -> int:
     from . import presets, report
 
-    check_estimate_arguments(a, a.parser.error if "parser" in a else usage_error)
+    error = a.parser.error if "parser" in a else usage_error
+    check_estimate_arguments(a, error)
     if a.search:
         return run_search(a)
     if a.from_profile:
         return run_from_profile(a)
-    # decode: --seq tokens are in the cache (its attention reads and its memory)
-    model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype],
-                                 context=a.seq if a.mode == "decode" else 0)
     tokens = a.global_batch * (a.seq if a.mode == "train" else 1) if a.global_batch else None
     compare = a.gpu if a.gpu else a.compare
     gpu_dtype = {"same": "same", "bf16": None}.get(a.gpu_dtype, a.gpu_dtype)
     try:
+        # decode: --seq tokens are in the cache (its attention reads and its memory)
+        model, inputs = presets.load(a.model, batch=a.batch, seq=a.seq, mode=a.mode, dtype=DTYPES[a.dtype],
+                                     context=a.seq if a.mode == "decode" else 0)
         r = estimate(model, inputs, target=a.target, instance=a.instance, mode=a.mode, dp=a.dp, tp=a.tp,
                      dtype=DTYPES[a.dtype], batch_tokens=tokens, price_per_hour=a.price, lnc=a.lnc,
                      execution=a.execution, recompute=a.recompute, precision=a.precision, fsdp=a.fsdp,
@@ -250,6 +261,8 @@ def run_estimate(a: argparse.Namespace) -> int:
     except torch.OutOfMemoryError as e:
         print(f"torchneuron estimate: {e}")
         return 1
+    except ValueError as e:  # a layout the model cannot take (--ep on a model without experts, ...): a usage error
+        error(str(e))
     print(f"{a.model}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, batch {a.batch} x "
           f"{'context ' if a.mode == 'decode' else ''}{a.seq}, {a.dtype}")
     if a.pricing != "on-demand":

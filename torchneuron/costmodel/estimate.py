@@ -392,17 +392,23 @@ class Plan:
     ep: int = 1  # expert-parallel degree: MoE experts split over ep of the dp replicas (all-to-all dispatch)
 
     def __post_init__(self):
-        if self.mode not in MODES or self.recompute not in RECOMPUTE or self.execution not in EXECUTIONS:
-            raise ValueError(f"mode in {MODES}, recompute in {RECOMPUTE}, execution in {EXECUTIONS}")
-        if self.pp < 1 or self.vpp < 1 or self.schedule not in SCHEDULES or \
-                (self.vpp > 1 and self.schedule != "interleaved"):
-            raise ValueError(f"pp, vpp >= 1; schedule in {SCHEDULES} (vpp > 1 only with 'interleaved')")
-        if self.precision not in PRECISIONS or (self.precision == "w8" and self.train):
-            raise ValueError(f"precision in {PRECISIONS} (w8, weight-only 8-bit, is for inference), "
-                             f"got {self.precision!r}")
-        if self.optimizer not in OPTIMIZER_BYTES or self.dp < 1 or self.tp < 1:
-            raise ValueError(f"optimizer in {tuple(OPTIMIZER_BYTES)}; dp, tp >= 1")
-        if self.ep < 1 or self.dp % self.ep:
+        """Each bad value raises a ValueError naming the argument, its value and what it may be."""
+        choices = {"mode": MODES, "recompute": RECOMPUTE, "execution": EXECUTIONS, "schedule": SCHEDULES,
+                   "precision": PRECISIONS, "optimizer": tuple(OPTIMIZER_BYTES)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
+        for name in ("dp", "tp", "pp", "vpp", "ep"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 1")
+        if self.batch_items is not None and not (math.isfinite(self.batch_items) and self.batch_items > 0):
+            raise ValueError(f"batch_tokens={self.batch_items!r}: expected a number > 0 (or None: one micro-batch "
+                             "per data-parallel rank)")
+        if self.vpp > 1 and self.schedule != "interleaved":
+            raise ValueError(f"vpp={self.vpp} needs schedule='interleaved', got {self.schedule!r}")
+        if self.precision == "w8" and self.train:
+            raise ValueError("precision='w8' (weight-only 8-bit) is for inference: use 'fp8' to train in fp8")
+        if self.dp % self.ep:
             raise ValueError(f"the expert-parallel degree ({self.ep}) must divide the data-parallel degree "
                              f"({self.dp}): experts are split over data-parallel replicas")
 
@@ -642,8 +648,14 @@ def compare_gpu(tr: Trace, res: EstimateResult, plan: Plan, gpu: str, *, count: 
                              f"({gtp})")
         layouts = [(gcount // gtp, gtp)]
     elif plan.train:
-        gpus = max(1, round(res.cores * per_instance / res.cores_per_instance))
-        layouts = [(max(1, gpus // (t * plan.pp)), t) for t in (1, 2, 4, 8) if t <= min(gpus, per_instance)]
+        # As many GPUs as the Trainium job's share of instances (at least one); when no tensor-parallel degree
+        # fits the step in their memory, twice as many (data parallel shards ZeRO/FSDP state), up to 64x.
+        first = max(1, round(res.cores * per_instance / res.cores_per_instance))
+        for gpus in (first * 2**k for k in range(7)):
+            layouts = [(max(1, gpus // (t * plan.pp)), t) for t in (1, 2, 4, 8) if t <= min(gpus, per_instance)]
+            if any(fit_error(tr, glay, replace(plan, dp=d, tp=t, precision=gprec, ep=math.gcd(plan.ep, d))) is None
+                   for d, t in layouts):
+                break
     else:
         layouts = [(1, t) for t in (1, 2, 4, 8) if t <= per_instance]
     glay.check_tp(max(t for _, t in layouts))
@@ -663,8 +675,8 @@ def compare_gpu(tr: Trace, res: EstimateResult, plan: Plan, gpu: str, *, count: 
     price = lambda r: r.cost_per_million if r.cost_per_million is not None else r.cores
     if plan.train:
         best = min(runs, key=price)
-        best.note = (f"layout: the cheapest fitting tensor-parallel degree of {len(runs)} on {best.instances} "
-                     "instance(s)")
+        best.note = (f"layout: the cheapest fitting tensor-parallel degree of {len(runs)} on {best.cores} GPU(s), "
+                     f"{best.instances} instance(s)")
         return best
     fast = [r for r in runs if r.step_time_s <= res.step_time_s]
     best = min(fast, key=price) if fast else min(runs, key=lambda r: r.step_time_s)
@@ -704,6 +716,8 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
     with two all-to-alls (four in training). check_memory: raise
     torch.OutOfMemoryError naming what does not fit in a core's memory and the smallest change that would (False:
     report `fits` only)."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype={dtype!r}: expected a torch.dtype, e.g. torch.bfloat16 (or None: as the model is)")
     plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1,
                 precision, fsdp, pp, schedule, vpp, ep)
     lay = Layout.of(target, instance, lnc)

@@ -118,17 +118,29 @@ def lm_inputs(model: torch.nn.Module, *, batch: int = 1, seq: int = 1024, mode: 
     return build
 
 
+def check_spec(spec: str, flag: str = "--model") -> None:
+    """ValueError naming `flag` unless `spec` is a preset or `path/to/file.py:function` with an existing file."""
+    if spec in PRESETS:
+        return
+    path, _, fn = spec.rpartition(":")
+    if not path or not fn:
+        raise ValueError(f"{flag} {spec!r}: use one of {', '.join(PRESETS)} or path/to/file.py:function")
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {spec!r}: no file {path!r}")
+
+
 def load(spec: str, *, batch: int = 1, seq: int = 1024, mode: str = "train", context: int = 0,
-         dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module, Any]:
+         dtype: torch.dtype = torch.bfloat16, flag: str = "--model") -> tuple[torch.nn.Module, Any]:
     """A preset name, or `path/to/file.py:function` where function(batch=, seq=, mode=) returns
-    (model, example_inputs)."""
+    (model, example_inputs). ValueError naming `flag` for a spec that is neither."""
+    check_spec(spec, flag)
     if spec in PRESETS:
         model = hf_model(config(spec))
         return model, lm_inputs(model, batch=batch, seq=seq, mode=mode, context=context, dtype=dtype)
     path, _, fn = spec.rpartition(":")
-    if not path or not os.path.exists(path):
-        raise ValueError(f"--model {spec!r}: use one of {', '.join(PRESETS)} or path/to/file.py:function")
     module_spec = importlib.util.spec_from_file_location("_torchneuron_estimate_model", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return getattr(module, fn)(batch=batch, seq=seq, mode=mode)
+    if not callable(build := getattr(module, fn, None)):
+        raise ValueError(f"{flag} {spec!r}: {path} defines no function {fn!r}")
+    return build(batch=batch, seq=seq, mode=mode)

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import runpy
-import sys
 
 import torch
 
 from ..costmodel.cli import at_least, usage_error
 from ..hardware.chips import CHIPS
+from ..runtime.script import run_as_main
 from .trace import profile
 
 
@@ -41,13 +40,8 @@ def run_profile(a: argparse.Namespace) -> int:
     if not os.path.isdir(os.path.dirname(os.path.abspath(a.trace))):
         error(f"--trace {a.trace!r}: its directory does not exist")
 
-    argv = sys.argv
-    sys.argv = [a.script, *a.args]
-    try:
-        with profile(device=None if a.device == "all" else a.device, target=a.target) as prof:
-            runpy.run_path(a.script, run_name="__main__")
-    finally:
-        sys.argv = argv
+    with profile(device=None if a.device == "all" else a.device, target=a.target) as prof:
+        code = run_as_main(a.script, a.args)  # however it ends (`sys.exit(main())`, an exception): reported
     print(prof.summary(a.top))
     print(f"wrote {prof.export_chrome_trace(a.trace)} (open in https://ui.perfetto.dev)")
-    return 0
+    return code

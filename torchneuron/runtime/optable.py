@@ -217,6 +217,9 @@ _TABLE: list[Op] = [
     *_group("dma", "slice_scatter select_scatter", rule=Rule.SCATTER),
     *_group("dma", "_local_scalar_dense", host_tensors=True),
     *_group("free", "record_stream"),  # the allocator's bookkeeping (which stream may still use a block)
+    # questions answered from the tensors' metadata (`p.data = t` asks the first): no device work
+    *_group("free", "_has_compatible_shallow_copy_type is_same_size _has_same_storage_numel is_set_to _is_zerotensor "
+            "is_complex is_floating_point is_signed is_conj is_neg is_inference _nnz sparse_dim dense_dim"),
     *_group("free", "view _unsafe_view reshape expand permute t transpose squeeze unsqueeze slice select as_strided "
             "alias detach split split_with_sizes tensor_split unbind chunk diagonal narrow unfold _reshape_alias "
             "view_as_real view_as_complex conj real imag positive to pin_memory _nested_view_from_buffer lift_fresh "
