@@ -621,21 +621,14 @@ def _peak_class(plan: Plan, itemsize: float) -> str:
     return "bfloat16" if itemsize <= 2 else "float32"
 
 
-def gpu_layout(cores: int, tp: int, cores_per_instance: int, gpus_per_instance: int) -> tuple[int, int]:
-    """(dp, tp) of a training comparison job: as many GPU instances as Trainium instances (at least one GPU),
-    tensor parallel inside one GPU instance, the rest data parallel."""
-    gpus = max(1, round(cores * gpus_per_instance / cores_per_instance))
-    gtp = max(1, min(tp, gpus_per_instance, gpus))
-    return max(1, gpus // gtp), gtp
-
-
 def compare_gpu(tr: Trace, res: EstimateResult, plan: Plan, gpu: str, *, count: int | None = None,
                 tp: int | None = None, precision: str | None = "same",
                 price_per_hour: float | None = None) -> EstimateResult:
     """The same step on a GPU instance type (`gpu`: h100 | h200 | b200 or an instance name), as a buyer would lay
     it out: `count` GPUs with tensor-parallel degree `tp` when given; otherwise, for inference, the cheapest
     tensor-parallel degree (1, 2, 4, 8) that fits and is at least as fast as the Trainium step (the fastest
-    one when none is), and for training the cheapest degree on as many GPU instances as Trainium instances.
+    one when none is), and for training the cheapest fitting degree on the Trainium job's share of GPU instances
+    (at least one GPU), doubled until the step fits.
     precision: "same" (the Trainium run's), None (as traced), "fp8" or "w8"."""
     glay = Layout.of(gpu)
     gprec = plan.precision if precision == "same" else precision
