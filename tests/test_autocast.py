@@ -61,3 +61,30 @@ def test_grad_scaler_unscales_and_skips_inf_steps():
     scaler.step(opt)  # inf gradients: the step is skipped and the scale backs off
     scaler.update()
     assert torch.equal(m.weight.detach().cpu(), w1.cpu()) and scaler.get_scale() == 512.0
+
+
+def test_grad_scaler_steps_without_dtype_events():
+    """GradScaler takes its scale's reciprocal in float64 (torch's own precision choice): an fp16 AMP step on
+    neuron warned "aten::reciprocal produced float64 values" and counted dtype events every step. It is torch's
+    math, not the program's: no event, no warning, and the unscaled gradients are exact (a power-of-two scale)."""
+    import warnings
+
+    import torchneuron
+
+    torch.manual_seed(0)
+    m = nn.Linear(8, 4).to("neuron")
+    x = torch.randn(16, 8, device="neuron")
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("neuron", init_scale=2.0**14)
+    m(x).float().pow(2).mean().backward()
+    plain = m.weight.grad.cpu().clone()
+    opt.zero_grad()
+    before = dict(torchneuron.get_dtype_events())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scaler.scale(m(x).float().pow(2).mean()).backward()
+        scaler.unscale_(opt)
+        assert torch.allclose(m.weight.grad.cpu(), plain, rtol=1e-5, atol=1e-7)
+        scaler.step(opt)
+        scaler.update()
+    assert torchneuron.get_dtype_events() == before

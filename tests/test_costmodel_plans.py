@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -286,6 +287,9 @@ def test_from_profile_reprices_the_recorded_op_mix(tmp_path):
     gmm = max(2 * 1024**3 / (989e12 * 0.803), 6 * 2**20 / (3.35e12 * 0.906)) + fixed
     gadd = max(4 * 2**20 / 67e12, 48 * 2**20 / (3.35e12 * 0.906)) + fixed
     assert g.step_s == pytest.approx(gmm + gadd)
+    fp32 = [dataclasses.replace(o, dtype="float32") if o.name == "aten::mm" else o for o in ops]
+    c32 = mix.price(fp32, "trn2", execution="compiled")  # MFU over the fp32 dense peak, as estimate() divides
+    assert c32.mfu == pytest.approx(2 * 1024**3 / c32.step_s / (22.6e12 * LNC))
 
 
 def test_from_profile_cli_reads_a_real_profile(tmp_path, capsys):

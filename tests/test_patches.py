@@ -200,8 +200,10 @@ def _patch_sites(path: Path) -> list[str]:
 
 # Changes that are not patches of a library, each looked at: (file, the start of the flagged text).
 _NOT_PATCHES = {
-    ("cli.py", "sys.argv"),  # `torchneuron run` / `profile` run a script as `python script.py` does
-    ("cli.py", "sys.path.insert"),
+    ("script.py", "sys.argv"),  # `torchneuron run` / `profile` run a script as `python script.py` does
+    ("script.py", "sys.path"),
+    # a forked child's fresh lock in place of Dynamo's, held by the parent's compiler thread it does not have
+    ("eager_fusion.py", "sys.modules['torch._dynamo.convert_frame'].compile_lock"),
     ("config.py", "os.environ"),  # environment writes (scoped_env, default_env): the configuration's own concern
 }
 

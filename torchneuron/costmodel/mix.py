@@ -81,7 +81,7 @@ def price(mix: list[MixOp], target: str, *, lnc: int | None = None, execution: s
     t = lay.target
     by: dict[str, float] = {}
     tensor = 0.0
-    peak_class = "bfloat16"
+    flops_in: dict[str, float] = {}  # matmul FLOPs by dtype class: the MFU's peak is that of the one they ran in
     for op in mix:
         if op.engine not in _PRICED:
             continue
@@ -89,7 +89,7 @@ def price(mix: list[MixOp], target: str, *, lnc: int | None = None, execution: s
         if op.engine == "tensor":
             compute = op.flops / t.matmul_flops(dclass)
             tensor += op.flops
-            peak_class = dclass if dclass != "float32" else peak_class
+            flops_in[dclass] = flops_in.get(dclass, 0.0) + op.flops
         elif op.engine == "dma":
             compute = 0.0
         else:
@@ -98,6 +98,7 @@ def price(mix: list[MixOp], target: str, *, lnc: int | None = None, execution: s
         time = max(compute, op.bytes / t.hbm_bw) + op.calls * fixed
         by[op.engine] = by.get(op.engine, 0.0) + time
     step = sum(by.values())
+    peak_class = max(flops_in, key=flops_in.get) if flops_in else "bfloat16"
     price = lay.price_per_hour if price_per_hour is None else price_per_hour
     per_hour = None if price is None else price / lay.cores_per_instance
     return MixCost(t.name, lay.instance, execution, step, dict(sorted(by.items(), key=lambda kv: -kv[1])), tensor,

@@ -51,7 +51,8 @@ def register() -> None:
         _C._set_launch_blocking(cfg.launch_blocking)
         atexit.register(_at_exit)  # registered at `import torch`: runs after the atexit handlers of the program
         os.register_at_fork(before=_C._drain_all)  # the child's copy of memory holds finished results
-    for p in (NEURON_DEVICE, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, LOADED_TENSORS_TAKE_THE_DTYPE_RULES,
+    for p in (NEURON_DEVICE, REFUSE_SHARING, PRINT_WITHOUT_DTYPE_EVENTS, GRAD_SCALER_WITHOUT_DTYPE_EVENTS,
+              LOADED_TENSORS_TAKE_THE_DTYPE_RULES,
               BACKWARD_ON_CALLING_THREAD,
               STORAGE_CLASSES, flex_attention.WIDEN_DEVICE_CHECK, parallel.DATA_PARALLEL_COMM):
         patches.apply(p)
@@ -139,6 +140,22 @@ def _register_device(done: patches.Applied) -> None:
         for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
 
 
+def _grad_scaler_without_dtype_events(done: patches.Applied) -> None:
+    """GradScaler.unscale_ takes its scale's reciprocal in float64 (`_scale.double().reciprocal().float()`: torch's
+    own precision choice, a float32 comes out), which tripped the float64 rule and warned on every fp16 AMP step.
+    That math runs with the dtype policy off, as printing's does; the gradients it unscales are the user's."""
+    from torch.amp.grad_scaler import GradScaler
+
+    def unscale_(self, optimizer):
+        was = _C._set_internal_math(True)
+        try:
+            return plain(self, optimizer)
+        finally:
+            _C._set_internal_math(was)
+    plain = GradScaler.unscale_
+    done.replace(GradScaler, "unscale_", functools.wraps(plain)(unscale_))
+
+
 _HELD_TO_RULES = (torch.float64, torch.complex128, torch.int64)  # the dtypes the Trainium rules look at on entry
 
 
@@ -184,6 +201,10 @@ PRINT_WITHOUT_DTYPE_EVENTS = patches.declare(
     "print-without-dtype-events", "torch._tensor_str._str",
     "printing a tensor does not trip the float64 rule with torch's own layout math",
     "tests/test_device_rules.py::test_printing_does_not_report_dtype_events", _print_without_dtype_events)
+GRAD_SCALER_WITHOUT_DTYPE_EVENTS = patches.declare(
+    "grad-scaler-without-dtype-events", "torch.amp.grad_scaler.GradScaler.unscale_",
+    "an fp16 AMP step does not trip the float64 rule with GradScaler's own float64 reciprocal of its scale",
+    "tests/test_autocast.py::test_grad_scaler_steps_without_dtype_events", _grad_scaler_without_dtype_events)
 LOADED_TENSORS_TAKE_THE_DTYPE_RULES = patches.declare(
     "loaded-tensors-take-the-dtype-rules", "torch._utils._rebuild_tensor",
     "a float64 or int64 checkpoint loaded onto the device is held to the Trainium rules as `.to(\"neuron\")` is "
