@@ -152,6 +152,20 @@ def test_a_training_comparison_takes_the_fewest_gpus_that_fit_and_no_ratio_is_gi
     assert "cost per token" not in table
 
 
+def test_a_training_comparison_need_not_keep_trainiums_pipeline_stages():
+    """A Trainium job pipelined over 8 cores with one micro-batch idles 7/8 of each core: the GPU job a buyer
+    would run is not pipelined the same way. The comparison takes the cheapest fitting layout with or without the
+    stages, on as many GPUs as the stages would use (Llama-3-8B at 2k: 2 H100s, tensor parallel, about a sixth of
+    the pipelined 8-GPU job's cost per token)."""
+    model = _llama8b()
+    inputs = presets.lm_inputs(model, seq=2048)
+    r = estimate(model, inputs, target="trn2", pp=8, dtype=BF16)
+    assert r.comparison.pp == 1 and r.comparison.fits and r.comparison.cores <= 8
+    staged = estimate(model, inputs, target="trn2", pp=8, dtype=BF16, gpu_count=1, gpu_tp=1).comparison
+    assert staged.pp == 8 and staged.cores == 8
+    assert r.comparison.cost_per_million < staged.cost_per_million / 3
+
+
 @pytest.mark.parametrize("schedule,vpp", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
 def test_pipeline_bubble_and_stage_memory(schedule, vpp):
     """4 stages, 8 micro-batches of 512 tokens: a stage runs a quarter of each micro-batch's forward and backward

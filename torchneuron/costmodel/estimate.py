@@ -621,55 +621,63 @@ def _peak_class(plan: Plan, itemsize: float) -> str:
     return "bfloat16" if itemsize <= 2 else "float32"
 
 
+class GpuLayout(NamedTuple):
+    """One way to lay the job out on GPUs: data-, tensor- and pipeline-parallel degrees."""
+
+    dp: int
+    tp: int
+    pp: int
+
+
 def compare_gpu(tr: Trace, res: EstimateResult, plan: Plan, gpu: str, *, count: int | None = None,
                 tp: int | None = None, precision: str | None = "same",
                 price_per_hour: float | None = None) -> EstimateResult:
     """The same step on a GPU instance type (`gpu`: h100 | h200 | b200 or an instance name), as a buyer would lay
     it out: `count` GPUs with tensor-parallel degree `tp` when given; otherwise, for inference, the cheapest
     tensor-parallel degree (1, 2, 4, 8) that fits and is at least as fast as the Trainium step (the fastest
-    one when none is), and for training the cheapest fitting degree on the Trainium job's share of GPU instances
-    (at least one GPU), doubled until the step fits.
-    precision: "same" (the Trainium run's), None (as traced), "fp8" or "w8"."""
+    one when none is), and for training the cheapest fitting tensor-parallel degree, with or without the Trainium
+    job's pipeline stages, on the Trainium job's share of GPU instances (at least one GPU), doubled until the
+    step fits. precision: "same" (the Trainium run's), None (as traced), "fp8" or "w8"."""
     glay = Layout.of(gpu)
     gprec = plan.precision if precision == "same" else precision
     per_instance = glay.cores_per_instance
+
+    def planned(g: GpuLayout) -> Plan:
+        staged = {} if g.pp == plan.pp else {"pp": g.pp, "vpp": 1, "schedule": "1f1b"}
+        return replace(plan, dp=g.dp, tp=g.tp, precision=gprec, ep=math.gcd(plan.ep, g.dp), **staged)
+
     if count is not None or tp is not None:
         gtp = tp or min(count or 1, per_instance)
         gcount = count or gtp
         if gcount % gtp:
             raise ValueError(f"the GPU count ({gcount}) must be a multiple of the GPU tensor-parallel degree "
                              f"({gtp})")
-        layouts = [(gcount // gtp, gtp)]
+        layouts = [GpuLayout(gcount // gtp, gtp, plan.pp)]
     elif plan.train:
-        # As many GPUs as the Trainium job's share of instances (at least one); when no tensor-parallel degree
-        # fits the step in their memory, twice as many (data parallel shards ZeRO/FSDP state), up to 64x.
+        # As many GPUs as the Trainium job's share of instances (at least one); when no layout fits the step in
+        # their memory, twice as many (data parallel shards ZeRO/FSDP state), up to 64x. A GPU job need not keep
+        # Trainium's pipeline stages (8 H100s would not pipeline an 8B model over one micro-batch).
         first = max(1, round(res.cores * per_instance / res.cores_per_instance))
         for gpus in (first * 2**k for k in range(7)):
-            layouts = [(max(1, gpus // (t * plan.pp)), t) for t in (1, 2, 4, 8) if t <= min(gpus, per_instance)]
-            if any(fit_error(tr, glay, replace(plan, dp=d, tp=t, precision=gprec, ep=math.gcd(plan.ep, d))) is None
-                   for d, t in layouts):
+            layouts = [GpuLayout(gpus // (t * p), t, p) for p in sorted({1, plan.pp})
+                       for t in (1, 2, 4, 8) if t <= per_instance and t * p <= gpus]
+            if any(fit_error(tr, glay, planned(g)) is None for g in layouts):
                 break
     else:
-        layouts = [(1, t) for t in (1, 2, 4, 8) if t <= per_instance]
-    glay.check_tp(max(t for _, t in layouts))
-    runs = []
-    for gdp, gtp in layouts:
-        gplan = replace(plan, dp=gdp, tp=gtp, precision=gprec, ep=math.gcd(plan.ep, gdp))
-        if fit_error(tr, glay, gplan) is None:
-            runs.append(cost(tr, glay, gplan, price_per_hour))
+        layouts = [GpuLayout(1, t, plan.pp) for t in (1, 2, 4, 8) if t <= per_instance]
+    glay.check_tp(max(g.tp for g in layouts))
+    runs = [cost(tr, glay, planned(g), price_per_hour) for g in layouts if fit_error(tr, glay, planned(g)) is None]
     if not runs:
-        gdp, gtp = layouts[-1]
-        gplan = replace(plan, dp=gdp, tp=gtp, precision=gprec, ep=math.gcd(plan.ep, gdp))
-        r = cost(tr, glay, gplan, price_per_hour)
-        r.note = f"does not fit: {fit_error(tr, glay, gplan)}"
+        r = cost(tr, glay, planned(layouts[-1]), price_per_hour)
+        r.note = f"does not fit: {fit_error(tr, glay, planned(layouts[-1]))}"
         return r
     if len(runs) == 1:
         return runs[0]
     price = lambda r: r.cost_per_million if r.cost_per_million is not None else r.cores
     if plan.train:
         best = min(runs, key=price)
-        best.note = (f"layout: the cheapest fitting tensor-parallel degree of {len(runs)} on {best.cores} GPU(s), "
-                     f"{best.instances} instance(s)")
+        best.note = (f"layout: the cheapest fitting of {len(runs)} on {best.cores} GPU(s), {best.instances} "
+                     "instance(s)")
         return best
     fast = [r for r in runs if r.step_time_s <= res.step_time_s]
     best = min(fast, key=price) if fast else min(runs, key=lambda r: r.step_time_s)
