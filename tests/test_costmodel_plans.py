@@ -711,3 +711,18 @@ def test_a_layer_after_a_moe_layer_keeps_its_projections_split():
     tr = trace(model, inputs, train=False, dtype=BF16)
     assert [r.ins[0].nbytes for r in tr.recs if r.op == "all_reduce"] == [128 * 4096 * 2] * 65
     assert all(r.shard is not None for r in tr.recs if r.op == "mm" and r.ins[1].shape[1] != 8)  # all but routers
+
+
+def test_plan_arguments_name_themselves_and_take_any_integer_type():
+    """A bad argument is named with its value (a usage error at the CLI); a numpy integer is an integer, a bool is
+    not one."""
+    import numpy as np
+
+    from torchneuron.costmodel.estimate import EstimateError, Plan
+
+    assert Plan(dp=np.int64(4), tp=np.int32(2)).dp == 4
+    for kw, needle in ((dict(dp=True), "dp=True: expected an integer >= 1"), (dict(tp=0), "tp=0"),
+                       (dict(mode="prefill"), "mode='prefill': expected one of"),
+                       (dict(batch_items=-5), "batch_tokens=-5: expected a number > 0")):
+        with pytest.raises(EstimateError, match=needle):
+            Plan(**kw)

@@ -135,6 +135,39 @@ def test_a_fork_during_a_fusion_compile_that_takes_file_locks_finishes():
     assert json.loads(p.stdout.strip().splitlines()[-1]) == ["ok", True]
 
 
+def test_a_child_forked_without_waiting_for_a_long_compile_can_compile():
+    """A compile longer than FORK_WAIT: the fork goes ahead, and the child, where the compiler thread does not
+    exist, gets a free Dynamo compile lock and Inductor's settings as they are outside a fusion compile; the next
+    fork does not wait for the same compile again."""
+    p = run_py(FORK + textwrap.dedent("""
+        import time
+        import torch._inductor.config as inductor_config
+        from torch._dynamo import convert_frame
+        from torchneuron.compiler import eager_fusion as ef
+        signal.alarm(100)
+        ef.FORK_WAIT = 2.0
+        started = threading.Event()
+        def compile_key(key, nodes, mutations):  # stands in for a long Inductor compile
+            ef._SETTINGS_BEFORE.update({n: getattr(inductor_config, n) for n in ef._COMPILE_SETTINGS})
+            with inductor_config.patch(**ef._COMPILE_SETTINGS):
+                started.set()
+                time.sleep(8)
+        ef._compile_key = compile_key
+        ef._BACKGROUND.submit(("long",), (), ())
+        started.wait(30)
+        def body(out):
+            free = convert_frame.compile_lock.acquire(blocking=False)
+            out.write(json.dumps([free, inductor_config.size_asserts]))
+        t0 = time.time()
+        first = in_child(body)
+        t1 = time.time()
+        second = in_child(body)
+        print(json.dumps([first, second, 2.0 <= t1 - t0 < 6, time.time() - t1 < 1.5]))
+        """), timeout=150)
+    first, second, waited_once, not_again = json.loads(p.stdout.strip().splitlines()[-1])
+    assert first == second == [True, True] and waited_once and not_again
+
+
 def test_device_use_in_the_child_raises_cudas_error():
     out = result("""
 x = torch.arange(4.0, device="neuron")

@@ -841,6 +841,53 @@ def test_an_instruction_writing_an_assigned_tile_waits_for_its_readers():
     assert second_load.start >= exp.end
 
 
+def test_a_predicated_assignment_or_a_kept_result_is_not_redirected_wrongly():
+    """`t[pred] = nl.load(x)` writes only the predicate's rows (the copy applies it); a result kept in a name and
+    also assigned keeps its own write on the timeline, so a later read of it waits for the load."""
+    @nki.jit
+    def predicated(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.full(x.shape, 5.0, dtype=x.dtype)
+        i = nl.arange(x.shape[0])[:, None]
+        t[i < 64] = nl.load(x)
+        nl.store(out, t)
+        return out
+
+    @nki.jit
+    def kept(x):
+        out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+        t = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.sbuf)
+        a = nl.load(x)
+        t[...] = a
+        nl.store(out, nl.add(nl.exp(a), t))
+        return out
+
+    x = torch.randn(128, 64)
+    ref = x.clone()
+    ref[64:] = 5.0
+    close(predicated(x), ref, 0)
+    close(kept(x), x.exp() + x, 1e-6)
+    tl = kept.last_profile.timeline
+    assert next(i for i in tl if i.engine == "scalar").start >= next(i for i in tl if i.engine == "dma").end
+
+
+def test_strided_and_negative_slices_inside_a_tensor_stay_views():
+    """A step > 1 whose stop runs past the end but whose last index does not (`x[0:10:4]` of 9 rows) and a
+    negative start (`x[-4:]`) address rows inside the tensor: plain views, no mask needed."""
+    @nki.jit
+    def k(x):
+        a = nl.ndarray((3, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+        b = nl.ndarray((4, x.shape[1]), dtype=x.dtype, buffer=nl.shared_hbm)
+        nl.store(a, nl.load(x[0:10:4, :]))
+        nl.store(b, nl.load(x[-4:, :]))
+        return a, b
+
+    x = torch.randn(9, 16)
+    a, b = k(x)
+    close(a, x[0:10:4], 0)
+    close(b, x[-4:], 0)
+
+
 def test_dependencies_order_the_timeline():
     """An instruction starts after the one that wrote its input ends; independent engines overlap."""
     x = torch.randn(128, 512)

@@ -202,8 +202,10 @@ def _patch_sites(path: Path) -> list[str]:
 _NOT_PATCHES = {
     ("script.py", "sys.argv"),  # `torchneuron run` / `profile` run a script as `python script.py` does
     ("script.py", "sys.path"),
-    # a forked child's fresh lock in place of Dynamo's, held by the parent's compiler thread it does not have
+    # a child forked mid-compile: a fresh lock in place of Dynamo's, held by the parent's compiler thread it does
+    # not have, and Inductor's settings back to their values outside the compile's `config.patch`
     ("eager_fusion.py", "sys.modules['torch._dynamo.convert_frame'].compile_lock"),
+    ("eager_fusion.py", "setattr(sys.modules['torch._inductor.config'], name, value)"),
     ("config.py", "os.environ"),  # environment writes (scoped_env, default_env): the configuration's own concern
 }
 

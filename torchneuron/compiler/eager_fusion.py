@@ -467,25 +467,37 @@ class _Background:
 _BACKGROUND = _Background()
 atexit.register(_BACKGROUND.stop)
 FORK_WAIT = 10.0  # seconds a fork waits for the compile in progress (then the child is repaired instead)
-_FORK: dict[str, bool] = {"registered": False, "waited": False}
+_FORK_REGISTERED = [False]
+_FORKING = threading.local()  # .waited: whether this thread's fork holds the compile lock (forks of two threads)
+_TIMED_OUT_ON: list[Any] = [None]  # the compile a fork gave up waiting for: later forks do not wait for it again
 
 
 def _before_fork() -> None:
-    _FORK["waited"] = _BACKGROUND.compiling.acquire(timeout=FORK_WAIT)
+    job = next(iter(_BACKGROUND.jobs), (None,))[0]  # the compile in progress (the compiler thread pops it after)
+    waited = _BACKGROUND.compiling.acquire(timeout=0 if job is not None and job == _TIMED_OUT_ON[0] else FORK_WAIT)
+    if not waited:
+        _TIMED_OUT_ON[0] = job
+    _FORKING.waited = waited
 
 
 def _after_fork_in_parent() -> None:
-    if _FORK["waited"]:
+    if getattr(_FORKING, "waited", False):
         _BACKGROUND.compiling.release()
 
 
 def _after_fork_in_child() -> None:
     """The parent's compiler thread does not exist here: its jobs are forgotten, and when the fork did not wait for
-    its compile, Dynamo's compile lock, which that thread may hold, is replaced (the child's first torch.compile
-    would otherwise wait for it forever)."""
+    its compile, what that thread may hold is put right: Dynamo's compile lock is replaced (the child's first
+    torch.compile would otherwise wait for it forever) and the Inductor settings a fusion compile patches are
+    restored."""
     _BACKGROUND.forget()
-    if not _FORK["waited"] and "torch._dynamo.convert_frame" in sys.modules:
+    if getattr(_FORKING, "waited", True):
+        return
+    if "torch._dynamo.convert_frame" in sys.modules:
         sys.modules["torch._dynamo.convert_frame"].compile_lock = threading.RLock()
+    if "torch._inductor.config" in sys.modules:
+        for name, value in _SETTINGS_BEFORE.items():
+            setattr(sys.modules["torch._inductor.config"], name, value)
 
 
 def _wait_for_the_compile_at_fork() -> None:
@@ -494,9 +506,9 @@ def _wait_for_the_compile_at_fork() -> None:
     own fork hooks (Inductor takes file locks while compiling): hooks run last-registered first, so this wait ends
     before filelock closes its gate; the other way round the compile blocked at the gate while the fork waited for
     it, and a DataLoader's fork hung for good."""
-    if _FORK["registered"]:
+    if _FORK_REGISTERED[0]:
         return
-    _FORK["registered"] = True
+    _FORK_REGISTERED[0] = True
     try:
         import filelock  # noqa: F401  (registers its fork hooks now, before ours)
     except ImportError:
@@ -1132,8 +1144,13 @@ def _compile(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[
     # asserts: a kernel is only called on the layouts its key (or the replayed plan's signature) holds, and checking
     # each argument again in Python cost more than the loop of a small list op's kernel (AdamW over an HF GPT-2: 23
     # kernels, 1.8 ms -> 1.0 ms).
-    with inductor_config.patch(emulate_precision_casts=True, size_asserts=False):
+    _SETTINGS_BEFORE.update({name: getattr(inductor_config, name) for name in _COMPILE_SETTINGS})
+    with inductor_config.patch(**_COMPILE_SETTINGS):
         return _build(*_trace(inputs, outputs, nodes, mutations), inputs)
+
+
+_COMPILE_SETTINGS = {"emulate_precision_casts": True, "size_asserts": False}  # patched while a fusion compiles
+_SETTINGS_BEFORE: dict[str, Any] = {}  # their values outside it (a child forked mid-compile gets them back)
 
 
 def _trace(inputs: tuple[Spec, ...], outputs: tuple[Value, ...], nodes: tuple[Node, ...],

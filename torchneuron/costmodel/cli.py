@@ -22,7 +22,7 @@ from ..hardware.chips import (
     hourly_rate,
     rated_instances,
 )
-from .estimate import EXECUTIONS, MODES, PRECISIONS, RECOMPUTE, SCHEDULES, EstimateResult, estimate
+from .estimate import EXECUTIONS, MODES, PRECISIONS, RECOMPUTE, SCHEDULES, EstimateError, EstimateResult, estimate
 from .validation import moe_caveat
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -261,7 +261,7 @@ def run_estimate(a: argparse.Namespace) -> int:
     except torch.OutOfMemoryError as e:
         print(f"torchneuron estimate: {e}")
         return 1
-    except ValueError as e:  # a layout the model cannot take (--ep on a model without experts, ...): a usage error
+    except EstimateError as e:  # a layout the model cannot take (--ep on a model without experts, ...)
         error(str(e))
     print(f"{a.model}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, batch {a.batch} x "
           f"{'context ' if a.mode == 'decode' else ''}{a.seq}, {a.dtype}")
@@ -287,7 +287,7 @@ def _print_speculation(a: argparse.Namespace, model: torch.nn.Module, r: Estimat
     from .presets import load
     from .speculative import speculative
 
-    draft = load(a.draft, mode="decode", dtype=DTYPES[a.dtype])[0]
+    draft = load(a.draft, mode="decode", dtype=DTYPES[a.dtype], flag="--draft")[0]
     kw = dict(context=a.seq, k=a.speculate, acceptance=a.acceptance, batch=a.batch, dtype=DTYPES[a.dtype])
     runs = [(r, speculative(model, draft, target=a.target, instance=a.instance, lnc=a.lnc, tp=a.tp, dp=a.dp,
                             precision=a.precision, **kw))]

@@ -11,6 +11,7 @@ assumptions are listed in docs/costmodel.md.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -20,6 +21,11 @@ from ..hardware.chips import CHIPS, GPU_INSTANCES, INSTANCES, LARGEST_INSTANCE, 
 from ..runtime.optable import Rule, op_info
 from .ops import OpCost, Target, collective_cost, input_share, kernel_time, nxd_moe, op_cost, target
 from .trace import Rec, Trace, trace
+
+
+class EstimateError(ValueError):
+    """Arguments no estimate can take (a layout the model or machine cannot have, a value out of range): the CLI
+    reports it as a usage error; any other exception is a bug and keeps its traceback."""
 
 MODES = ("train", "forward", "decode")
 RECOMPUTE = ("none", "selective", "full")
@@ -98,7 +104,7 @@ class Layout:
         name = instance or LARGEST_INSTANCE[t.name]
         inst = INSTANCES[name]
         if inst.chip != t.name:
-            raise ValueError(f"{name} has {inst.chip} chips, not {t.name}")
+            raise EstimateError(f"{name} has {inst.chip} chips, not {t.name}")
         assert isinstance(t.spec, Chip)
         return cls(t, name, inst.chips * t.spec.logical_cores(t.lnc), inst.price_per_hour, inst.price_source,
                    inst.efa_bps / 8)
@@ -106,7 +112,7 @@ class Layout:
     def check_tp(self, tp: int) -> None:
         """TP groups are packed inside one instance: the degree is at most its logical cores."""
         if not 1 <= tp <= self.cores_per_instance:
-            raise ValueError(f"the tensor-parallel degree must be in 1..{self.cores_per_instance} (the "
+            raise EstimateError(f"the tensor-parallel degree must be in 1..{self.cores_per_instance} (the "
                              f"{self.target.name} cores of one {self.instance}), got {tp}")
 
     def collective(self, kind: str, nbytes: float, ranks: int, stride: int = 1) -> OpCost:
@@ -397,19 +403,25 @@ class Plan:
                    "precision": PRECISIONS, "optimizer": tuple(OPTIMIZER_BYTES)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
+                raise EstimateError(f"{name}={getattr(self, name)!r}: expected one of {allowed}")
         for name in ("dp", "tp", "pp", "vpp", "ep"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r}: expected an integer >= 1")
+            value = getattr(self, name)
+            try:  # any integer type (a numpy int too), never a bool
+                ok = not isinstance(value, bool) and operator.index(value) >= 1
+            except TypeError:
+                ok = False
+            if not ok:
+                raise EstimateError(f"{name}={value!r}: expected an integer >= 1")
+            object.__setattr__(self, name, operator.index(value))
         if self.batch_items is not None and not (math.isfinite(self.batch_items) and self.batch_items > 0):
-            raise ValueError(f"batch_tokens={self.batch_items!r}: expected a number > 0 (or None: one micro-batch "
+            raise EstimateError(f"batch_tokens={self.batch_items!r}: expected a number > 0 (or None: one micro-batch "
                              "per data-parallel rank)")
         if self.vpp > 1 and self.schedule != "interleaved":
-            raise ValueError(f"vpp={self.vpp} needs schedule='interleaved', got {self.schedule!r}")
+            raise EstimateError(f"vpp={self.vpp} needs schedule='interleaved', got {self.schedule!r}")
         if self.precision == "w8" and self.train:
-            raise ValueError("precision='w8' (weight-only 8-bit) is for inference: use 'fp8' to train in fp8")
+            raise EstimateError("precision='w8' (weight-only 8-bit) is for inference: use 'fp8' to train in fp8")
         if self.dp % self.ep:
-            raise ValueError(f"the expert-parallel degree ({self.ep}) must divide the data-parallel degree "
+            raise EstimateError(f"the expert-parallel degree ({self.ep}) must divide the data-parallel degree "
                              f"({self.dp}): experts are split over data-parallel replicas")
 
     @property
@@ -650,7 +662,7 @@ def compare_gpu(tr: Trace, res: EstimateResult, plan: Plan, gpu: str, *, count: 
         gtp = tp or min(count or 1, per_instance)
         gcount = count or gtp
         if gcount % gtp:
-            raise ValueError(f"the GPU count ({gcount}) must be a multiple of the GPU tensor-parallel degree "
+            raise EstimateError(f"the GPU count ({gcount}) must be a multiple of the GPU tensor-parallel degree "
                              f"({gtp})")
         layouts = [GpuLayout(gcount // gtp, gtp, plan.pp)]
     elif plan.train:
@@ -718,16 +730,16 @@ def estimate(model: torch.nn.Module, example_inputs: Any, *, target: str = "trn2
     torch.OutOfMemoryError naming what does not fit in a core's memory and the smallest change that would (False:
     report `fits` only)."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype={dtype!r}: expected a torch.dtype, e.g. torch.bfloat16 (or None: as the model is)")
+        raise EstimateError(f"dtype={dtype!r}: expected a torch.dtype, e.g. torch.bfloat16 (or None: as the model is)")
     plan = Plan(mode, dp, tp, batch_tokens, sequence_parallel, execution, recompute, optimizer, zero1,
                 precision, fsdp, pp, schedule, vpp, ep)
     lay = Layout.of(target, instance, lnc)
     lay.check_tp(tp)
     if price_per_hour is not None and not (math.isfinite(price_per_hour) and price_per_hour > 0):
-        raise ValueError(f"the price per instance-hour must be a finite number > 0, got {price_per_hour}")
+        raise EstimateError(f"the price per instance-hour must be a finite number > 0, got {price_per_hour}")
     tr = trace(model, example_inputs, train=plan.train, dtype=dtype)
     if ep > 1 and (not (n := experts(tr).per_layer) or n % ep):
-        raise ValueError(f"expert parallelism splits whole experts: ep={ep} must divide the experts per layer "
+        raise EstimateError(f"expert parallelism splits whole experts: ep={ep} must divide the experts per layer "
                          f"({n or 'none: the model has no _grouped_mm experts'})")
     if check_memory and (message := fit_error(tr, lay, plan)):
         raise torch.OutOfMemoryError(f"does not fit: {message}")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..hardware.config import default_env
+from .estimate import EstimateError
 
 # name -> (config class, config keyword arguments). Llama sizes are those of the published Llama 3.x models.
 _LLAMA = dict(vocab_size=128256, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072,
@@ -124,9 +125,9 @@ def check_spec(spec: str, flag: str = "--model") -> None:
         return
     path, _, fn = spec.rpartition(":")
     if not path or not fn:
-        raise ValueError(f"{flag} {spec!r}: use one of {', '.join(PRESETS)} or path/to/file.py:function")
+        raise EstimateError(f"{flag} {spec!r}: use one of {', '.join(PRESETS)} or path/to/file.py:function")
     if not os.path.isfile(path):
-        raise ValueError(f"{flag} {spec!r}: no file {path!r}")
+        raise EstimateError(f"{flag} {spec!r}: no file {path!r}")
 
 
 def load(spec: str, *, batch: int = 1, seq: int = 1024, mode: str = "train", context: int = 0,
@@ -142,5 +143,5 @@ def load(spec: str, *, batch: int = 1, seq: int = 1024, mode: str = "train", con
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
     if not callable(build := getattr(module, fn, None)):
-        raise ValueError(f"{flag} {spec!r}: {path} defines no function {fn!r}")
+        raise EstimateError(f"{flag} {spec!r}: {path} defines no function {fn!r}")
     return build(batch=batch, seq=seq, mode=mode)

@@ -111,10 +111,11 @@ def write_at_exit(dest: str) -> None:
     runs no script, writes none (it exited last and left an empty report where the ranks' had been)."""
     import os
 
-    rank, world = os.environ.get("RANK"), int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if rank is None and "torch.distributed.run" in sys.modules:
-        return
-    if rank is not None and world > 1 and dest != "-":
+    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
+    main_module = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", "")
+    if rank is None and ("torch.distributed.run" in sys.modules or main_module.startswith("torch.distributed.")):
+        return  # torchrun, `python -m torch.distributed.run` or `.launch`: the launcher
+    if rank is not None and world.isdigit() and int(world) > 1 and dest != "-":
         stem, dot, ext = dest.rpartition(".")
         dest = f"{stem}.rank{rank}.{ext}" if dot and "/" not in ext else f"{dest}.rank{rank}"
     write(dest)

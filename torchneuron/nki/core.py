@@ -415,20 +415,24 @@ class IndexExpr:
 
 
 def _bounds(k: slice | DynSlice, size: int) -> tuple[int, int, int]:
-    """(start, stop, step) of a slice or nl.ds over an axis of `size`, the stop not clipped to the axis."""
+    """(start, stop, step) of a slice or nl.ds over an axis of `size`: negative ends counted from the end, as
+    Python's, the stop not clipped to the axis."""
     if isinstance(k, DynSlice):
         return int(k.start), int(k.start) + int(k.size) * int(k.step), int(k.step)
     step = 1 if k.step is None else int(k.step)
-    return 0 if k.start is None else int(k.start), size if k.stop is None else int(k.stop), step
+    start = 0 if k.start is None else int(k.start)
+    stop = size if k.stop is None else int(k.stop)
+    return start + size if start < 0 else start, stop + size if stop < 0 else stop, step
 
 
 def _past_end(k: Any, size: int) -> bool:
-    """Whether a slice or nl.ds runs past the end of its axis: like an nl.arange expression that does, it
-    addresses a tile the instruction's mask= must cut to the tensor (AWS's rule), so it is a gathered tile."""
+    """Whether a slice or nl.ds reaches past the end of its axis (its last index, not its stop): like an nl.arange
+    expression that does, it addresses a tile the instruction's mask= must cut to the tensor (AWS's rule), so it
+    is a gathered tile."""
     if not isinstance(k, slice | DynSlice):
         return False
     start, stop, step = _bounds(k, size)
-    return step > 0 and 0 <= start < stop and stop > size
+    return step > 0 and 0 <= start < stop and start + (len(range(start, stop, step)) - 1) * step >= size
 
 
 def _reordered(key: tuple) -> bool:
@@ -569,12 +573,11 @@ class NkiTensor:
             step = 1 if step is None else int(step)
             if step <= 0:
                 fail(IndexError, "slices must have a positive step")
-            start = 0 if start is None else int(start)
-            stop = size if stop is None else int(stop)
-            if start < 0 or stop > size or start >= stop:
+            start, stop, _ = _bounds(k, size)  # negative ends from the end, as Python's
+            n = len(range(start, stop, step))
+            if start < 0 or start >= stop or start + (n - 1) * step >= size:  # its last index, not its stop
                 fail(IndexError, f"slice [{start}:{stop}] is out of bounds for axis {axis} of size {size} "
                                  f"(tensor shape {self.shape}, {self.buffer!r})")
-            n = len(range(start, stop, step))
             torch_key.append(slice(start, stop, step))
             if dim is not None:
                 dims.append((dim[0], dim[1] + dim[2] * start, dim[2] * step, n))
@@ -584,7 +587,7 @@ class NkiTensor:
     def _as_arange(self, key: tuple) -> tuple:
         """A key of slices and ints as the nl.arange expressions that address the same tile (one tile axis per
         slice, in order; an int on an on-chip tile's partition axis keeps it as one partition)."""
-        key = key + (slice(None),) * (self.ndim - len(key))
+        key = self._keep_free_axis(key + (slice(None),) * (self.ndim - len(key)))
         on_chip = self.buffer.on_chip
         key = tuple(slice(k, k + 1) if on_chip and axis == self.pdim and isinstance(k, int) else k
                     for axis, k in enumerate(key))
@@ -592,7 +595,7 @@ class NkiTensor:
         out, j = [], 0
         for k, size in zip(key, self.shape, strict=True):
             if isinstance(k, int):
-                out.append(k)
+                out.append(k + size if k < 0 else k)
                 continue
             start, stop, step = _bounds(k, size)
             out.append(IndexExpr(torch.arange(start, stop, step).view([-1 if i == j else 1 for i in range(kept)])))

@@ -132,10 +132,11 @@ class Timeline:
         return p.engine if p is not None and p.result is not None and p.result() is tile else None
 
     def retarget(self, tile: Any, dst: Any) -> None:
-        """The held instruction, which wrote exactly `tile` (`held_engine`), writes `dst` instead."""
+        """The held instruction, which wrote exactly `tile` (`held_engine`), writes `dst` too: where the compiler
+        places it. `tile` keeps its write, so a later read of it (a result kept in a name) still waits for it."""
         p = self.pending
         assert p is not None and p.result is not None and p.result() is tile
-        p.writes, p.result = _accesses([dst]), None
+        p.writes, p.result = _accesses([dst]) + p.writes, None
 
     # ---- dependencies
     def _ready(self, reads: list, writes: list) -> float:

@@ -323,7 +323,8 @@ def assign_result(dst: NkiTensor, src: NkiTensor) -> bool:
     cannot (another instruction came between, the engine cannot write dst's memory or place, a reshaping or
     narrowing assignment): the caller copies."""
     run = core.current_run()
-    if type(src) is not NkiTensor or not src.alloc.result or src.shape != dst.shape or src.alloc is dst.alloc:
+    if type(src) is not NkiTensor or not src.alloc.result or src.shape != dst.shape or src.alloc is dst.alloc \
+            or dst.pmask is not None:  # (`t[pred] = ...`: the copy applies the predicate)
         return False
     eng = run.timeline.held_engine(src)
     if eng is None or (src.dtype != dst.dtype and eng != "dma" and src.dtype != torch.float32):
@@ -477,9 +478,10 @@ def nc_transpose(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | Non
         fail(ValueError, f"nc_transpose: dst must be [{f}, {p}], got {dst.shape}")
     cycles = matmul_cycles(run.chip, p, data.dtype == torch.float32) if eng == "tensor" else \
         engine_cycles(run.chip, eng, p, data.dtype.itemsize)
-    m = core.mask_for(data)  # mask= names the input's [P, F] axes (AWS): it reaches dst transposed
+    saved = core.CURRENT.mask
     _issue("nc_transpose", eng, cycles, [("data", data)], [("dst", dst)])
-    saved, mt = core.CURRENT.mask, None if m is None else m.reshape(p, f).T.reshape(dst.shape)
+    m = core.mask_for(data)  # mask= (and operand predicates) name the input's [P, F] axes (AWS): dst is transposed
+    mt = None if m is None else m.reshape(p, f).T.reshape(dst.shape)
     if mt is not None:
         core.CURRENT.mask = mt
         if legacy:  # what assigning the result copies (`t[...] = nc_transpose(x, mask=...)`)
@@ -487,7 +489,7 @@ def nc_transpose(*args: Any, dst: NkiTensor | None = None, data: NkiTensor | Non
     if run.compute:
         _store(run, dst, _rows(data).T)
     _mark_written([("dst", dst)])
-    if mt is not None and core.CURRENT.mask is mt:  # (_mark_written restored an operand mask's outer one)
+    if mt is not None:
         core.CURRENT.mask = saved
     return dst if legacy else None
 

@@ -9,8 +9,8 @@ import sys
 
 
 def run_as_main(script: str, args: list[str]) -> int:
-    """Run `script` with `args`; its exit status. Never raises for what the script does."""
-    argv, path = sys.argv, list(sys.path)
+    """Run `script` with `args`; its exit status. Never raises for what the script does. sys.argv and sys.path stay
+    the script's afterwards, as under `python script.py` (its atexit handlers and threads may read them)."""
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
@@ -22,8 +22,6 @@ def run_as_main(script: str, args: list[str]) -> int:
         tb = _from_script(e.__traceback__, script)
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         code = 130 if isinstance(e, KeyboardInterrupt) else 1
-    finally:
-        sys.argv, sys.path[:] = argv, path
     sys.stdout.flush()
     sys.stderr.flush()
     return code
