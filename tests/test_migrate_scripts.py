@@ -19,8 +19,8 @@ ROOT = str(Path(torchneuron.__file__).parents[1])  # this checkout, also for the
 
 NAMES = ["amp_timing", "ddp_fstring", "hf_style", "nanogpt_style", "nvtx_ranges", "pinned_batches", "resume_rng",
          "stream_events", "streams_memory", "timm_style", "torchtitan_style", "vendor_ladder"]
-LEFT = [("nanogpt_style", "NRN009", "suggest"),  # `"cuda" in device`: does the script mean CUDA or any accelerator?
-        ("nanogpt_style", "NRN032", "suggest"), ("nanogpt_style", "NRN032", "suggest")]  # TF32: changes numerics
+# TF32 changes numerics: a decision. (`"cuda" in device` is rewritten with `device`'s own rewrite.)
+LEFT = [("nanogpt_style", "NRN032", "suggest"), ("nanogpt_style", "NRN032", "suggest")]
 ONLY_ON = {"ddp_fstring": "backend", "torchtitan_style": "mesh", "vendor_ladder": "accelerators",  # device facts
            "stream_events": "timed"}
 

@@ -376,6 +376,13 @@ def update(**changes: object) -> Config:
         return _CURRENT
 
 
+def torchrun_rank() -> tuple[str | None, int]:
+    """The RANK and WORLD_SIZE torchrun gives a worker: (None, 1) elsewhere, and WORLD_SIZE 1 when malformed.
+    PyTorch's own variables, not the device's configuration; read here, where every environment read is."""
+    world = os.environ.get("WORLD_SIZE", "1").strip()
+    return os.environ.get("RANK"), int(world) if world.isdigit() else 1
+
+
 @contextlib.contextmanager
 def scoped_env(name: str, value: str) -> Iterator[None]:
     """Set `name` for another library that reads it (Inductor's cache directory) during the block, then restore

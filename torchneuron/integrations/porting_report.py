@@ -109,13 +109,13 @@ def write_at_exit(dest: str) -> None:
     """TORCHNEURON_PORTING_REPORT's write at exit. Under torchrun every process runs it: each rank of a run of
     several writes its own file (`port.json` -> `port.rank1.json`), and torchrun's launcher, which imports torch but
     runs no script, writes none (it exited last and left an empty report where the ranks' had been)."""
-    import os
+    from ..hardware.config import torchrun_rank
 
-    rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE", "1")
+    rank, world = torchrun_rank()
     main_module = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", "")
     if rank is None and ("torch.distributed.run" in sys.modules or main_module.startswith("torch.distributed.")):
         return  # torchrun, `python -m torch.distributed.run` or `.launch`: the launcher
-    if rank is not None and world.isdigit() and int(world) > 1 and dest != "-":
+    if rank is not None and world > 1 and dest != "-":
         stem, dot, ext = dest.rpartition(".")
         dest = f"{stem}.rank{rank}.{ext}" if dot and "/" not in ext else f"{dest}.rank{rank}"
     write(dest)
