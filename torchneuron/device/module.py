@@ -117,20 +117,25 @@ def _raise_unshareable(message: str) -> None:
     raise RuntimeError(message)
 
 
+def _as_internal_math(plain: Callable) -> Callable:
+    """`plain` run with the dtype policy off (`_C._set_internal_math`): torch's own float64 math, not the program's."""
+    @functools.wraps(plain)
+    def wrapped(*args, **kwargs):
+        was = _C._set_internal_math(True)
+        try:
+            return plain(*args, **kwargs)
+        finally:
+            _C._set_internal_math(was)
+    return wrapped
+
+
 def _print_without_dtype_events(done: patches.Applied) -> None:
     """Printing a tensor must not report the user's program: torch/_tensor_str.py lays out numbers with float64
     math (max/min ratios, rounding checks) that would trip the float64 rule on the first print. That math runs
     with the dtype policy off; the values printed are the device's, already held to the policy."""
     import torch._tensor_str as tensor_str
 
-    def _str(self, *args, **kwargs):
-        was = _C._set_internal_math(True)
-        try:
-            return plain(self, *args, **kwargs)
-        finally:
-            _C._set_internal_math(was)
-    plain = tensor_str._str
-    done.replace(tensor_str, "_str", functools.wraps(plain)(_str))
+    done.replace(tensor_str, "_str", _as_internal_math(tensor_str._str))
 
 
 def _register_device(done: patches.Applied) -> None:
@@ -146,14 +151,7 @@ def _grad_scaler_without_dtype_events(done: patches.Applied) -> None:
     That math runs with the dtype policy off, as printing's does; the gradients it unscales are the user's."""
     from torch.amp.grad_scaler import GradScaler
 
-    def unscale_(self, optimizer):
-        was = _C._set_internal_math(True)
-        try:
-            return plain(self, optimizer)
-        finally:
-            _C._set_internal_math(was)
-    plain = GradScaler.unscale_
-    done.replace(GradScaler, "unscale_", functools.wraps(plain)(unscale_))
+    done.replace(GradScaler, "unscale_", _as_internal_math(GradScaler.unscale_))
 
 
 _HELD_TO_RULES = (torch.float64, torch.complex128, torch.int64)  # the dtypes the Trainium rules look at on entry
