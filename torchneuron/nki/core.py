@@ -258,6 +258,14 @@ class Allocation:
             run.psum_used -= self.psum_charge
 
 
+def result_tile(shape: Any, dtype: Any, buffer: Buffer = SBUF) -> NkiTensor:
+    """The new tile an nl/nisa call returns: assigned to a tile at once (`t[...] = nl.load(x)`), the instruction
+    that made it writes that tile instead (nki.isa.assign_result)."""
+    t = allocate(shape, dtype, buffer)
+    t.alloc.result = True
+    return t
+
+
 def _shape_of(shape: Any) -> tuple[tuple[int, ...], int]:
     """(sizes, index of the partition axis) of a shape that may hold an nl.par_dim marker."""
     if isinstance(shape, int | ParDim):

@@ -309,11 +309,7 @@ def _store(run: core.Run, dst: NkiTensor, v: torch.Tensor) -> None:
     out.copy_(v)
 
 
-def _new(shape: tuple, dtype: Any, buffer: Any = SBUF) -> NkiTensor:
-    """A legacy form's result tile (see `assign_result`)."""
-    t = core.allocate(shape, dtype, buffer)
-    t.alloc.result = True
-    return t
+_new = core.result_tile  # a legacy form's result tile
 
 
 def assign_result(dst: NkiTensor, src: NkiTensor) -> bool:

@@ -96,13 +96,6 @@ def ndarray(shape: Any, dtype: Any, buffer: core.Buffer = SBUF, name: str = "", 
     return core.allocate(shape, dtype, buffer, address=address if buffer.on_chip else None)
 
 
-def _result(shape: Any, dtype: Any, buffer: core.Buffer) -> NkiTensor:
-    """The new tile a call returns (`t[...] = nl.load(x)` makes its instruction write t instead: `assign_result`)."""
-    t = ndarray(shape, dtype, buffer)
-    t.alloc.result = True
-    return t
-
-
 def empty_like(t: NkiTensor, dtype: Any = None, buffer: core.Buffer | None = None, **_: Any) -> NkiTensor:
     return ndarray(t.shape, dtype or t.dtype, buffer or (t.buffer if t.buffer.on_chip else SBUF))
 
@@ -313,7 +306,7 @@ def device_print(prefix: str, t: NkiTensor) -> None:
 # ------------------------------------------------------------------------------------------ memory
 def load(src: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
     """HBM -> a new SBUF tile (a DMA); a single element loads as a [1, 1] tile."""
-    dst = _result(src.shape or (1, 1), dtype or src.dtype, SBUF)
+    dst = core.result_tile(src.shape or (1, 1), dtype or src.dtype, SBUF)
     isa.dma_copy(dst=dst, src=src)
     return dst
 
@@ -329,14 +322,14 @@ def store(dst: NkiTensor, value: NkiTensor, **_: Any) -> None:
 
 
 def load_transpose2d(src: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
-    dst = _result((src.free_size, src.shape[0]), dtype or src.dtype, SBUF)
+    dst = core.result_tile((src.free_size, src.shape[0]), dtype or src.dtype, SBUF)
     isa.dma_transpose(dst=dst, src=src)
     return dst
 
 
 def copy(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
     """A copy of a tile in SBUF (Vector engine), cast to dtype."""
-    dst = _result(x.shape, dtype or x.dtype, SBUF)
+    dst = core.result_tile(x.shape, dtype or x.dtype, SBUF)
     isa.tensor_copy(dst=dst, src=x)
     return dst
 
@@ -348,7 +341,7 @@ def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False, **_: Any) -> N
         x = copy(transpose(x), dtype=x.dtype)
     x = copy(x) if x.buffer is PSUM else x  # the compiler moves PSUM operands to SBUF for nl-level calls
     y = copy(y) if y.buffer is PSUM else y
-    out = _result((x.free_size, y.free_size), torch.float32, PSUM)
+    out = core.result_tile((x.free_size, y.free_size), torch.float32, PSUM)
     out.alloc.matmul_result = True  # `psum += nl.matmul(...)` accumulates, as the legacy nc_matmul form does
     isa.nc_matmul(dst=out, stationary=x, moving=y)
     return out
@@ -357,7 +350,7 @@ def matmul(x: NkiTensor, y: NkiTensor, transpose_x: bool = False, **_: Any) -> N
 def transpose(x: NkiTensor, dtype: Any = None, **_: Any) -> NkiTensor:
     """x.T into a new PSUM tile (Tensor engine)."""
     x = copy(x) if x.buffer is PSUM else x
-    out = _result((x.free_size, x.shape[0]), dtype or torch.float32, PSUM)
+    out = core.result_tile((x.free_size, x.shape[0]), dtype or torch.float32, PSUM)
     isa.nc_transpose(dst=out, data=x)
     return out
 
@@ -373,7 +366,7 @@ def where(condition: NkiTensor, x: Any, y: Any, dtype: Any = None, **_: Any) -> 
         common = tuple(builtins.max(n) for n in zip(*(t.shape for t in tiles), strict=True))
         condition, x, y = (t.broadcast_to(common) if isinstance(t, NkiTensor) else t for t in (condition, x, y))
     like = x if isinstance(x, NkiTensor) else condition
-    dst = _result(like.shape, dtype or like.dtype, SBUF)
+    dst = core.result_tile(like.shape, dtype or like.dtype, SBUF)
     if not isinstance(x, NkiTensor):
         x = full(like.shape, float(x), dst.dtype)
     isa.select(dst=dst, predicate=condition, on_true=x, on_false=y)
